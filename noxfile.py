@@ -1,0 +1,78 @@
+"""Developer and CI sessions. `nox -l` lists them; each docstring is its help."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["lint", "typecheck", "docs", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+ROOT = Path(__file__).parent
+# package dir -> local packages it depends on (installed from this tree, not an index)
+LOCAL_DEPS: dict[str, list[str]] = {
+    "core": [],
+    "backend-kafka": ["core"],
+    "backend-postgres": ["core"],
+    "backend-redis": ["core"],
+    "spark-runner": ["core", "backend-kafka"],
+}
+IMPORT_NAMES = {
+    "core": "icefloe",
+    "backend-kafka": "icefloe_kafka",
+    "backend-postgres": "icefloe_postgres",
+    "backend-redis": "icefloe_redis",
+    "spark-runner": "icefloe_spark",
+}
+ALL_WITH_TEST_EXTRAS = [f"./packages/{d}[test]" for d in LOCAL_DEPS]
+
+
+def _pytest_args(session: nox.Session) -> list[str]:
+    return ["-p", "no:cacheprovider", "-rfEs", *session.posargs]
+
+
+@nox.session
+@nox.parametrize("package", [*LOCAL_DEPS, "e2e"])
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's tests with only that package and its declared dependencies installed
+    (so an undeclared import fails), or `e2e`: the cross-package tests in tests/."""
+    if package == "e2e":
+        session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]")
+        session.run("pytest", "tests", *_pytest_args(session))
+        return
+    session.install(
+        f"./packages/{package}[test]", *[f"./packages/{d}" for d in LOCAL_DEPS[package]]
+    )
+    session.run("pytest", f"packages/{package}/tests", *_pytest_args(session))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy (strict) over every package's sources."""
+    session.install("mypy>=1.11", *ALL_WITH_TEST_EXTRAS)
+    session.run("mypy", *[f"packages/{d}/src/{IMPORT_NAMES[d]}" for d in LOCAL_DEPS])
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Check the docs: relative links resolve and every configuration key is documented."""
+    session.install("./packages/core")
+    session.run("python", "docs/check_docs.py")
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks (not run by default): end-to-end records/s against the single-process
+    ceiling on the same data; results go to docs/benchmarks.md by hand."""
+    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "orjson")
+    session.run("python", "benchmarks/bench_e2e.py", *session.posargs)

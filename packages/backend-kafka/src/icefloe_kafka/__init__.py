@@ -1,0 +1,1 @@
+"""Kafka control-topic coordination backend for icefloe (the default)."""

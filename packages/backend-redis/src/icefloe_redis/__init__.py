@@ -1,0 +1,1 @@
+"""Redis coordination backend for icefloe."""

@@ -1,0 +1,1 @@
+"""Record codecs: raw source values to Arrow columns of the target schema."""

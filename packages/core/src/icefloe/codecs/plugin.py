@@ -1,0 +1,1 @@
+"""icefloe plugin entry point (hook implementations)."""

@@ -1,0 +1,107 @@
+"""Typed errors. Every failure a user can cause or meet has its own class, so callers and
+tests can tell them apart without parsing messages."""
+
+from __future__ import annotations
+
+
+class IcefloeError(Exception):
+    """Base of every error icefloe raises on purpose."""
+
+
+class ConfigError(IcefloeError):
+    """A configuration value is missing or wrong. Names the key, the bad value and the fix."""
+
+    def __init__(self, key: str, problem: str, fix: str, value: object = None) -> None:
+        self.key = key
+        self.problem = problem
+        self.fix = fix
+        self.value = value
+        shown = "" if value is None else f" (got {value!r})"
+        super().__init__(f"config key '{key}': {problem}{shown}. Fix: {fix}")
+
+
+class PluginError(IcefloeError):
+    """A plugin could not be found, loaded or registered."""
+
+
+class UnknownBackendError(PluginError):
+    """The configured coordination backend is not installed."""
+
+    def __init__(self, name: str, installed: list[str]) -> None:
+        self.name = name
+        self.installed = installed
+        listing = ", ".join(sorted(installed)) or "none"
+        super().__init__(
+            f"coordination backend '{name}' is not installed (installed: {listing}). "
+            f"Install it, e.g. `pip install icefloe-backend-{name}`, or set "
+            f"coordination.backend to one of the installed backends."
+        )
+
+
+class DuplicateBackendError(PluginError):
+    """Two distributions register a backend under the same name."""
+
+    def __init__(self, name: str, first: str, second: str) -> None:
+        self.name = name
+        self.distributions = (first, second)
+        super().__init__(
+            f"coordination backend '{name}' is registered twice: by '{first}' and by '{second}'. "
+            "Uninstall one of them."
+        )
+
+
+class UnknownCodecError(PluginError):
+    """No installed codec handles the configured record format."""
+
+    def __init__(self, name: str, installed: list[str]) -> None:
+        self.name = name
+        self.installed = installed
+        listing = ", ".join(sorted(installed)) or "none"
+        super().__init__(f"record format '{name}' has no codec (installed: {listing}).")
+
+
+class EventDecodeError(IcefloeError):
+    """Bytes read from a channel are not a control event this version can decode."""
+
+
+class ChannelError(IcefloeError):
+    """A coordination backend failed in a way the caller may retry."""
+
+
+class WriterFencedError(ChannelError):
+    """A newer instance of the same writer exists; this instance must stop publishing."""
+
+
+class NotLeaderError(ChannelError):
+    """This coordinator does not (or no longer) hold the leadership lease."""
+
+
+class CommitError(IcefloeError):
+    """An Iceberg commit could not be made."""
+
+
+class StaleFencingTokenError(CommitError):
+    """The table records a newer coordinator's fencing token: this coordinator is a zombie."""
+
+
+class TableMismatchError(CommitError):
+    """The table is not the one the files were written for (dropped and recreated, or moved)."""
+
+
+class FileOutsideTableError(CommitError):
+    """A data file lies outside the table's location and is refused."""
+
+
+class RecordConversionError(IcefloeError):
+    """A source record does not fit the target table's schema."""
+
+    def __init__(
+        self, topic: str, partition: int, offset: int, field: str | None, problem: str
+    ) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        self.field = field
+        where = f"{topic}[{partition}]@{offset}"
+        what = f" field '{field}'" if field else ""
+        super().__init__(f"record {where}{what}: {problem}")

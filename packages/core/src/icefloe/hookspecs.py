@@ -1,0 +1,103 @@
+# mypy: disable-error-code="empty-body"
+"""Hook specifications of the ``icefloe`` plugin system.
+
+A plugin is any module or object registered under the ``icefloe`` entry-point group; the
+built-in backends and codecs register exactly like a third party's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pluggy
+from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from icefloe.channel import Backend
+
+PROJECT = "icefloe"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend factory is told besides its own config section."""
+
+    group_id: str
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A coordination backend: its config name, typed config model and factory."""
+
+    name: str
+    config_model: type[BaseModel]
+    factory: Callable[[Any, BackendContext], Backend]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class DecodeContext:
+    """Where a batch of raw values came from, for error messages that name the record."""
+
+    topics: pa.Array
+    partitions: pa.Array
+    offsets: pa.Array
+
+
+class RecordCodec(Protocol):
+    """Turns raw source values into Arrow columns of the target schema, a whole batch at a time
+    (per-record Python objects cost most of the throughput budget)."""
+
+    def decode(self, values: pa.Array, schema: pa.Schema, context: DecodeContext) -> pa.Table:
+        """Decode binary ``values`` into a table with exactly ``schema``'s columns."""
+        ...
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A record format (json, avro, ...) and the factory that builds a codec from options."""
+
+    name: str
+    factory: Callable[[dict[str, Any]], RecordCodec]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class TableCommitted:
+    """Notification that the coordinator committed one table."""
+
+    group_id: str
+    table: str
+    commit_id: str
+    snapshot_id: int | None
+    data_files: int
+    records: int
+    valid_through_ms: int | None
+
+
+class IcefloeHookSpecs:
+    """The hooks a plugin may implement (each is optional)."""
+
+    @hookspec
+    def icefloe_register_backends(self) -> Sequence[BackendSpec]:
+        """Return the coordination backends this plugin provides."""
+
+    @hookspec
+    def icefloe_register_codecs(self) -> Sequence[CodecSpec]:
+        """Return the record codecs (source formats) this plugin provides."""
+
+    @hookspec
+    def icefloe_after_table_commit(self, event: TableCommitted) -> None:
+        """Called after each successful table commit, for metrics, lineage or alerts.
+        Exceptions are logged and never fail the commit that already happened."""
+
+    @hookspec
+    def icefloe_cli(self, app: Any) -> None:
+        """Add commands to the ``icefloe`` CLI (a ``typer.Typer``); how the Spark runner adds
+        ``run`` and ``demo`` without core knowing Spark."""

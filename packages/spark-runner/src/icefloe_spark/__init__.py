@@ -1,0 +1,1 @@
+"""PySpark data plane for icefloe: Kafka source, icefloe sink, CLI and demo."""
