@@ -1,0 +1,125 @@
+"""Writing Iceberg data files and converting their metadata to and from control events.
+
+Writers turn Arrow data into Parquet files with pyiceberg's own writer (it honours the table's
+partition spec, write properties and target file size, and computes column statistics);
+the resulting file metadata travels in DataWritten events, and the committer turns it back into
+pyiceberg ``DataFile`` objects without opening the files.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from decimal import Decimal
+from typing import Any
+
+import pyarrow as pa
+from pyiceberg.io.pyarrow import _dataframe_to_data_files
+from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+from pyiceberg.table import Table
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.typedef import Record
+from pyiceberg.types import DecimalType
+
+from icefloe.events import DataFileMeta, FileContent, PartitionScalar, PartitionValue
+
+_CONTENT_TO_ICEBERG = {
+    FileContent.DATA: DataFileContent.DATA,
+    FileContent.POSITION_DELETES: DataFileContent.POSITION_DELETES,
+    FileContent.EQUALITY_DELETES: DataFileContent.EQUALITY_DELETES,
+}
+_CONTENT_FROM_ICEBERG = {v: k for k, v in _CONTENT_TO_ICEBERG.items()}
+
+
+def _scalar(value: Any) -> PartitionScalar:
+    """Partition values are physical already (days, micros, bytes); Decimal and UUID need a
+    carrier type that Avro's union holds."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, uuid.UUID):
+        return value.bytes
+    raise TypeError(f"unsupported partition value type {type(value).__name__}")
+
+
+def to_meta(data_file: DataFile, table_metadata: TableMetadata) -> DataFileMeta:
+    """Describe a pyiceberg DataFile completely, so it can be committed without reading it."""
+    # pyiceberg's writer leaves spec_id unset on new files: they use the default spec
+    spec_id = getattr(data_file, "_spec_id", table_metadata.default_spec_id)
+    spec = table_metadata.specs()[spec_id]
+    partition = tuple(
+        PartitionValue(f.field_id, f.name, _scalar(data_file.partition[i]))
+        for i, f in enumerate(spec.fields)
+    )
+    return DataFileMeta(
+        path=data_file.file_path,
+        record_count=data_file.record_count,
+        file_size_in_bytes=data_file.file_size_in_bytes,
+        file_format=data_file.file_format.name,
+        content=_CONTENT_FROM_ICEBERG[data_file.content],
+        spec_id=spec_id,
+        partition=partition,
+        column_sizes=dict(data_file.column_sizes or {}),
+        value_counts=dict(data_file.value_counts or {}),
+        null_value_counts=dict(data_file.null_value_counts or {}),
+        nan_value_counts=dict(data_file.nan_value_counts or {}),
+        lower_bounds=dict(data_file.lower_bounds or {}),
+        upper_bounds=dict(data_file.upper_bounds or {}),
+        split_offsets=None if data_file.split_offsets is None else tuple(data_file.split_offsets),
+        equality_ids=None if data_file.equality_ids is None else tuple(data_file.equality_ids),
+        sort_order_id=data_file.sort_order_id,
+    )
+
+
+def to_data_file(meta: DataFileMeta, table_metadata: TableMetadata) -> DataFile:
+    """The pyiceberg DataFile for ``meta``, typed by the table's partition spec ``spec_id``."""
+    specs = table_metadata.specs()
+    if meta.spec_id not in specs:
+        raise ValueError(f"{meta.path}: partition spec {meta.spec_id} is not in the table")
+    spec = specs[meta.spec_id]
+    by_id = {p.field_id: p.value for p in meta.partition}
+    ptype = spec.partition_type(table_metadata.schema())
+    values: list[Any] = []
+    for f in ptype.fields:
+        v = by_id.get(f.field_id)
+        if isinstance(f.field_type, DecimalType) and isinstance(v, str):
+            v = Decimal(v)
+        values.append(v)
+    df = DataFile.from_args(
+        _table_format_version=table_metadata.format_version,
+        content=_CONTENT_TO_ICEBERG[meta.content],
+        file_path=meta.path,
+        file_format=FileFormat[meta.file_format],
+        partition=Record(*values),
+        record_count=meta.record_count,
+        file_size_in_bytes=meta.file_size_in_bytes,
+        column_sizes=meta.column_sizes,
+        value_counts=meta.value_counts,
+        null_value_counts=meta.null_value_counts,
+        nan_value_counts=meta.nan_value_counts,
+        lower_bounds=meta.lower_bounds,
+        upper_bounds=meta.upper_bounds,
+        split_offsets=None if meta.split_offsets is None else list(meta.split_offsets),
+        equality_ids=None if meta.equality_ids is None else list(meta.equality_ids),
+        sort_order_id=meta.sort_order_id,
+    )
+    df.spec_id = meta.spec_id
+    return df
+
+
+def write_data_files(
+    table: Table, data: pa.Table, write_uuid: uuid.UUID | None = None
+) -> list[DataFileMeta]:
+    """Write ``data`` (already in the table's schema) as Parquet data files in the table's
+    location, honouring its partition spec and write properties; commit nothing.
+
+    Uses pyiceberg's internal ``_dataframe_to_data_files`` because pyiceberg's public API
+    offers only write-and-commit (``append``), and writers must never commit.
+    """
+    if data.num_rows == 0:
+        return []
+    files: Iterable[DataFile] = _dataframe_to_data_files(
+        table_metadata=table.metadata, df=data, io=table.io, write_uuid=write_uuid
+    )
+    return [to_meta(f, table.metadata) for f in files]
