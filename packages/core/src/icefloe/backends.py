@@ -26,4 +26,5 @@ def open_backend(config: PipelineConfig, plugins: Plugins | None = None) -> Back
     """Build the backend named by ``coordination.backend`` for this pipeline."""
     plugins = plugins or get_plugins()
     spec = plugins.backend(config.coordination.backend)
-    return spec.factory(backend_config(config, plugins), BackendContext(group_id=config.name))
+    context = BackendContext(group_id=config.name, lease_ttl_s=config.coordination.lease_ttl_s)
+    return spec.factory(backend_config(config, plugins), context)

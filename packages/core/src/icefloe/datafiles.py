@@ -82,7 +82,7 @@ def to_data_file(meta: DataFileMeta, table_metadata: TableMetadata) -> DataFile:
     ptype = spec.partition_type(table_metadata.schema())
     values: list[Any] = []
     for f in ptype.fields:
-        v = by_id.get(f.field_id)
+        v: Any = by_id.get(f.field_id)
         if isinstance(f.field_type, DecimalType) and isinstance(v, str):
             v = Decimal(v)
         values.append(v)

@@ -29,6 +29,7 @@ class BackendContext:
     """What a backend factory is told besides its own config section."""
 
     group_id: str
+    lease_ttl_s: float = 10.0
 
 
 @dataclass(frozen=True)
