@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import nox
@@ -39,7 +40,8 @@ def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests with only that package and its declared dependencies installed
     (so an undeclared import fails), or `e2e`: the cross-package tests in tests/."""
     if package == "e2e":
-        session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]")
+        # pip: tests/test_third_party_plugin.py installs a plugin distribution with it
+        session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "pip")
         session.run("pytest", "tests", *_pytest_args(session))
         return
     session.install(
@@ -76,3 +78,10 @@ def bench(session: nox.Session) -> None:
     ceiling on the same data; results go to docs/benchmarks.md by hand."""
     session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "orjson")
     session.run("python", "benchmarks/bench_e2e.py", *session.posargs)
+
+
+@nox.session(default=False, python=False)
+def version(session: nox.Session) -> None:
+    """Set every package's version and internal pins from VERSION (`nox -s version -- 0.2.0`
+    writes VERSION first)."""
+    session.run(sys.executable, "tools/bump_version.py", *session.posargs)

@@ -1,1 +1,24 @@
 """icefloe plugin entry point (hook implementations)."""
+
+from __future__ import annotations
+
+from icefloe.hookspecs import BackendContext, BackendSpec, hookimpl
+from icefloe_postgres.backend import PostgresBackend
+from icefloe_postgres.config import PostgresConfig
+
+
+def create_backend(config: PostgresConfig, context: BackendContext) -> PostgresBackend:
+    """Factory called by ``icefloe.backends.open_backend`` with the validated section."""
+    return PostgresBackend(config, context.group_id, context.lease_ttl_s)
+
+
+@hookimpl
+def icefloe_register_backends() -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name="postgres",
+            config_model=PostgresConfig,
+            factory=create_backend,
+            description="PostgreSQL tables: ordered event log, fenced writers, lease row",
+        )
+    ]

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from icefloe import __version__
 from icefloe.backends import backend_config, open_backend
@@ -24,6 +25,12 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console(stderr=True)
+
+
+def _say(label: str, style: str, message: str) -> None:
+    """One unwrapped stderr line; plain text, so brackets in messages are not markup."""
+    console.print(Text.assemble((label, style), message), soft_wrap=True)
+
 
 ConfigOption = Annotated[Path, typer.Option("--config", "-c", help="Pipeline TOML file.")]
 
@@ -44,7 +51,7 @@ def show_config(config: ConfigOption) -> None:
             backend_config(cfg).model_dump(mode="python")
         )
     except IcefloeError as exc:
-        console.print(f"[yellow]backend section not validated: {exc}[/yellow]")
+        _say("warning: ", "yellow", f"backend section not validated: {exc}")
     typer.echo(json.dumps(data, indent=2, default=str))
 
 
@@ -62,14 +69,65 @@ def backends() -> None:
 def doctor(config: ConfigOption) -> None:
     """Check the configuration and the backend's server setup; print warnings."""
     cfg = load_config(config)
+    get_plugins().check_pending()
     backend = open_backend(cfg)
     try:
         warnings = backend.doctor()
     finally:
         backend.close()
     for w in warnings:
-        console.print(f"[yellow]warning:[/yellow] {w}")
+        _say("warning: ", "yellow", w)
     typer.echo("ok" if not warnings else f"{len(warnings)} warning(s)")
+
+
+@app.command("coordinator")
+def coordinator_command(
+    config: ConfigOption,
+    coordinator_id: Annotated[
+        str | None,
+        typer.Option("--id", help="Name of this process in the lease (default: host-pid)."),
+    ] = None,
+) -> None:
+    """Run the pipeline's commit coordinator standalone until SIGINT or SIGTERM.
+
+    Several may run: one leads, the others wait to take over when it stops or dies.
+    """
+    # imported here: the command pulls in pyiceberg, the other commands stay quick
+    import logging
+    import os
+    import signal
+    import socket
+    import threading
+
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe.coordinator import Coordinator, CoordinatorSettings
+
+    cfg = load_config(config)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    name = coordinator_id or f"{socket.gethostname()}-{os.getpid()}"
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    backend = open_backend(cfg)
+    try:
+        coordinator = Coordinator(
+            cfg.name,
+            backend.coordinator(name),
+            load_catalog(cfg.catalog.name, **cfg.catalog.properties),
+            CoordinatorSettings.from_config(cfg.coordination),
+            coordinator_id=name,
+        )
+        _say("", "", f"coordinator {name} of pipeline {cfg.name} started")
+        try:
+            coordinator.run(stop)
+        finally:
+            coordinator.close()
+    finally:
+        backend.close()
+    _say("", "", f"coordinator {name} stopped")
 
 
 def main() -> None:
@@ -78,5 +136,5 @@ def main() -> None:
         get_plugins().extend_cli(app)
         app()
     except IcefloeError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _say("error: ", "red", str(exc))
         sys.exit(2)

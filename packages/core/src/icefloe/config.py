@@ -1,27 +1,35 @@
 """One typed pipeline configuration: a TOML file plus environment overrides.
 
 Environment overrides use ``ICEFLOE__<SECTION>__<KEY>=value`` (double underscores nest, keys
-are lower-cased, values are parsed as TOML scalars when they parse, else taken as strings), so
-a deployment can change any key without editing the file: e.g.
-``ICEFLOE__COORDINATION__BACKEND=redis``. Hand-written because pydantic-settings binds its TOML
-source at class-definition time and we want the file path chosen at run time.
+are lower-cased), so a deployment can change any key without editing the file: e.g.
+``ICEFLOE__COORDINATION__BACKEND=redis``. Values stay strings and are converted by the field's
+type (``"2.5"`` for a float, ``"true"`` for a bool), so a password made of digits stays a
+string; a value starting with ``[`` or ``{`` that parses as a TOML array or inline table is
+used as a list or table. Hand-written because pydantic-settings binds its TOML source at
+class-definition time and we want the file path chosen at run time.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from icefloe.errors import ConfigError
 
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
+
 ENV_PREFIX = "ICEFLOE__"
 _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+# no dots: the backend's section is the TOML table [coordination.<name>]
+BACKEND_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 
 
 class _Model(BaseModel):
@@ -41,6 +49,17 @@ class SourceConfig(_Model):
     )
     max_records_per_batch: int | None = Field(default=100_000, gt=0)
     kafka: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("starting_offsets", mode="before")
+    @classmethod
+    def _offsets_shape(cls, value: Any) -> Any:
+        # one clear message instead of one per member of the union
+        if isinstance(value, str) and value not in ("earliest", "latest", "table"):
+            raise ValueError(
+                "use 'earliest', 'latest', 'table' or a table of offsets "
+                "{topic = {partition = offset}}"
+            )
+        return value
 
 
 class TableConfig(_Model):
@@ -66,8 +85,10 @@ class CoordinationConfig(BaseModel):
     it, e.g. ``[coordination.postgres]``; they are validated by that backend's model."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
+    # unknown keys must be tables (backend sections): a misspelt scalar key is an error
+    __pydantic_extra__: dict[str, dict[str, Any]] = Field(init=False)
 
-    backend: str = "kafka"
+    backend: str = Field(default="kafka", pattern=BACKEND_NAME_RE)
     commit_interval_s: float = Field(default=10.0, gt=0)
     commit_timeout_s: float = Field(default=30.0, gt=0)
     max_pending_bytes: int | None = Field(default=None, gt=0)
@@ -79,15 +100,7 @@ class CoordinationConfig(BaseModel):
     def backend_options(self) -> dict[str, Any]:
         """The raw section of the selected backend (empty when absent)."""
         extra = self.model_extra or {}
-        section = extra.get(self.backend, {})
-        if not isinstance(section, dict):
-            raise ConfigError(
-                f"coordination.{self.backend}",
-                "must be a table of backend settings",
-                f"write it as [coordination.{self.backend}] with key = value lines",
-                section,
-            )
-        return dict(section)
+        return dict(extra.get(self.backend, {}))
 
 
 class SparkConfig(_Model):
@@ -126,31 +139,53 @@ class PipelineConfig(_Model):
 
 
 def _parse_env_value(raw: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
+    """Strings stay strings (pydantic converts them by type); ``[...]``/``{...}`` that parse as
+    TOML become lists/tables."""
+    if raw[:1] in ("[", "{"):
+        try:
+            return tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            pass
+    return raw
 
 
-def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Nested dict built from ``ICEFLOE__A__B=value`` variables."""
-    out: dict[str, Any] = {}
-    for key, raw in sorted(environ.items()):
-        if not key.startswith(ENV_PREFIX):
-            continue
-        parts = [p.lower() for p in key[len(ENV_PREFIX) :].split("__") if p]
-        if not parts:
-            continue
+def env_var_for(key: str) -> str:
+    """The environment variable that overrides a dotted key."""
+    return ENV_PREFIX + "__".join(key.split(".")).upper()
+
+
+def apply_env(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """``data`` with every ``ICEFLOE__A__B=value`` variable assigned at its key path.
+
+    Shorter paths go first, so ``ICEFLOE__COORDINATION='{...}'`` replaces the whole table and
+    ``ICEFLOE__COORDINATION__BACKEND`` then changes one key of it.
+    """
+    out: dict[str, Any] = copy.deepcopy(dict(data))
+    items = []
+    for var, raw in environ.items():
+        if var.upper().startswith(ENV_PREFIX):
+            parts = [p.lower() for p in var[len(ENV_PREFIX) :].split("__") if p]
+            if parts:
+                items.append((len(parts), var, parts, raw))
+    for _, var, parts, raw in sorted(items):
         node = out
-        for p in parts[:-1]:
+        for depth, p in enumerate(parts[:-1]):
             nxt = node.setdefault(p, {})
             if not isinstance(nxt, dict):
                 raise ConfigError(
-                    ".".join(parts), "conflicts with a scalar override", f"unset {key}", raw
+                    ".".join(parts[: depth + 1]),
+                    f"is not a table, so {var} cannot set a key inside it",
+                    f"unset {var} or make the key a table",
+                    redact(nxt, p),
                 )
             node = nxt
         node[parts[-1]] = _parse_env_value(raw)
     return out
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Nested dict built from ``ICEFLOE__A__B=value`` variables."""
+    return apply_env({}, environ)
 
 
 def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -164,29 +199,73 @@ def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _fix_for(err: Mapping[str, Any]) -> str:
-    kind = str(err.get("type", ""))
-    if kind == "missing":
-        return "add this key"
-    if kind == "extra_forbidden":
-        return "remove it or check its spelling against docs/configuration.md"
-    if kind.startswith("literal_error") or kind == "enum":
-        return str(err.get("msg", "use one of the allowed values"))
-    return str(err.get("msg", "see docs/configuration.md"))
+_UNKNOWN_KEY_FIX = "remove it or check its spelling against docs/configuration.md"
+_FIXES = {
+    "missing": "add this key",
+    "extra_forbidden": _UNKNOWN_KEY_FIX,
+    "int_type": "use a whole number",
+    "int_parsing": "use a whole number",
+    "int_from_float": "use a whole number",
+    "float_type": "use a number",
+    "float_parsing": "use a number",
+    "bool_type": "use true or false",
+    "bool_parsing": "use true or false",
+    "string_type": 'use a quoted string, e.g. "value"',
+    "list_type": 'use a list, e.g. ["a", "b"]',
+    "dict_type": "use a table ([section] or { key = value })",
+    "model_type": "use a table ([section] or { key = value })",
+    "model_attributes_type": "use a table ([section] or { key = value })",
+}
+# pydantic adds the member of a union that failed to the location; it is not a config key
+_UNION_TAG = re.compile(r"^([a-z-]+\[.*\]|int|str|float|bool|none)$")
+
+
+def _loc_key(loc: tuple[int | str, ...], prefix: str) -> str:
+    parts = [str(p) for i, p in enumerate(loc) if i == 0 or not _UNION_TAG.match(str(p))]
+    return prefix + ".".join(parts) or "<root>"
+
+
+def _fix_for(err: ErrorDetails) -> str:
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    if kind == "literal_error":
+        return f"use one of {ctx.get('expected', 'the allowed values')}"
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return f"use a value that is {err['msg'].removeprefix('Input should be ')}"
+    if kind == "too_short":
+        return f"give at least {ctx.get('min_length', 1)} item(s)"
+    if kind == "string_pattern_mismatch":
+        return f"use a value matching {ctx.get('pattern')}"
+    if kind == "value_error":
+        return str(err["msg"]).removeprefix("Value error, ")
+    return _FIXES.get(kind, "see docs/configuration.md")
+
+
+def _is_unknown_backend_key(err: ErrorDetails, prefix: str) -> bool:
+    loc = err["loc"]
+    return (
+        not prefix
+        and err["type"] == "dict_type"
+        and len(loc) == 2
+        and loc[0] == "coordination"
+        and str(loc[1]) not in CoordinationConfig.model_fields
+    )
 
 
 def config_error_from(exc: ValidationError, prefix: str = "") -> ConfigError:
     """Turn pydantic's error list into one ConfigError naming the first bad key (all keys are
-    listed in the message)."""
+    listed in the message). Bad values under secret-looking keys are masked."""
     errs = exc.errors()
-    lines = []
-    for e in errs:
-        key = prefix + ".".join(str(p) for p in e["loc"])
-        lines.append(f"{key}: {e['msg']}")
+    lines = [f"{_loc_key(e['loc'], prefix)}: {e['msg']}" for e in errs]
     first = errs[0]
-    key = prefix + ".".join(str(p) for p in first["loc"]) or "<root>"
-    value = None if first["type"] == "missing" else first.get("input")
-    err = ConfigError(key, str(first["msg"]), _fix_for(first), value)
+    key = _loc_key(first["loc"], prefix)
+    value = None if first["type"] == "missing" else redact(first.get("input"), key)
+    if _is_unknown_backend_key(first, prefix):
+        problem = "unknown key"
+        fix = f"{_UNKNOWN_KEY_FIX}; a backend's own settings go in a table [coordination.<backend>]"
+    else:
+        problem, fix = str(first["msg"]), _fix_for(first)
+    err = ConfigError(key, problem, fix, value)
     if len(errs) > 1:
         err.args = (str(err) + "\nAll problems:\n  " + "\n  ".join(lines),)
     return err
@@ -219,33 +298,55 @@ def load_config(
             raise ConfigError(
                 "--config", f"not valid TOML ({exc})", "fix the syntax", str(p)
             ) from None
-    data = deep_merge(data, env_overrides(os.environ if environ is None else environ))
+    env = os.environ if environ is None else environ
+    data = apply_env(data, env)
     if overrides:
         data = deep_merge(data, overrides)
-    return config_from_dict(data)
+    try:
+        return config_from_dict(data)
+    except ConfigError as exc:
+        parts = exc.key.split(".")
+        for n in range(len(parts), 0, -1):  # the variable may set the key or a table above it
+            var = env_var_for(".".join(parts[:n]))
+            if var in env:
+                raise ConfigError(
+                    exc.key, exc.problem, f"{exc.fix} (the value comes from {var})", exc.value
+                ) from None
+        raise
 
 
 # --------------------------------------------------------------------------- redaction
 
+# over-masking is harmless, a missed secret is not: any key mentioning a password, secret,
+# token, credential or private material, or ending in "key" (api-key, account-key, authkey)
 _SECRET_KEY = re.compile(
-    r"(pass(word)?|secret|token|credential|private|api[._-]?key|sasl\.jaas)", re.I
+    r"(pass(word|wd|phrase)?|secret|token|credential|private|sasl\.jaas|key$)", re.I
 )
 _URL_PASSWORD = re.compile(
-    r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@", re.I
+    r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@\s]+)@", re.I
 )
-_KV_PASSWORD = re.compile(r"(password\s*=\s*)(\S+)", re.I)
+_KV_PASSWORD = re.compile(r"(password\s*=\s*)([^\s&;]+)", re.I)
 REDACTED = "***"
 
 
+def is_secret_key(key: str) -> bool:
+    """Whether a configuration key (a pydantic field, a Kafka client setting, a catalog
+    property) names a secret: passwords, tokens, secret/private/API keys, credentials."""
+    return bool(_SECRET_KEY.search(key))
+
+
 def redact(value: Any, key: str = "") -> Any:
-    """A copy safe to print: secret-looking keys masked, passwords inside URLs/DSNs masked."""
+    """A copy safe to print: values under secret-looking keys masked whatever their type,
+    passwords inside URLs/DSNs masked everywhere."""
+    if value is not None and is_secret_key(key):
+        return REDACTED
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="python")
     if isinstance(value, Mapping):
         return {k: redact(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [redact(v, key) for v in value]
     if isinstance(value, str):
-        if _SECRET_KEY.search(key):
-            return REDACTED
         masked = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", value)
         return _KV_PASSWORD.sub(lambda m: f"{m.group(1)}{REDACTED}", masked)
     if hasattr(value, "get_secret_value"):

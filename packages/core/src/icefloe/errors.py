@@ -105,3 +105,16 @@ class RecordConversionError(IcefloeError):
         where = f"{topic}[{partition}]@{offset}"
         what = f" field '{field}'" if field else ""
         super().__init__(f"record {where}{what}: {problem}")
+
+
+class RowDeltaNotSupportedError(CommitError):
+    """A commit request holds delete files; pyiceberg 0.12 cannot commit a row delta yet."""
+
+
+class PartitionSpecChangedError(CommitError):
+    """A data file was written with a partition spec that is no longer the table's default."""
+
+
+class CommitHistoryLostError(CommitError):
+    """The group committed to the table before, but its snapshots were expired from the
+    branch's history, so what is already committed can no longer be told."""

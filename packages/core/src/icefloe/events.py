@@ -12,7 +12,9 @@ schema travels with each event, as Iceberg's own Avro encoder does for its contr
 
 Readers decode the body with the writer schema and resolve it to their own reader schema, so
 fields added by newer writers are dropped and fields they lack take defaults. Every field has
-a stable ``field-id`` attribute.
+a stable ``field-id`` attribute (Iceberg's own ids for the data file fields). The writer schema
+is untrusted input too: it is inflated to at most 1 MiB and refused if it could make a few bytes
+expand into unbounded work.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+import threading
 import time
 import uuid
 import zlib
@@ -226,12 +229,9 @@ _DATA_FILE = {
         _f(
             "content",
             134,
-            {
-                "type": "enum",
-                "name": "FileContent",
-                "symbols": [c.value for c in FileContent],
-                "default": "DATA",
-            },
+            # no enum default on purpose: a content type this reader does not know (a newer
+            # kind of delete file) must fail to decode, never be committed as data
+            {"type": "enum", "name": "FileContent", "symbols": [c.value for c in FileContent]},
         ),
         _f("spec_id", 141, "int", 0),
         _f("partition", 102, {"type": "array", "items": _PARTITION_VALUE}, []),
@@ -349,6 +349,7 @@ _HEADER = MAGIC + bytes([FORMAT_VERSION]) + struct.pack(">I", len(_WRITER_SCHEMA
 _MAX_SCHEMA_BYTES = 1 << 20
 _SCHEMA_CACHE: OrderedDict[bytes, Any] = OrderedDict()
 _SCHEMA_CACHE_SIZE = 32
+_SCHEMA_CACHE_LOCK = threading.Lock()
 
 
 # --------------------------------------------------------------------------- to and from dicts
@@ -491,17 +492,73 @@ def encode_event(event: Event) -> bytes:
     return buf.getvalue()
 
 
+def _zero_width(schema: Any, named: dict[str, Any], seen: frozenset[str] = frozenset()) -> bool:
+    """True when values of ``schema`` may be encoded in zero bytes."""
+    if isinstance(schema, str):
+        if schema == "null":
+            return True
+        if schema in named and schema not in seen:
+            return _zero_width(named[schema], named, seen | {schema})
+        return False
+    if isinstance(schema, dict):
+        kind = schema.get("type")
+        if kind == "fixed":
+            return bool(schema.get("size") == 0)
+        if kind == "record":
+            name = str(schema.get("name"))
+            inner = seen | {name}
+            return all(_zero_width(f["type"], named, inner) for f in schema.get("fields", []))
+        if kind in ("array", "map", "enum"):
+            return False
+        return _zero_width(kind, named, seen)
+    return False  # a union always carries its branch index
+
+
+def _check_bounded(schema: Any, named: dict[str, Any]) -> None:
+    """Refuse writer schemas whose arrays hold zero-width items: an array block count is read
+    from the data, so such an array lets a few bytes demand billions of empty items (a hang)."""
+    stack = [schema]
+    visited: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict) and id(node) not in visited:
+            visited.add(id(node))
+            kind = node.get("type")
+            if kind == "array":
+                if _zero_width(node.get("items"), named):
+                    raise EventDecodeError("writer schema has an array of zero-width items")
+                stack.append(node.get("items"))
+            elif kind == "map":
+                stack.append(node.get("values"))
+            elif kind == "record":
+                stack.extend(f.get("type") for f in node.get("fields", []))
+            else:
+                stack.append(kind)
+
+
 def _writer_schema(raw: bytes) -> Any:
     if raw == _WRITER_SCHEMA_BYTES:
         return _READER
-    cached = _SCHEMA_CACHE.get(raw)
-    if cached is not None:
-        _SCHEMA_CACHE.move_to_end(raw)
-        return cached
-    parsed = parse_schema(json.loads(zlib.decompress(raw, bufsize=_MAX_SCHEMA_BYTES)))
-    _SCHEMA_CACHE[raw] = parsed
-    if len(_SCHEMA_CACHE) > _SCHEMA_CACHE_SIZE:
-        _SCHEMA_CACHE.popitem(last=False)
+    with _SCHEMA_CACHE_LOCK:
+        cached = _SCHEMA_CACHE.get(raw)
+        if cached is not None:
+            _SCHEMA_CACHE.move_to_end(raw)
+            return cached
+    inflater = zlib.decompressobj()
+    text = inflater.decompress(raw, _MAX_SCHEMA_BYTES)
+    if inflater.unconsumed_tail:
+        raise EventDecodeError(f"writer schema is larger than {_MAX_SCHEMA_BYTES} bytes")
+    if not inflater.eof or inflater.unused_data:
+        raise EventDecodeError("writer schema is not one complete zlib stream")
+    named: dict[str, Any] = {}
+    parsed = parse_schema(json.loads(text), named)
+    _check_bounded(parsed, named)
+    with _SCHEMA_CACHE_LOCK:  # writers' responder threads decode concurrently
+        _SCHEMA_CACHE[raw] = parsed
+        if len(_SCHEMA_CACHE) > _SCHEMA_CACHE_SIZE:
+            _SCHEMA_CACHE.popitem(last=False)
     return parsed
 
 

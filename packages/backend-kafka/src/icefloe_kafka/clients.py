@@ -1,0 +1,275 @@
+"""Building Kafka clients for one backend, creating its topics, and running transactions with
+the error handling confluent-kafka documents (retry retriable commits, abort abortable
+transactions, report fencing as fencing)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]  # stubs
+
+from icefloe.errors import ChannelError
+from icefloe_kafka.config import KafkaBackendConfig
+from icefloe_kafka.errors import TopicMissingError
+
+log = logging.getLogger(__name__)
+_client_log = logging.getLogger("icefloe_kafka.librdkafka")
+
+#: Header naming the pipeline of a record, so readers skip other pipelines' records without
+#: decoding them and never mistake a foreign record for their own.
+GROUP_HEADER = "icefloe.group"
+
+# Codes meaning "a newer instance with this transactional.id exists". librdkafka reports
+# fencing as _FENCED (sometimes fatal, sometimes not); brokers may send either of the others.
+FENCED_CODES = frozenset(
+    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+)
+
+STATE_SEGMENT_MS = 3_600_000  # roll state segments hourly so compaction can bound them
+
+
+def kafka_error(exc: BaseException) -> KafkaError | None:
+    """The KafkaError inside a KafkaException, if any."""
+    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
+        return exc.args[0]
+    return None
+
+
+def is_fenced(exc: BaseException) -> bool:
+    err = kafka_error(exc)
+    return err is not None and err.code() in FENCED_CODES
+
+
+def record_key(*parts: str) -> bytes:
+    """An unambiguous key from parts (a JSON array: ids may contain any character)."""
+    return json.dumps(list(parts), separators=(",", ":")).encode()
+
+
+Headers = list[tuple[str, str | bytes | None]]
+
+
+def group_headers(group_id: str) -> Headers:
+    return [(GROUP_HEADER, group_id.encode())]
+
+
+def header_group(headers: Headers | dict[str, str | bytes | None] | None) -> str | None:
+    """The pipeline named by a record's headers, or None when it has none."""
+    items = headers.items() if isinstance(headers, dict) else headers or ()
+    for name, value in items:
+        if name == GROUP_HEADER and value is not None:
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return None
+
+
+class KafkaClients:
+    """Every client of one backend is built here, from one config, so the pass-through
+    settings reach all of them and the reserved ones cannot be overridden."""
+
+    def __init__(self, config: KafkaBackendConfig, group_id: str) -> None:
+        self.config = config
+        self.group_id = group_id
+        self._admin: AdminClient | None = None
+        self._lock = threading.Lock()
+        self._topics_ready = False
+
+    @property
+    def control_topic(self) -> str:
+        return self.config.control_topic
+
+    @property
+    def state_topic(self) -> str:
+        return self.config.state_topic_name
+
+    @property
+    def timeout(self) -> float:
+        return self.config.operation_timeout_s
+
+    def _base(self, role: str) -> dict[str, Any]:
+        conf: dict[str, Any] = {
+            "bootstrap.servers": self.config.bootstrap_servers,
+            "client.id": f"icefloe-{self.group_id}-{role}",
+            "logger": _client_log,
+        }
+        conf.update(self.config.client_settings())
+        return conf
+
+    def transactional_id(self, member: str) -> str:
+        return f"{self.config.transactional_id_prefix}-{self.group_id}-{member}"
+
+    def consumer_group(self, member: str) -> str:
+        return f"{self.config.consumer_group_prefix}-{self.group_id}-{member}"
+
+    def producer(self, transactional_id: str, role: str) -> Producer:
+        conf = self._base(role)
+        conf.update(
+            {
+                "transactional.id": transactional_id,
+                "transaction.timeout.ms": self.config.transaction_timeout_ms,
+                "enable.idempotence": True,
+            }
+        )
+        return Producer(conf)
+
+    def consumer(self, group_id: str, role: str, *, eof: bool = False) -> Consumer:
+        """An assign-mode consumer (never joins its group) reading committed records only."""
+        conf: dict[str, Any] = {"fetch.wait.max.ms": self.config.fetch_wait_max_ms}
+        conf.update(self._base(role))
+        conf.update(
+            {
+                "group.id": group_id,
+                "isolation.level": "read_committed",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "enable.partition.eof": eof,
+                "auto.offset.reset": "earliest",
+            }
+        )
+        return Consumer(conf)
+
+    def admin(self) -> AdminClient:
+        with self._lock:
+            if self._admin is None:
+                self._admin = AdminClient(self._base("admin"))
+            return self._admin
+
+    def partitions(self, topic: str) -> list[int]:
+        """Partition ids of an existing topic (ask only after :meth:`ensure_topics`: some
+        brokers create a topic that a metadata request names)."""
+        try:
+            md = self.admin().list_topics(topic=topic, timeout=self.timeout)
+        except KafkaException as exc:
+            raise ChannelError(f"cannot read metadata of topic '{topic}': {exc}") from exc
+        t = md.topics.get(topic)
+        if t is None or t.error is not None or not t.partitions:
+            raise ChannelError(f"topic '{topic}' has no partitions ({t.error if t else 'absent'})")
+        return sorted(t.partitions)
+
+    def existing_topics(self) -> dict[str, Any]:
+        """All topics of the cluster (metadata of every topic, so nothing is auto-created)."""
+        try:
+            return dict(self.admin().list_topics(timeout=self.timeout).topics)
+        except KafkaException as exc:
+            raise ChannelError(
+                f"cannot reach the Kafka cluster at {self.config.bootstrap_servers}: {exc}"
+            ) from exc
+
+    def wanted_topics(self) -> list[NewTopic]:
+        c = self.config
+        control = NewTopic(
+            c.control_topic,
+            num_partitions=c.partitions,
+            replication_factor=c.replication_factor,
+            config={"cleanup.policy": "delete", "retention.ms": str(c.retention_ms)},
+        )
+        state = NewTopic(
+            c.state_topic_name,
+            num_partitions=1,
+            replication_factor=c.replication_factor,
+            config={"cleanup.policy": "compact", "segment.ms": str(STATE_SEGMENT_MS)},
+        )
+        return [control, state]
+
+    def ensure_topics(self) -> None:
+        """Create the control and state topics when missing (once per backend)."""
+        if self._topics_ready:
+            return
+        existing = self.existing_topics()
+        missing = [t for t in self.wanted_topics() if t.topic not in existing]
+        if missing and not self.config.create_topics:
+            t = missing[0]
+            policy = (t.config or {}).get("cleanup.policy")
+            raise TopicMissingError(
+                t.topic,
+                "create_topics is false",
+                f"create it (e.g. kafka-topics.sh --create --topic {t.topic} --partitions "
+                f"{t.num_partitions} --config cleanup.policy={policy}) "
+                "or set create_topics = true",
+            )
+        if missing:
+            futures = self.admin().create_topics(
+                missing, operation_timeout=self.timeout, request_timeout=self.timeout
+            )
+            for name, future in futures.items():
+                try:
+                    future.result()
+                    log.info("created topic %s", name)
+                except KafkaException as exc:
+                    err = kafka_error(exc)
+                    if err is not None and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                        continue  # another client created it first
+                    if name in self.existing_topics():
+                        continue
+                    raise TopicMissingError(
+                        name,
+                        f"creating it failed ({err.str() if err else exc})",
+                        "let the backend's principal create topics (ACL CREATE) or have an "
+                        "administrator create it with the settings in docs/backends/kafka.md",
+                    ) from exc
+        self._topics_ready = True
+
+    def close(self) -> None:
+        with self._lock:
+            self._admin = None  # AdminClient has no close(); dropping it ends its threads
+
+
+def _abort_quietly(producer: Producer, timeout: float) -> None:
+    try:
+        producer.abort_transaction(timeout)
+    except KafkaException as exc:  # already aborted, fenced or dead: nothing more to undo
+        log.debug("abort_transaction failed: %s", exc)
+
+
+def _raise_failure(
+    producer: Producer,
+    exc: KafkaException,
+    fenced: Callable[[str], ChannelError],
+    timeout: float,
+) -> None:
+    err = kafka_error(exc)
+    text = err.str() if err is not None else str(exc)
+    if is_fenced(exc):
+        raise fenced(text) from exc
+    if err is not None and err.txn_requires_abort():
+        _abort_quietly(producer, timeout)
+        raise ChannelError(f"Kafka transaction aborted, nothing was published: {text}") from exc
+    if err is not None and err.fatal():
+        raise ChannelError(f"Kafka producer failed for good ({text}); reopen it") from exc
+    _abort_quietly(producer, timeout)
+    raise ChannelError(f"Kafka transaction failed: {text}") from exc
+
+
+def run_transaction(
+    producer: Producer,
+    body: Callable[[], None],
+    timeout: float,
+    fenced: Callable[[str], ChannelError],
+) -> None:
+    """Run ``body`` (produce / send offsets) in one transaction and commit it.
+
+    Raises ``fenced(text)`` when a newer instance with the same transactional.id exists, and
+    :class:`ChannelError` for every other failure (after aborting what can be aborted).
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        producer.begin_transaction()
+        body()
+    except KafkaException as exc:
+        _raise_failure(producer, exc, fenced, timeout)
+    except BaseException:
+        _abort_quietly(producer, timeout)
+        raise
+    while True:
+        try:
+            producer.commit_transaction(max(deadline - time.monotonic(), 0.1))
+            return
+        except KafkaException as exc:
+            err = kafka_error(exc)
+            if err is not None and err.retriable() and time.monotonic() < deadline:
+                continue  # documented: a retriable commit error means "call commit again"
+            _raise_failure(producer, exc, fenced, timeout)

@@ -1,0 +1,410 @@
+"""The coordinator's end of the Kafka control topic: leader election, reading, broadcasts and
+stored positions.
+
+Election (see ``docs/backends/kafka.md`` for the full argument):
+
+* Every coordinator of a pipeline uses one shared ``transactional.id``
+  (``<transactional_id_prefix>-<group>-coordinator``). Taking over starts with
+  ``init_transactions``: Kafka then aborts whatever the previous leader had open and rejects
+  every later transactional request of the previous leader's producer. So after a takeover the
+  old leader can neither broadcast, nor store a position, nor write a lease record.
+* The lease lives in the compacted state topic: the leader writes an ``acquire`` record with
+  its fencing token, then a ``heartbeat`` record every ``heartbeat_interval_s`` (default
+  TTL / 3) while it keeps calling ``renew``/``poll``, and a ``release`` record when it steps
+  down. A candidate reads the state topic and takes over only when the newest lease record of
+  the pipeline is a release, or when it has seen no new lease record for a whole TTL, measured
+  on its own monotonic clock from the moment it read the newest one. No clocks are compared
+  across hosts.
+* The fencing token is read after ``init_transactions`` (so every token an earlier leader
+  committed is visible) and set to the maximum seen plus one (never below the wall clock in
+  ms), then committed in the ``acquire`` record. If that commit is fenced, a later candidate
+  won and this one returns None. Tokens of successful leaders therefore strictly grow.
+* A heartbeat that commits proves nobody has taken over since (a takeover fences it first), so
+  ``renew`` returns a lease valid for one TTL from the heartbeat's start. A paused leader that
+  wakes up fails its next heartbeat, broadcast or position store with NotLeaderError, and its
+  Iceberg commits are refused by the higher token in the table property (invariant 3).
+
+Reading: an assign-mode consumer of every control-topic partition with ``read_committed``.
+Positions are ``{partition: next offset}`` and are stored as the offsets of the consumer
+group ``<consumer_group_prefix>-<group>-coordinator`` through ``send_offsets_to_transaction``
+in a transaction of the leader's producer, so a fenced leader cannot store a position.
+Records of other pipelines are returned too (the coordinator skips them and advances its
+position past them); records without icefloe's group header that do not decode are not
+icefloe's and are skipped; an undecodable record of this pipeline stops reading with
+:class:`EventDecodeError`, at that record, on every poll.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
+
+from icefloe.channel import ChannelPosition, ChannelRecord, CoordinatorChannel, Lease
+from icefloe.errors import ChannelError, EventDecodeError, NotLeaderError
+from icefloe.events import Event, decode_event, encode_event
+from icefloe_kafka.clients import (
+    KafkaClients,
+    group_headers,
+    header_group,
+    record_key,
+    run_transaction,
+)
+from icefloe_kafka.state import (
+    ACQUIRE,
+    HEARTBEAT,
+    RELEASE,
+    StateReader,
+    StateValue,
+    highest_value,
+    lease_key,
+    next_value,
+    produce_state,
+)
+
+log = logging.getLogger(__name__)
+
+
+class KafkaCoordinatorChannel(CoordinatorChannel):
+    """One coordinator process's end; see the module docstring."""
+
+    def __init__(
+        self,
+        clients: KafkaClients,
+        coordinator_id: str,
+        lease_ttl_s: float,
+        heartbeat_interval_s: float | None = None,
+    ) -> None:
+        self._clients = clients
+        self._group_id = clients.group_id
+        self._id = coordinator_id
+        # two channels with one coordinator_id are still two contenders
+        self._instance = f"{coordinator_id}/{uuid.uuid4().hex[:12]}"
+        self._ttl = lease_ttl_s
+        self._heartbeat_every = heartbeat_interval_s or lease_ttl_s / 3
+        self._txn_id = clients.transactional_id("coordinator")
+        self._lease_key = lease_key(self._group_id)
+        self._role = f"coordinator-{coordinator_id}"
+        self._lock = threading.RLock()
+        # election: what this candidate has seen of the pipeline's lease records
+        self._observer: StateReader | None = None
+        self._seen: StateValue | None = None
+        self._seen_offset = -1
+        self._seen_at = 0.0
+        self._max_token = 0
+        # leadership
+        self._lease: Lease | None = None
+        self._producer: Producer | None = None
+        self._last_heartbeat = 0.0
+        # reading
+        self._data: Consumer | None = None
+        self._sought = False
+
+    # ------------------------------------------------------------------ election
+
+    def acquire(self, timeout: float) -> Lease | None:
+        with self._lock:
+            if self._lease is not None:
+                try:
+                    return self.renew()
+                except NotLeaderError:
+                    pass  # lost meanwhile: compete again below
+            deadline = time.monotonic() + max(timeout, 0.0)
+            if self._observer is None:
+                self._clients.ensure_topics()
+                self._observer = StateReader(self._clients, self._role)
+            while True:
+                left = deadline - time.monotonic()
+                self._observer.drain(min(max(left, 0.0), 0.05), self._observe)
+                if self._observer.caught_up and self._lease_expired():
+                    lease = self._take_over()
+                    if lease is not None:
+                        return lease
+                if time.monotonic() >= deadline:
+                    return None
+
+    def _observe(self, key: bytes | None, value: StateValue | None, offset: int) -> None:
+        if key != self._lease_key or value is None or offset <= self._seen_offset:
+            return
+        self._seen, self._seen_offset, self._seen_at = value, offset, time.monotonic()
+        self._max_token = max(self._max_token, value.value)
+
+    def _lease_expired(self) -> bool:
+        seen = self._seen
+        if seen is None:
+            return True  # this pipeline never had a leader
+        if seen.status == RELEASE and seen.value >= self._max_token:
+            return True  # the newest leader stepped down
+        return time.monotonic() - self._seen_at >= self._ttl
+
+    def _forget_observations(self) -> None:
+        if self._observer is not None:
+            self._observer.close()
+        self._observer = None
+        self._seen, self._seen_offset, self._seen_at = None, -1, 0.0
+
+    def _take_over(self) -> Lease | None:
+        producer = self._clients.producer(self._txn_id, self._role)
+        started = time.monotonic()
+        try:
+            producer.init_transactions(self._clients.timeout)  # fences the previous leader
+        except KafkaException as exc:
+            raise ChannelError(f"{self._id}: init_transactions failed: {exc}") from exc
+        top = highest_value(self._clients, self._lease_key, self._role)
+        token = next_value(max(top, self._max_token))
+        record = StateValue(token, self._instance, ACQUIRE)
+        try:
+            run_transaction(
+                producer,
+                lambda: produce_state(
+                    self._clients, producer, self._lease_key, record, self._group_id
+                ),
+                self._clients.timeout,
+                lambda text: NotLeaderError(f"{self._id}: a newer candidate won: {text}"),
+            )
+        except NotLeaderError as exc:
+            log.info("%s", exc)
+            return None
+        self._producer = producer
+        self._lease = Lease(token, self._id, started + self._ttl)
+        self._last_heartbeat = started
+        self._forget_observations()  # a leader needs no observer; a new one starts fresh
+        log.info("%s leads pipeline %s with token %d", self._id, self._group_id, token)
+        return self._lease
+
+    def _lost(self, text: str) -> NotLeaderError:
+        """Forget leadership after a fencing error and say why."""
+        token = self._lease.token if self._lease else None
+        self._lease = None
+        self._producer = None
+        return NotLeaderError(f"{self._id} (token {token}) was fenced by a newer leader: {text}")
+
+    def _leader(self) -> tuple[Producer, Lease]:
+        if self._lease is None or self._producer is None:
+            raise NotLeaderError(f"{self._id} does not hold the lease of {self._group_id}")
+        return self._producer, self._lease
+
+    def _transact(self, body: Callable[[Producer], None]) -> None:
+        """Run ``body`` in a transaction of the leader's producer; fencing -> NotLeaderError."""
+        producer, _ = self._leader()
+        run_transaction(producer, lambda: body(producer), self._clients.timeout, self._lost)
+
+    def _write_lease(self, status: str) -> None:
+        _, lease = self._leader()
+        record = StateValue(lease.token, self._instance, status)
+        self._transact(
+            lambda p: produce_state(self._clients, p, self._lease_key, record, self._group_id)
+        )
+
+    def _heartbeat(self) -> Lease:
+        started = time.monotonic()
+        self._write_lease(HEARTBEAT)
+        _, lease = self._leader()
+        self._last_heartbeat = started
+        self._lease = Lease(lease.token, self._id, started + self._ttl)
+        return self._lease
+
+    def renew(self) -> Lease:
+        with self._lock:
+            _, lease = self._leader()
+            if time.monotonic() - self._last_heartbeat < self._heartbeat_every:
+                return lease
+            try:
+                return self._heartbeat()
+            except NotLeaderError:
+                raise
+            except ChannelError as exc:
+                if time.monotonic() >= lease.expires_at:
+                    self._lease, self._producer = None, None
+                    raise NotLeaderError(
+                        f"{self._id}: lease expired, heartbeats failing: {exc}"
+                    ) from exc
+                log.warning("%s: heartbeat failed, lease still valid: %s", self._id, exc)
+                return lease
+
+    def _heartbeat_if_due(self) -> None:
+        """From poll(): keep the lease alive while the coordinator keeps reading."""
+        if self._lease is None or time.monotonic() - self._last_heartbeat < self._heartbeat_every:
+            return
+        try:
+            self._heartbeat()
+        except NotLeaderError as exc:
+            log.warning("%s", exc)  # renew() reports it to the coordinator
+        except ChannelError as exc:
+            log.warning("%s: heartbeat failed: %s", self._id, exc)
+
+    def release(self) -> None:
+        with self._lock:
+            if self._lease is None:
+                return
+            try:
+                self._write_lease(RELEASE)
+            except ChannelError as exc:  # fenced or unreachable: the lease ends by TTL then
+                log.info("%s: release record not written: %s", self._id, exc)
+            finally:
+                self._lease, self._producer = None, None
+
+    @property
+    def is_leader(self) -> bool:
+        return self._lease is not None
+
+    # ------------------------------------------------------------------ reading
+
+    def _data_consumer(self) -> Consumer:
+        if self._data is None:
+            self._clients.ensure_topics()
+            self._data = self._clients.consumer(
+                self._clients.consumer_group("coordinator"), self._role
+            )
+        return self._data
+
+    def seek(self, position: ChannelPosition | None) -> None:
+        with self._lock:
+            consumer = self._data_consumer()
+            topic = self._clients.control_topic
+            parts = self._clients.partitions(topic)
+            unknown = set(position or {}) - {str(p) for p in parts}
+            if unknown:
+                log.warning(
+                    "%s: position names partitions %s that %s lacks", self._id, unknown, topic
+                )
+            start = []
+            for p in parts:
+                offset = None if position is None else position.get(str(p))
+                if offset is None:
+                    start.append(TopicPartition(topic, p, OFFSET_BEGINNING))
+                    continue
+                self._warn_if_deleted(consumer, topic, p, int(offset))
+                start.append(TopicPartition(topic, p, int(offset)))
+            consumer.assign(start)
+            self._sought = True
+
+    def _warn_if_deleted(self, consumer: Consumer, topic: str, partition: int, offset: int) -> None:
+        try:
+            low, _high = consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=self._clients.timeout
+            )
+        except KafkaException as exc:
+            log.warning("%s: cannot read watermarks of %s[%d]: %s", self._id, topic, partition, exc)
+            return
+        if offset < low:
+            log.error(
+                "%s: events %s[%d] %d..%d were deleted by retention before they were "
+                "committed; files they announced are lost unless written again. Raise "
+                "retention.ms of the control topic.",
+                self._id,
+                topic,
+                partition,
+                offset,
+                low - 1,
+            )
+
+    def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:
+        with self._lock:
+            self._heartbeat_if_due()
+            if not self._sought:
+                self.seek(None)
+            consumer = self._data_consumer()
+            msgs = consumer.consume(max(1, max_records), max(timeout, 0.0))
+            out: list[ChannelRecord] = []
+            for i, msg in enumerate(msgs):
+                err = msg.error()
+                if err is not None:
+                    if err.fatal():
+                        raise ChannelError(
+                            f"reading {self._clients.control_topic} failed: {err.str()}"
+                        )
+                    log.warning("%s: read error: %s", self._id, err.str())
+                    continue
+                partition, offset = msg.partition() or 0, msg.offset() or 0
+                group = header_group(msg.headers())
+                try:
+                    event = decode_event(msg.value() or b"")
+                except EventDecodeError as exc:
+                    if group != self._group_id:
+                        log.debug(
+                            "skipping a foreign undecodable record at %d@%d", partition, offset
+                        )
+                        continue  # not this pipeline's record: nothing of ours can be lost
+                    self._rewind(consumer, msgs[i:])
+                    if out:
+                        return out  # hand over what came before; the next poll raises
+                    raise EventDecodeError(
+                        f"{self._clients.control_topic}[{partition}]@{offset}: {exc}"
+                    ) from exc
+                out.append(ChannelRecord(str(partition), offset, event))
+            return out
+
+    def _rewind(self, consumer: Consumer, unread: list[Any]) -> None:
+        """Seek back so the first unreturned record of each partition is read again."""
+        first: dict[int, int] = {}
+        for msg in unread:
+            if msg.error() is None:
+                p = msg.partition() or 0
+                first.setdefault(p, msg.offset() or 0)
+        for p, offset in first.items():
+            consumer.seek(TopicPartition(self._clients.control_topic, p, offset))
+
+    # ------------------------------------------------------------------ writing
+
+    def broadcast(self, event: Event) -> None:
+        with self._lock:
+            value = encode_event(event)
+            key = record_key(self._group_id, "coordinator")
+
+            def body(producer: Producer) -> None:
+                producer.produce(
+                    self._clients.control_topic,
+                    value=value,
+                    key=key,
+                    headers=group_headers(self._group_id),
+                )
+
+            self._transact(body)
+
+    def store_position(self, position: ChannelPosition) -> None:
+        with self._lock:
+            self._leader()
+            topic = self._clients.control_topic
+            offsets = [TopicPartition(topic, int(p), int(o)) for p, o in position.items()]
+            if not offsets:
+                return
+            metadata = self._data_consumer().consumer_group_metadata()
+            timeout = self._clients.timeout
+            self._transact(lambda p: p.send_offsets_to_transaction(offsets, metadata, timeout))
+
+    def stored_position(self) -> ChannelPosition | None:
+        with self._lock:
+            topic = self._clients.control_topic
+            parts = self._clients.partitions(topic)
+            try:
+                committed = self._data_consumer().committed(
+                    [TopicPartition(topic, p) for p in parts], timeout=self._clients.timeout
+                )
+            except KafkaException as exc:
+                raise ChannelError(f"cannot read the stored position: {exc}") from exc
+            pos = {
+                str(tp.partition): int(tp.offset)
+                for tp in committed
+                if tp.error is None and tp.offset is not None and tp.offset >= 0
+            }
+            return pos or None
+
+    def prune(self, before: ChannelPosition) -> int:
+        """Retention of the control topic is the broker's (``retention.ms``)."""
+        return 0
+
+    def close(self) -> None:
+        with self._lock:
+            self.release()
+            self._forget_observations()
+            if self._data is not None:
+                with contextlib.suppress(RuntimeError):  # closed already
+                    self._data.close()
+                self._data = None

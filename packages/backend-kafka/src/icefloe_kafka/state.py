@@ -1,0 +1,181 @@
+"""The state topic: a small compacted topic holding, per pipeline, the leader lease records
+(with their fencing tokens) and, per writer identity, the writer epochs.
+
+Why a topic: Kafka exposes neither the producer epoch nor a consumer group's generation through
+confluent-kafka, and both would be lost with the group anyway. Every record here is written in
+a transaction of the transactional.id it belongs to (the writer's own, or the pipeline's one
+coordinator id), and read with ``read_committed``. Because ``init_transactions`` completes
+or aborts every earlier transaction of that id before it returns, a scan made right after it
+sees every value an earlier instance committed; the new value is the maximum seen plus one
+(and never below the wall clock in milliseconds, so a lost or recreated state topic cannot
+make values go back). Brokers that show aborted records only make the maximum larger.
+Compaction keeps the newest record per key, which carries the largest value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
+
+from icefloe.errors import ChannelError
+from icefloe_kafka.clients import KafkaClients, group_headers, record_key
+
+log = logging.getLogger(__name__)
+
+LEASE = "lease"
+EPOCH = "epoch"
+ACQUIRE, HEARTBEAT, RELEASE = "acquire", "heartbeat", "release"
+
+
+def lease_key(group_id: str) -> bytes:
+    return record_key(LEASE, group_id)
+
+
+def epoch_key(group_id: str, writer_id: str) -> bytes:
+    return record_key(EPOCH, group_id, writer_id)
+
+
+@dataclass(frozen=True)
+class StateValue:
+    """One state record's value: a counter and, for leases, who wrote it and why."""
+
+    value: int
+    holder: str = ""
+    status: str = ""
+
+    def encode(self) -> bytes:
+        body = {"v": 1, "value": self.value, "holder": self.holder, "status": self.status}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes | None) -> StateValue | None:
+        """None for anything that is not a state value (a tombstone, a foreign record)."""
+        if not data:
+            return None
+        try:
+            body = json.loads(data)
+            return cls(int(body["value"]), str(body.get("holder", "")), str(body.get("status", "")))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def next_value(highest: int) -> int:
+    """Above every value seen, and not below the wall clock (ms), so values keep growing even
+    if the state topic were lost."""
+    return max(highest + 1, int(time.time() * 1000))
+
+
+def produce_state(
+    clients: KafkaClients, producer: Any, key: bytes, value: StateValue, group_id: str
+) -> None:
+    producer.produce(
+        clients.state_topic, value=value.encode(), key=key, headers=group_headers(group_id)
+    )
+
+
+def _is_eof(msg: Message) -> bool:
+    err = msg.error()
+    return err is not None and err.code() == KafkaError._PARTITION_EOF
+
+
+class StateReader:
+    """An assign-mode, read_committed consumer of the whole state topic from its beginning.
+
+    ``on_record(key, value, offset)`` sees every committed record in order. ``caught_up``
+    turns true once every partition reached its end (last stable offset) at least once.
+    """
+
+    def __init__(self, clients: KafkaClients, role: str) -> None:
+        self._clients = clients
+        self._consumer: Consumer = clients.consumer(
+            clients.consumer_group("state-reader"), role, eof=True
+        )
+        parts = clients.partitions(clients.state_topic)
+        self._pending_eof = set(parts)
+        self._consumer.assign(
+            [TopicPartition(clients.state_topic, p, OFFSET_BEGINNING) for p in parts]
+        )
+
+    @property
+    def caught_up(self) -> bool:
+        return not self._pending_eof
+
+    def drain(
+        self, wait: float, on_record: Callable[[bytes | None, StateValue | None, int], None]
+    ) -> int:
+        """Hand every record buffered now (waiting up to ``wait`` for the first) to
+        ``on_record``; returns how many were handled."""
+        handled = 0
+        timeout = max(wait, 0.0)
+        while True:
+            msgs = self._consumer.consume(500, timeout)
+            if not msgs:
+                return handled
+            timeout = 0.0
+            for msg in msgs:
+                if _is_eof(msg):
+                    self._pending_eof.discard(msg.partition() or 0)
+                    continue
+                err = msg.error()
+                if err is not None:
+                    if err.fatal():
+                        raise ChannelError(f"reading the state topic failed: {err.str()}")
+                    log.warning("state topic read error: %s", err.str())
+                    continue
+                value = msg.value()
+                on_record(
+                    msg.key(),
+                    StateValue.decode(value if isinstance(value, bytes) else None),
+                    msg.offset() or 0,
+                )
+                handled += 1
+
+    def read_to_end(
+        self, on_record: Callable[[bytes | None, StateValue | None, int], None]
+    ) -> None:
+        """Drain until every partition has reached its end once (fails after the operation
+        timeout)."""
+        deadline = time.monotonic() + self._clients.timeout
+        while not self.caught_up:
+            if time.monotonic() > deadline:
+                raise ChannelError(
+                    f"could not read the state topic '{self._clients.state_topic}' to its end "
+                    f"within {self._clients.timeout}s"
+                )
+            self.drain(0.1, on_record)
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # closed already
+            self._consumer.close()
+
+
+@contextmanager
+def state_reader(clients: KafkaClients, role: str) -> Iterator[StateReader]:
+    reader = StateReader(clients, role)
+    try:
+        yield reader
+    finally:
+        reader.close()
+
+
+def highest_value(clients: KafkaClients, key: bytes, role: str) -> int:
+    """The largest value ever committed under ``key`` (0 when none), read with a fresh
+    consumer to the current end of the state topic."""
+    top = 0
+
+    def seen(k: bytes | None, v: StateValue | None, _offset: int) -> None:
+        nonlocal top
+        if k == key and v is not None:
+            top = max(top, v.value)
+
+    with state_reader(clients, role) as reader:
+        reader.read_to_end(seen)
+    return top

@@ -1,0 +1,213 @@
+"""A writer's end of the Kafka control topic.
+
+* Fencing: every instance of a writer identity uses the same ``transactional.id``
+  (``<transactional_id_prefix>-<group>-<writer_id>``). ``open()`` calls ``init_transactions``,
+  which aborts any transaction an older instance left open and makes every later request of
+  the older instance fail with a fencing error: :class:`WriterFencedError`.
+* Epoch: Kafka's producer epoch is not visible through confluent-kafka, so the epoch is a
+  counter in the state topic (see :mod:`icefloe_kafka.state`), bumped in a transaction of
+  this writer's own transactional.id right after ``init_transactions``. A stale instance can
+  therefore never write a newer epoch, and each open returns more than every earlier open.
+* Atomic batches: one ``publish`` is one Kafka transaction holding all events of the batch
+  (and, when ``source_consumer_group`` is set, the batch's source offsets through
+  ``send_offsets_to_transaction``: they commit with the events or not at all).
+* Order: the record key is (group, writer id), so one writer's events stay in one partition, in
+  publish order, as long as the control topic's partition count does not change.
+* Replays: Kafka cannot tell whether a batch key was already published, so ``publish`` always
+  returns True and appends; the coordinator keeps the first copy of a (writer, batch, table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+
+from icefloe.channel import WriterBatch, WriterChannel
+from icefloe.errors import ChannelError, EventDecodeError, WriterFencedError
+from icefloe.events import Event, WriterRef, decode_event, encode_event
+from icefloe_kafka.clients import (
+    KafkaClients,
+    group_headers,
+    header_group,
+    record_key,
+    run_transaction,
+)
+from icefloe_kafka.state import StateValue, epoch_key, highest_value, next_value, produce_state
+
+log = logging.getLogger(__name__)
+
+
+class KafkaWriterChannel(WriterChannel):
+    """One writer instance: a transactional producer plus a consumer of broadcasts."""
+
+    def __init__(self, clients: KafkaClients, writer_id: str) -> None:
+        self._clients = clients
+        self._group_id = clients.group_id
+        self._writer_id = writer_id
+        self._key = record_key(self._group_id, writer_id)
+        self._txn_id = clients.transactional_id(writer_id)
+        self._lock = threading.Lock()  # one transaction at a time on the producer
+        self._producer: Producer | None = None
+        self._broadcasts: Consumer | None = None
+        self._source: Consumer | None = None
+        self._epoch: int | None = None
+        self._fence: WriterFencedError | None = None
+
+    # ------------------------------------------------------------------ open / close
+
+    def open(self) -> int:
+        with self._lock:
+            self._close_clients()
+            self._clients.ensure_topics()
+            producer = self._clients.producer(self._txn_id, f"writer-{self._writer_id}")
+            try:
+                producer.init_transactions(self._clients.timeout)
+            except KafkaException as exc:
+                raise ChannelError(
+                    f"writer {self._writer_id}: init_transactions failed: {exc}"
+                ) from exc
+            key = epoch_key(self._group_id, self._writer_id)
+            epoch = next_value(highest_value(self._clients, key, f"writer-{self._writer_id}"))
+            run_transaction(
+                producer,
+                lambda: produce_state(
+                    self._clients, producer, key, StateValue(epoch, self._txn_id), self._group_id
+                ),
+                self._clients.timeout,
+                self._fenced,
+            )
+            self._producer = producer
+            self._fence = None
+            self._broadcasts = self._broadcast_consumer()
+            self._epoch = epoch
+            log.info("writer %s/%s opened with epoch %d", self._group_id, self._writer_id, epoch)
+            return epoch
+
+    def _broadcast_consumer(self) -> Consumer:
+        """Reads the control topic from its current end: broadcasts sent after open()."""
+        topic = self._clients.control_topic
+        consumer = self._clients.consumer(
+            self._clients.consumer_group("writer"), f"writer-{self._writer_id}"
+        )
+        start = []
+        for p in self._clients.partitions(topic):
+            try:
+                _low, high = consumer.get_watermark_offsets(
+                    TopicPartition(topic, p), timeout=self._clients.timeout
+                )
+            except KafkaException as exc:
+                consumer.close()
+                raise ChannelError(f"cannot read the end of {topic}[{p}]: {exc}") from exc
+            start.append(TopicPartition(topic, p, high))
+        consumer.assign(start)
+        return consumer
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_clients()
+
+    def _close_clients(self) -> None:
+        for consumer in (self._broadcasts, self._source):
+            if consumer is not None:
+                with contextlib.suppress(RuntimeError):  # closed already
+                    consumer.close()
+        self._broadcasts = self._source = None
+        self._producer = None  # no open transaction is left behind: each call commits or aborts
+        self._epoch = None
+
+    # ------------------------------------------------------------------ publishing
+
+    def _fenced(self, text: str) -> ChannelError:
+        return WriterFencedError(
+            f"writer {self._writer_id} (epoch {self._epoch}) is fenced by a newer instance: {text}"
+        )
+
+    def _opened(self) -> tuple[Producer, int]:
+        if self._fence is not None:
+            raise self._fence
+        if self._producer is None or self._epoch is None:
+            raise RuntimeError(f"writer {self._writer_id}: call open() first")
+        return self._producer, self._epoch
+
+    def _produce(self, producer: Producer, event: Event) -> None:
+        producer.produce(
+            self._clients.control_topic,
+            value=encode_event(event),
+            key=self._key,
+            headers=group_headers(self._group_id),
+        )
+
+    def publish(self, batch: WriterBatch) -> bool:
+        with self._lock:
+            producer, epoch = self._opened()
+            if batch.writer != WriterRef(self._writer_id, epoch):
+                raise ValueError(f"batch of {batch.writer} published through {self._writer_id}")
+
+            def body() -> None:
+                for event in batch.events:
+                    self._produce(producer, event)
+                self._send_source_offsets(producer, batch)
+
+            self._transact(producer, body)
+            # Kafka cannot tell a replayed batch key; the coordinator drops second copies
+            return True
+
+    def respond(self, event: Event) -> None:
+        with self._lock:
+            producer, _ = self._opened()
+            self._transact(producer, lambda: self._produce(producer, event))
+
+    def _transact(self, producer: Producer, body: Any) -> None:
+        try:
+            run_transaction(producer, body, self._clients.timeout, self._fenced)
+        except WriterFencedError as exc:
+            self._fence = exc  # a fenced producer is useless; every later call says so
+            raise
+
+    def _send_source_offsets(self, producer: Producer, batch: WriterBatch) -> None:
+        group = self._clients.config.source_consumer_group
+        if group is None or not batch.source_positions:
+            return
+        if self._source is None:
+            # only its group metadata is used: it never joins the group or fetches
+            self._source = self._clients.consumer(group, f"writer-{self._writer_id}-source")
+        offsets = [TopicPartition(p.topic, p.partition, p.offset) for p in batch.source_positions]
+        producer.send_offsets_to_transaction(
+            offsets, self._source.consumer_group_metadata(), self._clients.timeout
+        )
+
+    # ------------------------------------------------------------------ broadcasts
+
+    def poll_broadcasts(self, timeout: float) -> list[Event]:
+        consumer = self._broadcasts
+        if consumer is None:
+            raise RuntimeError(f"writer {self._writer_id}: call open() first")
+        out: list[Event] = []
+        for msg in consumer.consume(500, max(timeout, 0.0)):
+            err = msg.error()
+            if err is not None:
+                if err.fatal():
+                    raise ChannelError(f"reading broadcasts failed: {err.str()}")
+                log.warning("writer %s: broadcast read error: %s", self._writer_id, err.str())
+                continue
+            if header_group(msg.headers()) != self._group_id:
+                continue  # another pipeline's record (or not icefloe's at all)
+            try:
+                event = decode_event(msg.value() or b"")
+            except EventDecodeError as exc:
+                log.warning(
+                    "writer %s: skipping undecodable record %s[%s]@%s: %s",
+                    self._writer_id,
+                    msg.topic(),
+                    msg.partition(),
+                    msg.offset(),
+                    exc,
+                )
+                continue
+            if event.group_id == self._group_id and event.writer is None:
+                out.append(event)
+        return out

@@ -1,0 +1,5 @@
+"""``python -m icefloe``: the same CLI as the ``icefloe`` script."""
+
+from icefloe.cli import main
+
+main()

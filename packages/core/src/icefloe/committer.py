@@ -1,0 +1,636 @@
+"""The Iceberg committer: one idempotent, fenced fast append per table per commit cycle.
+
+For each :class:`TableCommitRequest` the committer, inside its retry loop and after reloading
+the table from the catalog on every attempt:
+
+1. refuses files written for another incarnation of the table (``table_uuid`` differs:
+   :class:`~icefloe.errors.TableMismatchError`) or lying outside the table's location
+   (:class:`~icefloe.errors.FileOutsideTableError`);
+2. finds the newest snapshot of this group (``icefloe.group-id``) in the branch's ancestry,
+   skipping snapshots of foreign writers and other pipelines, and refuses a request whose
+   fencing token is below the one the table records
+   (:class:`~icefloe.errors.StaleFencingTokenError`: a zombie coordinator);
+3. drops files that snapshot already covers (channel offset before its
+   ``icefloe.channel-positions`` or batch at or below its ``icefloe.writer-watermarks``),
+   zero-record files and repeated paths;
+4. appends what is left in one fast append on the branch, with the summary properties of
+   ``docs/architecture.md``, and raises the table property ``icefloe.fencing-token.<group>``
+   in the same transaction.
+
+Positions, watermarks and source offsets are merged per key with the previous snapshot's
+values, so they never move backwards. A commit conflict (``CommitFailedException``) or an
+unknown outcome reloads the table and redoes steps 1-4, so a foreign writer or a concurrent
+coordinator can neither cause a loss nor a duplicate.
+
+A branch that does not exist yet is created in the same transaction as the append, from the
+table's current snapshot (as Iceberg's Java ``toBranch`` does); until then
+:meth:`IcebergCommitter.state` reports the state the new branch will inherit. Catalogs refuse
+to create a non-main branch on a table without snapshots, so on an empty table the committer
+first adds one empty, unreferenced root snapshot (summary ``icefloe.branch-root``) and forks the
+branch from it.
+
+Delete files (row deltas) are not supported yet: pyiceberg 0.12 has no public API to add
+position or equality delete files to a snapshot. A request that carries any is refused with
+:class:`~icefloe.errors.RowDeltaNotSupportedError` instead of appending them as data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import (
+    CommitFailedException,
+    CommitStateUnknownException,
+    NoSuchTableError,
+)
+from pyiceberg.table import Table, TableProperties, Transaction
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
+from pyiceberg.table.snapshots import Snapshot, ancestors_of
+from pyiceberg.table.update.snapshot import ManageSnapshots
+
+from icefloe.datafiles import to_data_file
+from icefloe.errors import (
+    CommitError,
+    CommitHistoryLostError,
+    FileOutsideTableError,
+    PartitionSpecChangedError,
+    RowDeltaNotSupportedError,
+    StaleFencingTokenError,
+    TableMismatchError,
+)
+from icefloe.events import DataFileMeta, FileContent
+
+logger = logging.getLogger(__name__)
+
+GROUP_ID_KEY = "icefloe.group-id"
+COMMIT_ID_KEY = "icefloe.commit-id"
+POSITIONS_KEY = "icefloe.channel-positions"
+WATERMARKS_KEY = "icefloe.writer-watermarks"
+SOURCE_OFFSETS_KEY = "icefloe.source-offsets"
+FENCING_TOKEN_KEY = "icefloe.fencing-token"
+VALID_THROUGH_KEY = "icefloe.valid-through-ms"
+BRANCH_ROOT_KEY = "icefloe.branch-root"
+
+# Table properties under which files may legitimately live outside the table location.
+_DATA_PATH_PROPERTIES = (
+    "write.data.path",
+    "write.object-storage.path",
+    "write.folder-storage.path",
+)
+# URI schemes that name the same storage.
+_SCHEME_ALIASES = {"": "file", "s3a": "s3", "s3n": "s3"}
+
+
+def fencing_token_property(group_id: str) -> str:
+    """The table property holding the highest fencing token of ``group_id`` that committed."""
+    return f"{FENCING_TOKEN_KEY}.{group_id}"
+
+
+@dataclass(frozen=True)
+class PendingFile:
+    """A file announced by a DataWritten event, with where that event sits in the channel."""
+
+    meta: DataFileMeta
+    writer_id: str
+    batch_seq: int
+    partition: str
+    offset: int
+    table_uuid: str | None = None
+
+
+@dataclass(frozen=True)
+class CommitState:
+    """What the newest snapshot of this group on the branch records."""
+
+    snapshot_id: int
+    commit_id: str
+    positions: dict[str, int]
+    watermarks: dict[str, int]
+    source_offsets: dict[str, dict[int, int]]
+    fencing_token: int
+    valid_through_ms: int | None
+
+
+@dataclass(frozen=True)
+class TableCommitRequest:
+    """One table's share of a commit cycle.
+
+    ``positions`` is the channel read position R: every DataWritten for this table before R
+    is in ``files`` or already committed.
+    """
+
+    table: str
+    commit_id: str
+    files: tuple[PendingFile, ...]
+    positions: Mapping[str, int]
+    source_offsets: Mapping[str, Mapping[int, int]]
+    fencing_token: int
+    valid_through_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class TableCommitResult:
+    """The outcome of one table commit; ``snapshot_id`` is None when nothing was new."""
+
+    table: str
+    commit_id: str
+    snapshot_id: int | None
+    data_files: int
+    records: int
+    skipped_files: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one commit attempt will do, decided against one loaded version of the table."""
+
+    files: tuple[PendingFile, ...]
+    skipped: int
+    summary: dict[str, str]
+    raise_token: bool
+    fork_from: int | None  # create the branch from this snapshot first
+
+
+class IcebergCommitter:
+    """Commits a group's pending files to Iceberg tables, idempotently and fenced.
+
+    ``before_commit`` runs right before every catalog commit attempt (the coordinator renews
+    its lease there); if it raises, the exception propagates and nothing is committed.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        group_id: str,
+        branch: str = MAIN_BRANCH,
+        max_attempts: int = 10,
+        before_commit: Callable[[], None] | None = None,
+        retry_wait_s: float = 0.05,
+        max_retry_wait_s: float = 2.0,
+    ) -> None:
+        if not group_id:
+            raise ValueError("group_id must not be empty")
+        if not branch:
+            raise ValueError("branch must not be empty")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1 (got {max_attempts})")
+        self._catalog = catalog
+        self._group_id = group_id
+        self._branch = branch
+        self._max_attempts = max_attempts
+        self._before_commit = before_commit
+        self._retry_wait_s = retry_wait_s
+        self._max_retry_wait_s = max_retry_wait_s
+
+    @property
+    def group_id(self) -> str:
+        return self._group_id
+
+    @property
+    def branch(self) -> str:
+        return self._branch
+
+    def state(self, table: str) -> CommitState | None:
+        """The state recorded by this group's newest snapshot on the branch, if any."""
+        loaded = self._load(table)
+        head, _ = self._branch_head(loaded)
+        return self._own_state(loaded, head)
+
+    def commit(self, request: TableCommitRequest) -> TableCommitResult:
+        """Append the request's new files to its table in one snapshot (or none if nothing
+        is new).
+
+        Raises StaleFencingTokenError, TableMismatchError, FileOutsideTableError or
+        CommitError, and then committed nothing; only after a catalog reported an unknown
+        outcome may that attempt still land, which a later replay of the request detects.
+        """
+        _refuse_delete_files(request)
+        # snapshots of attempts whose outcome is unknown: they may have landed after all
+        unknown: list[tuple[int, _Plan]] = []
+        last_error: Exception | None = None
+        for attempt in range(self._max_attempts):
+            if attempt:
+                self._backoff(attempt)
+            table = self._load(request.table)
+            for snapshot_id, earlier in unknown:
+                if table.metadata.snapshot_by_id(snapshot_id) is not None:
+                    return _result(request, earlier, snapshot_id)
+            if self._needs_root(table):
+                try:
+                    self._commit_root(table)
+                except (CommitFailedException, CommitStateUnknownException) as e:
+                    last_error = e  # the next attempt looks for the root again
+                    continue
+                table = self._load(request.table)
+            plan = self._plan(table, request)
+            if not plan.files:
+                logger.info(
+                    "%s: nothing new to commit for %s (%d files skipped)",
+                    request.table,
+                    request.commit_id,
+                    plan.skipped,
+                )
+                return _result(request, plan, None)
+            if self._before_commit is not None:
+                self._before_commit()
+            tx, snapshot_id = self._stage(table, plan)
+            try:
+                tx.commit_transaction()
+            except CommitFailedException as e:
+                last_error = e
+                logger.warning(
+                    "%s: commit conflict on attempt %d/%d, retrying: %s",
+                    request.table,
+                    attempt + 1,
+                    self._max_attempts,
+                    e,
+                )
+                continue
+            except CommitStateUnknownException as e:
+                last_error = e
+                unknown.append((snapshot_id, plan))
+                logger.warning(
+                    "%s: commit outcome unknown on attempt %d/%d, re-checking: %s",
+                    request.table,
+                    attempt + 1,
+                    self._max_attempts,
+                    e,
+                )
+                continue
+            logger.info(
+                "%s: committed %d files (%d skipped) as snapshot %d for %s",
+                request.table,
+                len(plan.files),
+                plan.skipped,
+                snapshot_id,
+                request.commit_id,
+            )
+            return _result(request, plan, snapshot_id)
+        # the last attempt may have landed even though its outcome was unknown
+        if unknown:
+            table = self._load(request.table)
+            for snapshot_id, earlier in unknown:
+                if table.metadata.snapshot_by_id(snapshot_id) is not None:
+                    return _result(request, earlier, snapshot_id)
+        raise CommitError(
+            f"table '{request.table}': commit {request.commit_id} failed after "
+            f"{self._max_attempts} attempts: {last_error}"
+        ) from last_error
+
+    def _load(self, name: str) -> Table:
+        """Load the table fresh from the catalog, with pyiceberg's own commit retries off.
+
+        Why off: pyiceberg 0.12 retries a failed commit by re-applying the same files and
+        properties to the refreshed table, skipping our idempotency and fencing checks; every
+        retry must redo them, so retries happen only in :meth:`commit`. The override lives
+        only in this in-memory copy; catalogs apply our updates to their own metadata.
+        """
+        try:
+            table = self._catalog.load_table(name)
+        except NoSuchTableError as e:
+            raise CommitError(f"table '{name}' does not exist in the catalog") from e
+        metadata = table.metadata
+        properties = {**metadata.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}
+        return Table(
+            identifier=table.name(),
+            metadata=metadata.model_copy(update={"properties": properties}),
+            metadata_location=table.metadata_location,
+            io=table.io,
+            catalog=table.catalog,
+            config=table.config,
+        )
+
+    def _branch_head(self, table: Table) -> tuple[Snapshot | None, int | None]:
+        """The branch's head, and the snapshot to fork it from when it does not exist yet."""
+        metadata = table.metadata
+        ref = metadata.refs.get(self._branch)
+        if ref is not None:
+            if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
+                raise CommitError(
+                    f"table '{_name(table)}': '{self._branch}' is a tag, not a branch; "
+                    "set coordination branch to a branch name"
+                )
+            return metadata.snapshot_by_id(ref.snapshot_id), None
+        if self._branch == MAIN_BRANCH:
+            return None, None
+        base = metadata.current_snapshot() or self._root(metadata)
+        return base, None if base is None else base.snapshot_id
+
+    def _root(self, metadata: TableMetadata) -> Snapshot | None:
+        """The newest empty root snapshot made for this branch, if any."""
+        roots = [
+            s
+            for s in metadata.snapshots
+            if s.summary is not None and s.summary[BRANCH_ROOT_KEY] == self._branch
+        ]
+        return max(roots, key=lambda s: s.sequence_number or 0, default=None)
+
+    def _needs_root(self, table: Table) -> bool:
+        metadata = table.metadata
+        return (
+            self._branch != MAIN_BRANCH
+            and self._branch not in metadata.refs
+            and metadata.current_snapshot() is None
+            and self._root(metadata) is None
+        )
+
+    def _commit_root(self, table: Table) -> None:
+        """Add an empty snapshot that no ref points to yet, to fork the branch from."""
+        if self._before_commit is not None:
+            self._before_commit()
+        tx = table.transaction()
+        root = {BRANCH_ROOT_KEY: self._branch}
+        with tx.update_snapshot(snapshot_properties=root, branch=None).fast_append():
+            pass
+        tx.commit_transaction()
+
+    def _own_state(self, table: Table, head: Snapshot | None) -> CommitState | None:
+        """This group's state on the branch; refuses to guess when its history was expired."""
+        state, truncated = _find_state(head, table.metadata, self._group_id)
+        if state is None and truncated and _property_token(table, self._group_id) is not None:
+            # the group committed here before (it left its token), yet no snapshot of it is
+            # left in the history: treating everything as new could commit files twice
+            raise CommitHistoryLostError(
+                f"table '{_name(table)}': group '{self._group_id}' committed to branch "
+                f"'{self._branch}' before, but its snapshots were expired from the branch "
+                "history; keep the group's last snapshot when expiring snapshots, or remove "
+                f"the table property {fencing_token_property(self._group_id)} to start over"
+            )
+        return state
+
+    def _plan(self, table: Table, request: TableCommitRequest) -> _Plan:
+        metadata = table.metadata
+        _check_files(table, request.files)
+        head, fork_from = self._branch_head(table)
+        state = self._own_state(table, head)
+        recorded = _recorded_token(table, self._group_id, state)
+        if recorded is not None and recorded > request.fencing_token:
+            raise StaleFencingTokenError(
+                f"table '{request.table}' records fencing token {recorded} for group "
+                f"'{self._group_id}', above this coordinator's {request.fencing_token}: "
+                "a newer coordinator has taken over"
+            )
+        files, skipped = _select(request.files, state)
+        for f in files:
+            if f.meta.spec_id != metadata.default_spec_id:
+                # pyiceberg 0.12's fast append writes one manifest with the default spec
+                raise PartitionSpecChangedError(
+                    f"table '{request.table}': {f.meta.path} was written with partition spec "
+                    f"{f.meta.spec_id}, but the table's default spec is now "
+                    f"{metadata.default_spec_id}; rewrite the file under the current spec"
+                )
+        prop = _property_token(table, self._group_id)
+        return _Plan(
+            files=files,
+            skipped=skipped,
+            summary=_summary(self._group_id, request, state),
+            raise_token=prop is None or request.fencing_token > prop,
+            fork_from=fork_from,
+        )
+
+    def _stage(self, table: Table, plan: _Plan) -> tuple[Transaction, int]:
+        """Build the transaction for ``plan``; returns it and the snapshot id it will add."""
+        tx = table.transaction()
+        if plan.fork_from is not None:
+            with ManageSnapshots(tx) as refs:
+                refs.create_branch(plan.fork_from, self._branch)
+        if plan.raise_token:
+            tx.set_properties(
+                {fencing_token_property(self._group_id): plan.summary[FENCING_TOKEN_KEY]}
+            )
+        snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
+        with snapshot.fast_append() as append:
+            for f in plan.files:
+                try:
+                    data_file = to_data_file(f.meta, tx.table_metadata)
+                except (ValueError, KeyError, TypeError) as e:
+                    raise CommitError(
+                        f"table '{_name(table)}': cannot describe {f.meta.path}: {e}"
+                    ) from e
+                append.append_data_file(data_file)
+        return tx, append.snapshot_id
+
+    def _backoff(self, attempt: int) -> None:
+        # jittered exponential backoff, so competing committers do not retry in lockstep
+        wait = min(self._retry_wait_s * 2 ** (attempt - 1), self._max_retry_wait_s)
+        time.sleep(wait * random.uniform(0.5, 1.0))
+
+
+def _name(table: Table) -> str:
+    return ".".join(table.name())
+
+
+def _refuse_delete_files(request: TableCommitRequest) -> None:
+    deletes = [f.meta.path for f in request.files if f.meta.content != FileContent.DATA]
+    if deletes:
+        raise RowDeltaNotSupportedError(
+            f"table '{request.table}': {len(deletes)} delete file(s) (e.g. {deletes[0]}) need a "
+            "row delta commit, which icefloe does not support yet (pyiceberg 0.12 cannot add "
+            "delete files); write data files only"
+        )
+
+
+def _check_files(table: Table, files: Iterable[PendingFile]) -> None:
+    """Refuse the whole request if any file belongs to another table or place."""
+    metadata = table.metadata
+    roots = [metadata.location] + [
+        metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
+    ]
+    for f in files:
+        if f.table_uuid is not None and not _same_uuid(f.table_uuid, metadata.table_uuid):
+            raise TableMismatchError(
+                f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {f.meta.path} was "
+                f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
+                "commit it"
+            )
+        if not any(_inside(f.meta.path, root) for root in roots):
+            raise FileOutsideTableError(
+                f"table '{_name(table)}': {f.meta.path} lies outside the table location "
+                f"{metadata.location}; refusing to commit it"
+            )
+
+
+def _same_uuid(text: str, table_uuid: uuid.UUID) -> bool:
+    try:
+        return uuid.UUID(text) == table_uuid
+    except ValueError:
+        return False
+
+
+def _split(uri: str) -> tuple[str, str, str]:
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    return _SCHEME_ALIASES.get(scheme, scheme), parts.netloc, posixpath.normpath(parts.path)
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether ``path`` lies under ``root``, normalising '..' so it cannot escape."""
+    scheme, netloc, file_path = _split(path)
+    root_scheme, root_netloc, root_path = _split(root)
+    prefix = root_path.rstrip("/") + "/"
+    return scheme == root_scheme and netloc == root_netloc and file_path.startswith(prefix)
+
+
+def _find_state(
+    head: Snapshot | None, metadata: TableMetadata, group_id: str
+) -> tuple[CommitState | None, bool]:
+    """The state of the newest snapshot of ``group_id`` in the ancestry of ``head``, and
+    whether that ancestry is cut short by expired snapshots."""
+    oldest = None
+    for snapshot in ancestors_of(head, metadata):
+        summary = snapshot.summary
+        if summary is not None and summary[GROUP_ID_KEY] == group_id:
+            return _parse_state(snapshot), False
+        oldest = snapshot
+    return None, oldest is not None and _cut_short(oldest)
+
+
+def _cut_short(oldest: Snapshot) -> bool:
+    """Whether ``oldest``, the oldest snapshot still reachable, had ancestors once."""
+    if oldest.parent_snapshot_id is not None:
+        return True  # its parent was expired (Iceberg Java keeps the dangling id)
+    # pyiceberg's expiry clears the parent id instead; a true root holds only the files it
+    # added, so more files in total means it had a parent
+    summary = oldest.summary
+    if summary is None:
+        return False
+    try:
+        total = int(summary["total-data-files"] or 0)
+        added = int(summary["added-data-files"] or 0)
+    except ValueError:
+        return False
+    return total > added
+
+
+def _parse_state(snapshot: Snapshot) -> CommitState:
+    summary = snapshot.summary
+    assert summary is not None  # checked by the caller
+    try:
+        valid_through = summary[VALID_THROUGH_KEY]
+        return CommitState(
+            snapshot_id=snapshot.snapshot_id,
+            commit_id=str(summary[COMMIT_ID_KEY]),
+            positions=_int_map(json.loads(summary[POSITIONS_KEY] or "{}")),
+            watermarks=_int_map(json.loads(summary[WATERMARKS_KEY] or "{}")),
+            source_offsets={
+                str(topic): {int(p): int(o) for p, o in offsets.items()}
+                for topic, offsets in json.loads(summary[SOURCE_OFFSETS_KEY] or "{}").items()
+            },
+            fencing_token=int(summary[FENCING_TOKEN_KEY]),  # type: ignore[arg-type]
+            valid_through_ms=None if valid_through is None else int(valid_through),
+        )
+    except (TypeError, ValueError, AttributeError) as e:
+        # without a readable state the committer cannot know what is already in the table
+        raise CommitError(
+            f"snapshot {snapshot.snapshot_id} carries an unreadable icefloe summary: {e}"
+        ) from e
+
+
+def _int_map(raw: Any) -> dict[str, int]:
+    return {str(k): int(v) for k, v in raw.items()}
+
+
+def _property_token(table: Table, group_id: str) -> int | None:
+    raw = table.metadata.properties.get(fencing_token_property(group_id))
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise CommitError(
+            f"table '{_name(table)}': property {fencing_token_property(group_id)} is not an "
+            f"integer ({raw!r}); fix or remove it"
+        ) from e
+
+
+def _recorded_token(table: Table, group_id: str, state: CommitState | None) -> int | None:
+    """The highest token the table knows for the group: its property or its last snapshot."""
+    candidates = (_property_token(table, group_id), None if state is None else state.fencing_token)
+    return max((t for t in candidates if t is not None), default=None)
+
+
+def _covered(f: PendingFile, state: CommitState | None) -> bool:
+    """Whether the snapshot behind ``state`` already holds ``f``."""
+    if state is None:
+        return False
+    if f.offset < state.positions.get(f.partition, 0):
+        return True
+    watermark = state.watermarks.get(f.writer_id)
+    return watermark is not None and f.batch_seq <= watermark
+
+
+def _select(
+    files: Iterable[PendingFile], state: CommitState | None
+) -> tuple[tuple[PendingFile, ...], int]:
+    """The files still to commit, and how many were dropped."""
+    seen: set[str] = set()
+    keep: list[PendingFile] = []
+    skipped = 0
+    for f in files:
+        if f.meta.path in seen or f.meta.record_count <= 0 or _covered(f, state):
+            skipped += 1
+        else:
+            keep.append(f)
+        seen.add(f.meta.path)
+    return tuple(keep), skipped
+
+
+def _max_merge(old: Mapping[Any, int], new: Mapping[Any, int]) -> dict[str, int]:
+    merged = {str(k): int(v) for k, v in old.items()}
+    for k, v in new.items():
+        merged[str(k)] = max(merged.get(str(k), v), int(v))
+    return merged
+
+
+def _summary(
+    group_id: str, request: TableCommitRequest, state: CommitState | None
+) -> dict[str, str]:
+    """Summary properties of the new snapshot; positions and watermarks never regress."""
+    batches: dict[str, int] = {}
+    for f in request.files:
+        batches[f.writer_id] = max(batches.get(f.writer_id, f.batch_seq), f.batch_seq)
+    old_offsets = {} if state is None else state.source_offsets
+    offsets = {
+        topic: _max_merge(old_offsets.get(topic, {}), request.source_offsets.get(topic, {}))
+        for topic in sorted(set(old_offsets) | set(request.source_offsets))
+    }
+    summary = {
+        GROUP_ID_KEY: group_id,
+        COMMIT_ID_KEY: request.commit_id,
+        POSITIONS_KEY: _json(
+            _max_merge({} if state is None else state.positions, request.positions)
+        ),
+        WATERMARKS_KEY: _json(_max_merge({} if state is None else state.watermarks, batches)),
+        SOURCE_OFFSETS_KEY: _json(offsets),
+        FENCING_TOKEN_KEY: str(request.fencing_token),
+    }
+    if request.valid_through_ms is not None:
+        summary[VALID_THROUGH_KEY] = str(request.valid_through_ms)
+    return summary
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _result(request: TableCommitRequest, plan: _Plan, snapshot_id: int | None) -> TableCommitResult:
+    committed = plan.files if snapshot_id is not None else ()
+    return TableCommitResult(
+        table=request.table,
+        commit_id=request.commit_id,
+        snapshot_id=snapshot_id,
+        data_files=len(committed),
+        records=sum(f.meta.record_count for f in committed),
+        skipped_files=plan.skipped,
+    )

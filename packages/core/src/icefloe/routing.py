@@ -1,0 +1,71 @@
+"""Multi-table fan-out: which decoded rows go to which table.
+
+A table with ``route_field`` takes the rows whose value of that field (compared as text) is
+one of its ``route_values``; a table without a route takes every row (the routing rule of
+Iceberg's Kafka Connect sink). A row may go to several tables, or to none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from icefloe.config import TableConfig
+from icefloe.errors import ConfigError
+
+
+def _column(table: pa.Table, name: str) -> pa.Array | None:
+    """``name`` as a top-level column, else as a dotted path into struct columns."""
+    if name in table.column_names:
+        col = table.column(name)
+    else:
+        head, *rest = name.split(".")
+        if head not in table.column_names or not rest:
+            return None
+        col = table.column(head)
+        for part in rest:
+            if not pa.types.is_struct(col.type) or col.type.get_field_index(part) < 0:
+                return None
+            col = pc.struct_field(col, part)
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+
+
+def route_masks(table: pa.Table, tables: Sequence[TableConfig]) -> dict[str, pa.Array | None]:
+    """table name -> boolean row mask, or None for "every row" (no copy needed)."""
+    out: dict[str, pa.Array | None] = {}
+    cache: dict[str, pa.Array] = {}
+    for i, t in enumerate(tables):
+        if t.route_field is None:
+            out[t.name] = None
+            continue
+        if not t.route_values:
+            raise ConfigError(
+                f"tables[{i}].route_values",
+                f"table '{t.name}' has route_field '{t.route_field}' but no route_values",
+                "list the field values that go to this table, or remove route_field",
+            )
+        if t.route_field not in cache:
+            col = _column(table, t.route_field)
+            if col is None:
+                raise ConfigError(
+                    f"tables[{i}].route_field",
+                    f"records have no field '{t.route_field}' (fields: {table.column_names})",
+                    "name a field of the records (dots reach into nested records)",
+                    t.route_field,
+                )
+            cache[t.route_field] = (
+                col if pa.types.is_string(col.type) else pc.cast(col, pa.string())
+            )
+        values = pa.array(t.route_values, pa.string())
+        out[t.name] = pc.is_in(cache[t.route_field], value_set=values)  # null -> False
+    return out
+
+
+def route(table: pa.Table, tables: Sequence[TableConfig]) -> dict[str, pa.Table]:
+    """table name -> the rows of ``table`` routed to it (possibly empty)."""
+    return {
+        name: table if mask is None else table.filter(mask)
+        for name, mask in route_masks(table, tables).items()
+    }

@@ -1,0 +1,163 @@
+"""Helpers for coordinator scenarios: drive a coordinator until something holds, publish
+batches of real Parquet files with unique row ids, simulate a crash.
+
+Shared by core's coordinator tests and the conformance suite (every backend runs the same
+scenarios), and importable by a child process that a test kills.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pyiceberg.catalog import Catalog
+from pyiceberg.catalog.sql import SqlCatalog
+
+from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings, CycleResult
+from icefloe.events import DataFileMeta, SourcePosition
+from icefloe.plugins import new_plugins
+from icefloe.testing.fixtures import create_rows_table, write_rows
+from icefloe.testing.memory import MemoryBackend, MemoryServerAddress, connect_memory_server
+from icefloe.writer import WriterClient
+
+
+class SimulatedCrash(BaseException):
+    """Raised from a fault hook to stop a coordinator dead at that point. A BaseException,
+    so no ``except Exception`` in the code under test can swallow it."""
+
+
+def crash(*_: object) -> None:
+    """A fault hook that crashes the coordinator where it runs."""
+    raise SimulatedCrash
+
+
+def drive(
+    coordinator: Coordinator, until: Callable[[], bool], what: str, timeout: float = 30.0
+) -> None:
+    """Step the coordinator until ``until()`` holds; fail with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not until():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        coordinator.step(0.1)
+
+
+def lead(coordinator: Coordinator, timeout: float = 30.0) -> None:
+    """Step until the coordinator leads (and has recovered)."""
+    drive(coordinator, lambda: coordinator.is_leader, "leadership", timeout)
+
+
+def wait_pending(coordinator: Coordinator, files: int, timeout: float = 30.0) -> None:
+    """Step until ``files`` files are pending in total."""
+    drive(
+        coordinator,
+        lambda: sum(coordinator.pending_files().values()) >= files,
+        f"{files} pending files (have {coordinator.pending_files()})",
+        timeout,
+    )
+
+
+@dataclass
+class Batch:
+    """One writer batch: files per table, positions, and the ids it carries per table."""
+
+    seq: int
+    files: dict[str, list[DataFileMeta]]
+    positions: list[SourcePosition]
+    ids: dict[str, list[int]]
+
+    @property
+    def file_count(self) -> int:
+        return sum(len(fs) for fs in self.files.values())
+
+
+@dataclass
+class RowSource:
+    """Writes real Parquet files with globally unique ids into real tables and remembers
+    which ids each table should end up with exactly once."""
+
+    catalog: Catalog
+    tables: Sequence[str]
+    rows_per_table: int = 5
+    expected: dict[str, list[int]] = field(default_factory=dict)
+    published: dict[tuple[str, int], dict[str, list[int]]] = field(default_factory=dict)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _offsets: dict[str, int] = field(default_factory=dict)
+    _partitions: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, catalog: Catalog, tables: Sequence[str], rows_per_table: int = 5) -> RowSource:
+        for t in tables:
+            create_rows_table(catalog, t)
+        return cls(catalog, list(tables), rows_per_table)
+
+    def batch(self, writer_id: str, seq: int, ids: dict[str, list[int]] | None = None) -> Batch:
+        """New files for every table (``ids`` re-writes given rows: a replay with new files).
+        Source positions: partition per writer, offsets advance, a record time per batch."""
+        files: dict[str, list[DataFileMeta]] = {}
+        used: dict[str, list[int]] = {}
+        for t in self.tables:
+            rows = (
+                list(ids[t])
+                if ids is not None
+                else [next(self._ids) for _ in range(self.rows_per_table)]
+            )
+            files[t] = write_rows(self.catalog.load_table(t), rows, writer_id, seq)
+            used[t] = rows
+        offset = self._offsets.get(writer_id, 0) + self.rows_per_table
+        self._offsets[writer_id] = offset
+        part = self._partitions.setdefault(writer_id, len(self._partitions))
+        positions = [SourcePosition("source", part, offset, 1_700_000_000_000 + seq)]
+        return Batch(seq, files, positions, used)
+
+    def publish(self, writer: WriterClient, seq: int) -> Batch:
+        """Write and publish a new batch; its rows become expected if the channel took it."""
+        b = self.batch(writer.writer_id, seq)
+        writer.publish(seq, b.files, b.positions)
+        self.published[(writer.writer_id, seq)] = b.ids
+        for t, rows in b.ids.items():
+            self.expected.setdefault(t, []).extend(rows)
+        return b
+
+    def expected_ids_of(self, writer_id: str, seq: int) -> dict[str, list[int]]:
+        """The rows of an earlier batch (to replay it)."""
+        return self.published[(writer_id, seq)]
+
+
+@dataclass(frozen=True)
+class DoomedCoordinator:
+    """What a child process needs to run a coordinator that kills itself (picklable)."""
+
+    address: MemoryServerAddress
+    catalog_name: str  # a SqlCatalog's tables belong to its name
+    catalog_properties: dict[str, str]
+    group_id: str
+    lease_ttl_s: float
+    pending_files: int
+
+
+def _sigkill_self(_: CycleResult) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_doomed_coordinator(spec: DoomedCoordinator) -> None:
+    """Child process body: lead, read ``pending_files`` files, commit them to Iceberg and die
+    by SIGKILL right after the Iceberg commits, before the channel position is stored."""
+    backend = MemoryBackend(connect_memory_server(spec.address), spec.group_id, spec.lease_ttl_s)
+    coordinator = Coordinator(
+        spec.group_id,
+        backend.coordinator("doomed"),
+        SqlCatalog(spec.catalog_name, **spec.catalog_properties),
+        CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0),
+        coordinator_id="doomed",
+        plugins=new_plugins(autoload=False),
+        hooks=CoordinatorHooks(after_iceberg_commits=_sigkill_self),
+    )
+    lead(coordinator)
+    wait_pending(coordinator, spec.pending_files)
+    coordinator.commit_now()
+    raise SystemExit("the doomed coordinator survived its commit")

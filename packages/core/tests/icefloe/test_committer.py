@@ -1,0 +1,719 @@
+"""IcebergCommitter against a real SqlCatalog (SQLite) with a file:// warehouse and real
+Parquet files written by ``icefloe.datafiles.write_data_files``; rows are counted by scanning."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from pyiceberg.catalog import Catalog
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.exceptions import CommitStateUnknownException
+from pyiceberg.partitioning import PartitionField, PartitionSpec
+from pyiceberg.schema import Schema
+from pyiceberg.table import Table
+from pyiceberg.transforms import DayTransform, IdentityTransform
+from pyiceberg.types import LongType, NestedField, StringType, TimestampType
+
+from icefloe.committer import (
+    COMMIT_ID_KEY,
+    FENCING_TOKEN_KEY,
+    GROUP_ID_KEY,
+    POSITIONS_KEY,
+    SOURCE_OFFSETS_KEY,
+    VALID_THROUGH_KEY,
+    WATERMARKS_KEY,
+    CommitState,
+    IcebergCommitter,
+    PendingFile,
+    TableCommitRequest,
+    fencing_token_property,
+)
+from icefloe.datafiles import write_data_files
+from icefloe.errors import (
+    CommitError,
+    CommitHistoryLostError,
+    FileOutsideTableError,
+    NotLeaderError,
+    PartitionSpecChangedError,
+    RowDeltaNotSupportedError,
+    StaleFencingTokenError,
+    TableMismatchError,
+)
+from icefloe.events import DataFileMeta, FileContent
+
+GROUP = "pipe-a"
+SCHEMA = Schema(
+    NestedField(1, "id", LongType(), required=False),
+    NestedField(2, "name", StringType(), required=False),
+    NestedField(3, "ts", TimestampType(), required=False),
+)
+ARROW = pa.schema([("id", pa.int64()), ("name", pa.string()), ("ts", pa.timestamp("us"))])
+DAY0 = dt.datetime(2024, 5, 1, 12, 0)
+
+
+@pytest.fixture
+def catalog(tmp_path: Path) -> Iterator[SqlCatalog]:
+    cat = SqlCatalog(
+        "test",
+        uri=f"sqlite:///{tmp_path}/catalog.db",
+        warehouse=f"file://{tmp_path}/warehouse",
+    )
+    cat.create_namespace("db")
+    yield cat
+    cat.engine.dispose()
+
+
+@pytest.fixture
+def table(catalog: SqlCatalog) -> Table:
+    return catalog.create_table("db.events", schema=SCHEMA)
+
+
+def rows(ids: Sequence[int], names: Sequence[str] | None = None, days: int = 1) -> pa.Table:
+    names = names if names is not None else ["n"] * len(ids)
+    ts = [DAY0 + dt.timedelta(days=i % days) for i in range(len(ids))]
+    return pa.table([pa.array(ids, pa.int64()), pa.array(names), pa.array(ts)], schema=ARROW)
+
+
+def write(table: Table, ids: Sequence[int], **kw: Any) -> list[DataFileMeta]:
+    metas = write_data_files(table, rows(ids, **kw))
+    assert metas, "test setup wrote no file"
+    return metas
+
+
+def pending(
+    metas: Sequence[DataFileMeta],
+    table: Table | None = None,
+    writer: str = "w1",
+    batch_seq: int = 0,
+    partition: str = "0",
+    offset: int = 0,
+) -> list[PendingFile]:
+    uid = None if table is None else str(table.metadata.table_uuid)
+    return [PendingFile(m, writer, batch_seq, partition, offset, uid) for m in metas]
+
+
+def request(
+    files: Sequence[PendingFile],
+    positions: dict[str, int],
+    token: int = 1,
+    name: str = "db.events",
+    commit_id: str | None = None,
+    source_offsets: dict[str, dict[int, int]] | None = None,
+    valid_through_ms: int | None = None,
+) -> TableCommitRequest:
+    return TableCommitRequest(
+        table=name,
+        commit_id=commit_id or str(uuid.uuid4()),
+        files=tuple(files),
+        positions=positions,
+        source_offsets=source_offsets or {},
+        fencing_token=token,
+        valid_through_ms=valid_through_ms,
+    )
+
+
+def ids_in(catalog: Catalog, name: str = "db.events", branch: str | None = None) -> list[int]:
+    t = catalog.load_table(name)
+    if branch is None:
+        scan = t.scan()
+    else:
+        head = t.snapshot_by_name(branch)
+        if head is None:
+            return []
+        scan = t.scan(snapshot_id=head.snapshot_id)
+    return sorted(scan.to_arrow().column("id").to_pylist())
+
+
+def snapshot_count(catalog: Catalog, name: str = "db.events") -> int:
+    return len(catalog.load_table(name).snapshots())
+
+
+def summary(catalog: Catalog, snapshot_id: int, name: str = "db.events") -> dict[str, Any]:
+    snap = catalog.load_table(name).snapshot_by_id(snapshot_id)
+    assert snap is not None
+    assert snap.summary is not None
+    return {"operation": snap.summary.operation.value, **snap.summary.additional_properties}
+
+
+def once(action: Callable[[], None]) -> Callable[[], None]:
+    """A before_commit callback that runs ``action`` on the first attempt only."""
+    calls: list[int] = []
+
+    def callback() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            action()
+
+    callback.calls = calls  # type: ignore[attr-defined]
+    return callback
+
+
+# --- basic commit -------------------------------------------------------------------------
+
+
+def test_commit_appends_files_and_records_summary(catalog: SqlCatalog, table: Table) -> None:
+    f1 = pending(write(table, [1, 2, 3]), table, writer="w1", batch_seq=4, offset=0)
+    f2 = pending(write(table, [4, 5]), table, writer="w2", batch_seq=7, partition="1", offset=3)
+    req = request(
+        f1 + f2,
+        positions={"0": 1, "1": 4},
+        token=3,
+        source_offsets={"topic": {0: 100, 1: 50}},
+        valid_through_ms=1_700_000_000_000,
+    )
+    result = IcebergCommitter(catalog, GROUP).commit(req)
+
+    assert result.snapshot_id is not None
+    assert (result.data_files, result.records, result.skipped_files) == (2, 5, 0)
+    assert ids_in(catalog) == [1, 2, 3, 4, 5]
+    s = summary(catalog, result.snapshot_id)
+    assert s["operation"] == "append"
+    assert s[GROUP_ID_KEY] == GROUP
+    assert s[COMMIT_ID_KEY] == req.commit_id
+    assert json.loads(s[POSITIONS_KEY]) == {"0": 1, "1": 4}
+    assert json.loads(s[WATERMARKS_KEY]) == {"w1": 4, "w2": 7}
+    assert json.loads(s[SOURCE_OFFSETS_KEY]) == {"topic": {"0": 100, "1": 50}}
+    assert s[FENCING_TOKEN_KEY] == "3"
+    assert s[VALID_THROUGH_KEY] == "1700000000000"
+    props = catalog.load_table("db.events").properties
+    assert props[fencing_token_property(GROUP)] == "3"
+
+    state = IcebergCommitter(catalog, GROUP).state("db.events")
+    assert state == CommitState(
+        snapshot_id=result.snapshot_id,
+        commit_id=req.commit_id,
+        positions={"0": 1, "1": 4},
+        watermarks={"w1": 4, "w2": 7},
+        source_offsets={"topic": {0: 100, 1: 50}},
+        fencing_token=3,
+        valid_through_ms=1_700_000_000_000,
+    )
+
+
+def test_partial_cycle_has_no_valid_through(catalog: SqlCatalog, table: Table) -> None:
+    result = IcebergCommitter(catalog, GROUP).commit(
+        request(pending(write(table, [1]), table), {"0": 1})
+    )
+    assert result.snapshot_id is not None
+    assert VALID_THROUGH_KEY not in summary(catalog, result.snapshot_id)
+    state = IcebergCommitter(catalog, GROUP).state("db.events")
+    assert state is not None
+    assert state.valid_through_ms is None
+
+
+def test_state_is_none_before_first_commit(catalog: SqlCatalog, table: Table) -> None:
+    assert IcebergCommitter(catalog, GROUP).state("db.events") is None
+    table.append(rows([1]))
+    assert IcebergCommitter(catalog, GROUP).state("db.events") is None
+
+
+# --- idempotency --------------------------------------------------------------------------
+
+
+def test_replaying_the_same_request_adds_nothing(catalog: SqlCatalog, table: Table) -> None:
+    committer = IcebergCommitter(catalog, GROUP)
+    req = request(
+        pending(write(table, [1, 2]), table) + pending(write(table, [3]), table), {"0": 1}
+    )
+    first = committer.commit(req)
+    assert first.snapshot_id is not None
+    snapshots = snapshot_count(catalog)
+
+    again = committer.commit(req)
+    assert again.snapshot_id is None
+    assert (again.data_files, again.records, again.skipped_files) == (0, 0, 2)
+    assert snapshot_count(catalog) == snapshots
+    assert ids_in(catalog) == [1, 2, 3]
+
+
+def test_only_files_after_positions_and_above_watermarks_are_committed(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    committer = IcebergCommitter(catalog, GROUP)
+    old_a = pending(write(table, [1]), table, writer="w1", batch_seq=0, offset=0)
+    old_b = pending(write(table, [2]), table, writer="w2", batch_seq=0, offset=1)
+    committer.commit(request(old_a + old_b, {"0": 2}))
+
+    # w1's batch 0 re-published later in the channel (a replay): its offset is past the
+    # positions, but the watermark says the batch is in
+    replayed = pending(write(table, [1]), table, writer="w1", batch_seq=0, offset=5)
+    new_w1 = pending(write(table, [10]), table, writer="w1", batch_seq=1, offset=6)
+    # another channel partition: offset 0 there is new although partition "0" is at 2
+    new_p1 = pending(write(table, [11]), table, writer="w3", batch_seq=0, partition="1", offset=0)
+    # before the positions, from a writer without a watermark: covered by positions alone
+    before = pending(write(table, [12]), table, writer="w9", batch_seq=5, offset=1)
+    files = old_a + old_b + replayed + new_w1 + new_p1 + before
+    result = committer.commit(request(files, {"0": 7, "1": 1}))
+
+    assert (result.data_files, result.records, result.skipped_files) == (2, 2, 4)
+    assert ids_in(catalog) == [1, 2, 10, 11]
+    assert result.snapshot_id is not None
+    s = summary(catalog, result.snapshot_id)
+    assert json.loads(s[POSITIONS_KEY]) == {"0": 7, "1": 1}
+    # w9's batch is covered (by positions), so it counts as committed
+    assert json.loads(s[WATERMARKS_KEY]) == {"w1": 1, "w2": 0, "w3": 0, "w9": 5}
+
+
+def test_zero_record_files_and_duplicate_paths_are_dropped(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    [meta] = write(table, [1, 2])
+    empty = dataclasses.replace(meta, path=meta.path.replace(".parquet", "-empty.parquet"))
+    empty = dataclasses.replace(empty, record_count=0)
+    files = [
+        PendingFile(meta, "w1", 0, "0", 0, str(table.metadata.table_uuid)),
+        PendingFile(meta, "w2", 0, "0", 1),  # same path published twice
+        PendingFile(empty, "w1", 0, "0", 0),
+    ]
+    result = IcebergCommitter(catalog, GROUP).commit(request(files, {"0": 2}))
+
+    assert (result.data_files, result.records, result.skipped_files) == (1, 2, 2)
+    assert ids_in(catalog) == [1, 2]
+    paths = catalog.load_table("db.events").inspect.files().column("file_path").to_pylist()
+    assert paths == [meta.path]
+
+
+def test_only_empty_files_make_no_snapshot(catalog: SqlCatalog, table: Table) -> None:
+    [meta] = write(table, [1])
+    empty = dataclasses.replace(meta, record_count=0)
+    result = IcebergCommitter(catalog, GROUP).commit(request(pending([empty], table), {"0": 1}))
+    assert result.snapshot_id is None
+    assert result.skipped_files == 1
+    assert snapshot_count(catalog) == 0
+
+
+def test_foreign_writer_and_other_group_in_between(catalog: SqlCatalog, table: Table) -> None:
+    ours = IcebergCommitter(catalog, GROUP)
+    theirs = IcebergCommitter(catalog, "pipe-b")
+    first = request(pending(write(table, [1, 2]), table, batch_seq=0, offset=0), {"0": 1})
+    ours_first = ours.commit(first)
+
+    catalog.load_table("db.events").append(rows([100]))  # a foreign, non-icefloe writer
+    # another pipeline uses the same channel coordinates; they must not be confused with ours
+    other = pending(write(table, [200]), table, writer="w1", batch_seq=9, offset=50)
+    theirs.commit(request(other, {"0": 51}, token=7))
+    catalog.load_table("db.events").append(rows([101]))
+
+    state = ours.state("db.events")
+    assert state is not None
+    assert state.snapshot_id == ours_first.snapshot_id
+    assert state.positions == {"0": 1}
+
+    new = pending(write(table, [3]), table, batch_seq=1, offset=1)
+    result = ours.commit(request(list(first.files) + new, {"0": 2}))
+    assert (result.data_files, result.skipped_files) == (1, 1)
+    assert ids_in(catalog) == [1, 2, 3, 100, 101, 200]
+    # the other group's token does not fence ours, and ours is recorded separately
+    props = catalog.load_table("db.events").properties
+    assert props[fencing_token_property("pipe-b")] == "7"
+    assert props[fencing_token_property(GROUP)] == "1"
+
+
+# --- conflicts and retries ----------------------------------------------------------------
+
+
+def test_conflict_with_foreign_commit_is_retried(catalog: SqlCatalog, table: Table) -> None:
+    def foreign() -> None:
+        catalog.load_table("db.events").append(rows([100]))
+
+    callback = once(foreign)
+    committer = IcebergCommitter(catalog, GROUP, before_commit=callback, retry_wait_s=0.001)
+    result = committer.commit(request(pending(write(table, [1, 2]), table), {"0": 1}))
+
+    assert len(callback.calls) == 2  # type: ignore[attr-defined]
+    assert result.data_files == 1
+    assert ids_in(catalog) == [1, 2, 100]
+    state = committer.state("db.events")
+    assert state is not None
+    assert state.snapshot_id == result.snapshot_id
+
+
+def test_conflict_with_a_commit_of_the_same_files_does_not_duplicate(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """Another coordinator instance of the group commits the same files between our load
+    and our commit: the retry must see them and commit nothing."""
+    req = request(pending(write(table, [1, 2, 3]), table), {"0": 1})
+
+    def rival() -> None:
+        IcebergCommitter(catalog, GROUP).commit(req)
+
+    committer = IcebergCommitter(catalog, GROUP, before_commit=once(rival), retry_wait_s=0.001)
+    result = committer.commit(req)
+
+    assert result.snapshot_id is None
+    assert result.skipped_files == 1
+    assert ids_in(catalog) == [1, 2, 3]
+    assert snapshot_count(catalog) == 1
+
+
+def test_zombie_loses_race_against_new_leader(catalog: SqlCatalog, table: Table) -> None:
+    """A paused zombie (token 1) resumes after the new leader (token 2) committed the same
+    files: its optimistic commit fails, the refresh shows the higher token, it refuses."""
+    files = pending(write(table, [1, 2]), table)
+    extra = pending(write(table, [3]), table, batch_seq=1, offset=1)
+
+    def new_leader() -> None:
+        IcebergCommitter(catalog, GROUP).commit(request(files, {"0": 1}, token=2))
+
+    zombie = IcebergCommitter(catalog, GROUP, before_commit=once(new_leader), retry_wait_s=0.001)
+    with pytest.raises(StaleFencingTokenError):
+        zombie.commit(request(files + extra, {"0": 2}, token=1))
+    assert ids_in(catalog) == [1, 2]
+    assert catalog.load_table("db.events").properties[fencing_token_property(GROUP)] == "2"
+
+
+def test_gives_up_after_max_attempts(catalog: SqlCatalog, table: Table) -> None:
+    def always_foreign() -> None:
+        catalog.load_table("db.events").append(rows([100]))
+
+    committer = IcebergCommitter(
+        catalog, GROUP, max_attempts=3, before_commit=always_foreign, retry_wait_s=0.001
+    )
+    with pytest.raises(CommitError, match="after 3 attempts"):
+        committer.commit(request(pending(write(table, [1]), table), {"0": 1}))
+    assert ids_in(catalog) == [100, 100, 100]
+    assert committer.state("db.events") is None
+
+
+def test_before_commit_failure_commits_nothing(catalog: SqlCatalog, table: Table) -> None:
+    def lost_lease() -> None:
+        raise NotLeaderError("lease lost")
+
+    req = request(pending(write(table, [1]), table), {"0": 1})
+    with pytest.raises(NotLeaderError):
+        IcebergCommitter(catalog, GROUP, before_commit=lost_lease).commit(req)
+    assert snapshot_count(catalog) == 0
+    # the next leader commits the same files: nothing was lost
+    assert IcebergCommitter(catalog, GROUP).commit(req).data_files == 1
+    assert ids_in(catalog) == [1]
+
+
+class _LostResponseCatalog(SqlCatalog):
+    """A real SqlCatalog whose first commit lands but reports an unknown outcome, as a
+    catalog whose response was lost would."""
+
+    lost = 0
+
+    def commit_table(self, table: Table, requirements: Any, updates: Any) -> Any:
+        response = super().commit_table(table, requirements, updates)
+        if self.lost == 0:
+            self.lost += 1
+            raise CommitStateUnknownException("response lost")
+        return response
+
+
+def test_unknown_outcome_that_landed_is_not_repeated(tmp_path: Path) -> None:
+    catalog = _LostResponseCatalog(
+        "lossy", uri=f"sqlite:///{tmp_path}/c.db", warehouse=f"file://{tmp_path}/wh"
+    )
+    catalog.create_namespace("db")
+    table = catalog.create_table("db.events", schema=SCHEMA)
+    committer = IcebergCommitter(catalog, GROUP, retry_wait_s=0.001)
+    result = committer.commit(request(pending(write(table, [1, 2]), table), {"0": 1}))
+
+    assert catalog.lost == 1
+    assert result.snapshot_id is not None
+    assert result.data_files == 1
+    assert snapshot_count(catalog) == 1
+    assert ids_in(catalog) == [1, 2]
+    catalog.engine.dispose()
+
+
+# --- fencing ------------------------------------------------------------------------------
+
+
+def test_stale_token_is_refused_and_nothing_committed(catalog: SqlCatalog, table: Table) -> None:
+    committer = IcebergCommitter(catalog, GROUP)
+    committer.commit(request(pending(write(table, [1]), table), {"0": 1}, token=5))
+    snapshots = snapshot_count(catalog)
+
+    with pytest.raises(StaleFencingTokenError):
+        committer.commit(request(pending(write(table, [2]), table, offset=1), {"0": 2}, token=4))
+    assert snapshot_count(catalog) == snapshots
+    assert ids_in(catalog) == [1]
+    assert catalog.load_table("db.events").properties[fencing_token_property(GROUP)] == "5"
+
+
+def test_token_property_alone_fences(catalog: SqlCatalog, table: Table) -> None:
+    """A token recorded only as a table property (no icefloe snapshot yet) still fences."""
+    with table.transaction() as tx:
+        tx.set_properties({fencing_token_property(GROUP): "9"})
+    with pytest.raises(StaleFencingTokenError):
+        IcebergCommitter(catalog, GROUP).commit(
+            request(pending(write(table, [1]), table), {"0": 1}, token=8)
+        )
+    assert snapshot_count(catalog) == 0
+
+
+def test_token_is_recorded_and_only_raised(catalog: SqlCatalog, table: Table) -> None:
+    committer = IcebergCommitter(catalog, GROUP)
+
+    def token_after(token: int, ids: list[int], offset: int) -> str:
+        files = pending(write(table, ids), table, batch_seq=offset, offset=offset)
+        committer.commit(request(files, {"0": offset + 1}, token=token))
+        return catalog.load_table("db.events").properties[fencing_token_property(GROUP)]
+
+    assert token_after(1, [1], 0) == "1"
+    assert token_after(3, [2], 1) == "3"
+    assert token_after(3, [3], 2) == "3"  # the same leader keeps committing
+    assert ids_in(catalog) == [1, 2, 3]
+
+
+# --- wrong table, wrong place -------------------------------------------------------------
+
+
+def test_recreated_table_is_refused(catalog: SqlCatalog, table: Table) -> None:
+    files = pending(write(table, [1]), table)
+    catalog.drop_table("db.events")
+    catalog.create_table("db.events", schema=SCHEMA)
+
+    with pytest.raises(TableMismatchError):
+        IcebergCommitter(catalog, GROUP).commit(request(files, {"0": 1}))
+    assert snapshot_count(catalog) == 0
+
+
+def test_file_outside_table_location_is_refused(catalog: SqlCatalog, table: Table) -> None:
+    other = catalog.create_table("db.other", schema=SCHEMA)
+    good = pending(write(table, [1]), table)
+    foreign = [PendingFile(m, "w1", 0, "0", 0) for m in write(other, [2])]
+
+    committer = IcebergCommitter(catalog, GROUP)
+    with pytest.raises(FileOutsideTableError):
+        committer.commit(request(good + foreign, {"0": 1}))
+    # a path that escapes the location with '..' is outside too
+    escaped = dataclasses.replace(
+        good[0].meta, path=f"{table.location()}/data/../../other/data/x.parquet"
+    )
+    with pytest.raises(FileOutsideTableError):
+        committer.commit(request([PendingFile(escaped, "w1", 0, "0", 0)], {"0": 1}))
+    assert snapshot_count(catalog) == 0
+    assert snapshot_count(catalog, "db.other") == 0
+
+
+def test_delete_files_are_refused_not_appended(catalog: SqlCatalog, table: Table) -> None:
+    [meta] = write(table, [1])
+    delete = dataclasses.replace(meta, content=FileContent.POSITION_DELETES)
+    with pytest.raises(RowDeltaNotSupportedError, match="row delta"):
+        IcebergCommitter(catalog, GROUP).commit(request(pending([delete], table), {"0": 1}))
+    assert snapshot_count(catalog) == 0
+
+
+# --- branches, partitions -----------------------------------------------------------------
+
+
+def test_branch_on_empty_table(catalog: SqlCatalog, table: Table) -> None:
+    committer = IcebergCommitter(catalog, GROUP, branch="audit")
+    result = committer.commit(request(pending(write(table, [1, 2]), table), {"0": 1}))
+
+    loaded = catalog.load_table("db.events")
+    assert loaded.current_snapshot() is None  # main untouched
+    head = loaded.snapshot_by_name("audit")
+    assert head is not None
+    assert head.snapshot_id == result.snapshot_id
+    assert ids_in(catalog, branch="audit") == [1, 2]
+    assert IcebergCommitter(catalog, GROUP).state("db.events") is None
+
+    more = pending(write(table, [3]), table, batch_seq=1, offset=1)
+    committer.commit(request(more, {"0": 2}))
+    assert ids_in(catalog, branch="audit") == [1, 2, 3]
+    state = committer.state("db.events")
+    assert state is not None
+    assert state.positions == {"0": 2}
+
+
+def test_branch_forks_from_main(catalog: SqlCatalog, table: Table) -> None:
+    table.append(rows([100]))
+    main_head = catalog.load_table("db.events").current_snapshot()
+    assert main_head is not None
+    committer = IcebergCommitter(catalog, GROUP, branch="audit")
+    result = committer.commit(request(pending(write(table, [1]), table), {"0": 1}))
+
+    loaded = catalog.load_table("db.events")
+    branch_head = loaded.snapshot_by_name("audit")
+    assert branch_head is not None
+    assert branch_head.snapshot_id == result.snapshot_id
+    assert branch_head.parent_snapshot_id == main_head.snapshot_id
+    assert ids_in(catalog, branch="audit") == [1, 100]
+    assert ids_in(catalog) == [100]  # main unchanged
+
+
+def test_tag_is_not_a_branch(catalog: SqlCatalog, table: Table) -> None:
+    table.append(rows([100]))
+    snapshot = catalog.load_table("db.events").current_snapshot()
+    assert snapshot is not None
+    catalog.load_table("db.events").manage_snapshots().create_tag(
+        snapshot.snapshot_id, "v1"
+    ).commit()
+    with pytest.raises(CommitError, match="tag"):
+        IcebergCommitter(catalog, GROUP, branch="v1").commit(
+            request(pending(write(table, [1]), table), {"0": 1})
+        )
+
+
+def test_partitioned_table(catalog: SqlCatalog) -> None:
+    spec = PartitionSpec(
+        PartitionField(2, 1000, IdentityTransform(), "name"),
+        PartitionField(3, 1001, DayTransform(), "ts_day"),
+    )
+    table = catalog.create_table("db.parted", schema=SCHEMA, partition_spec=spec)
+    metas = write(table, list(range(12)), names=["a", "b", "c"] * 4, days=2)
+    assert len(metas) == 6  # 3 names x 2 days
+    result = IcebergCommitter(catalog, GROUP).commit(
+        request(pending(metas, table), {"0": 1}, name="db.parted")
+    )
+    assert (result.data_files, result.records) == (6, 12)
+    assert ids_in(catalog, "db.parted") == list(range(12))
+    loaded = catalog.load_table("db.parted")
+    assert loaded.scan(row_filter="name = 'b'").to_arrow().num_rows == 4
+    day1 = loaded.scan(row_filter="ts >= '2024-05-02T00:00:00'").to_arrow()
+    assert sorted(day1.column("id").to_pylist()) == [1, 3, 5, 7, 9, 11]
+    partitions = loaded.inspect.partitions().column("partition").to_pylist()
+    assert {(p["name"], p["ts_day"]) for p in partitions} == {
+        (n, d) for n in "abc" for d in (dt.date(2024, 5, 1), dt.date(2024, 5, 2))
+    }
+
+
+def test_file_of_an_old_partition_spec_is_refused(catalog: SqlCatalog, table: Table) -> None:
+    files = pending(write(table, [1]), table)
+    with table.update_spec() as update:
+        update.add_identity("name")
+    with pytest.raises(PartitionSpecChangedError):
+        IcebergCommitter(catalog, GROUP).commit(request(files, {"0": 1}))
+    assert snapshot_count(catalog) == 0
+
+
+# --- monotonic state ----------------------------------------------------------------------
+
+
+def test_positions_watermarks_and_offsets_never_regress(catalog: SqlCatalog, table: Table) -> None:
+    committer = IcebergCommitter(catalog, GROUP)
+    committer.commit(
+        request(
+            pending(write(table, [1]), table, writer="w1", batch_seq=3, offset=9),
+            {"0": 10, "1": 5},
+            source_offsets={"t": {0: 100, 1: 7}},
+        )
+    )
+    # a lagging request (e.g. from a recovery that re-read less) must not move anything back
+    new = pending(write(table, [2]), table, writer="w2", batch_seq=0, partition="2", offset=0)
+    result = committer.commit(
+        request(new, {"0": 4, "2": 1}, source_offsets={"t": {0: 50, 2: 3}, "u": {0: 1}})
+    )
+    assert result.data_files == 1
+    state = committer.state("db.events")
+    assert state is not None
+    assert state.positions == {"0": 10, "1": 5, "2": 1}
+    assert state.watermarks == {"w1": 3, "w2": 0}
+    assert state.source_offsets == {"t": {0: 100, 1: 7, 2: 3}, "u": {0: 1}}
+    assert ids_in(catalog) == [1, 2]
+
+
+def test_unreadable_own_summary_is_an_error(catalog: SqlCatalog, table: Table) -> None:
+    table.append(rows([1]), snapshot_properties={GROUP_ID_KEY: GROUP, POSITIONS_KEY: "{oops"})
+    with pytest.raises(CommitError, match="unreadable"):
+        IcebergCommitter(catalog, GROUP).state("db.events")
+
+
+def test_missing_table_is_a_commit_error(catalog: SqlCatalog) -> None:
+    with pytest.raises(CommitError, match="does not exist"):
+        IcebergCommitter(catalog, GROUP).commit(request([], {"0": 1}, name="db.nope"))
+
+
+def test_racing_committers_of_one_group_commit_each_file_once(tmp_path: Path) -> None:
+    """Three committers (say, a leader and two zombies that still believe they lead, same
+    token) race on overlapping requests in different orders from their own catalog clients;
+    every file ends up in the table exactly once."""
+    props = {"uri": f"sqlite:///{tmp_path}/c.db", "warehouse": f"file://{tmp_path}/wh"}
+    setup = SqlCatalog("shared", **props)
+    setup.create_namespace("db")
+    table = setup.create_table("db.events", schema=SCHEMA)
+    # request k holds every file up to cycle k, as a coordinator that has not seen any of
+    # them committed would send it (the request contract: all before R is in the request)
+    files: list[PendingFile] = []
+    requests = []
+    for cycle in range(6):
+        ids = [cycle * 10, cycle * 10 + 1]
+        files += pending(write(table, ids), table, batch_seq=cycle, offset=cycle)
+        requests.append(request(files, {"0": cycle + 1}))
+    errors: list[BaseException] = []
+
+    def run(order: list[TableCommitRequest]) -> None:
+        catalog = SqlCatalog("shared", **props)
+        committer = IcebergCommitter(catalog, GROUP, max_attempts=50, retry_wait_s=0.001)
+        try:
+            for req in order:
+                committer.commit(req)
+        except BaseException as e:  # reported below; a thread cannot fail the test itself
+            errors.append(e)
+        finally:
+            catalog.engine.dispose()
+
+    orders = [requests, list(reversed(requests)), requests[2:] + requests[:2]]
+    threads = [threading.Thread(target=run, args=(o,)) for o in orders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    expected = sorted(i for c in range(6) for i in (c * 10, c * 10 + 1))
+    assert ids_in(setup) == expected
+    setup.engine.dispose()
+
+
+def test_rollback_makes_rolled_back_files_committable_again(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """State lives in the branch history, so a rollback also rolls back what the committer
+    considers committed, and a replay restores the lost data."""
+    committer = IcebergCommitter(catalog, GROUP)
+    first = committer.commit(request(pending(write(table, [1]), table), {"0": 1}))
+    second_req = request(pending(write(table, [2]), table, batch_seq=1, offset=1), {"0": 2})
+    committer.commit(second_req)
+    assert first.snapshot_id is not None
+    catalog.load_table("db.events").manage_snapshots().rollback_to_snapshot(
+        first.snapshot_id
+    ).commit()
+    assert ids_in(catalog) == [1]
+
+    state = committer.state("db.events")
+    assert state is not None
+    assert state.snapshot_id == first.snapshot_id
+    result = committer.commit(second_req)
+    assert result.data_files == 1
+    assert ids_in(catalog) == [1, 2]
+
+
+def test_expired_own_history_is_refused(catalog: SqlCatalog, table: Table) -> None:
+    committer = IcebergCommitter(catalog, GROUP)
+    req = request(pending(write(table, [1]), table), {"0": 1})
+    ours = committer.commit(req)
+    assert ours.snapshot_id is not None
+    for i in range(2):
+        catalog.load_table("db.events").append(rows([100 + i]))
+    catalog.load_table("db.events").maintenance.expire_snapshots().by_id(ours.snapshot_id).commit()
+
+    with pytest.raises(CommitHistoryLostError, match="expired"):
+        committer.commit(req)
+    with pytest.raises(CommitHistoryLostError):
+        committer.state("db.events")
+    assert ids_in(catalog) == [1, 100, 101]
+
+
+def test_expired_foreign_history_alone_is_fine(catalog: SqlCatalog, table: Table) -> None:
+    """A group that never committed here is not confused by a history cut short."""
+    for i in range(2):
+        catalog.load_table("db.events").append(rows([100 + i]))
+    first = catalog.load_table("db.events").snapshots()[0]
+    catalog.load_table("db.events").maintenance.expire_snapshots().by_id(first.snapshot_id).commit()
+    IcebergCommitter(catalog, GROUP).commit(request(pending(write(table, [1]), table), {"0": 1}))
+    assert ids_in(catalog) == [1, 100, 101]

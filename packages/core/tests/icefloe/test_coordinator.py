@@ -1,0 +1,547 @@
+"""Coordinator scenarios on the reference channel with a real SQLite Iceberg catalog and real
+Parquet files. The scenarios every backend shares live in the conformance suite (run here by
+test_conformance_memory.py); these add the faults that need the reference channel's test
+hooks: partial table failures, commit timeouts, a zombie racing a takeover, foreign and
+corrupt events, and a coordinator process killed by SIGKILL."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+
+from icefloe.channel import WriterBatch
+from icefloe.committer import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
+from icefloe.config import CoordinationConfig
+from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.errors import CommitError, EventDecodeError, NotLeaderError
+from icefloe.events import DataComplete, DataWritten, Event, WriterRef, encode_event
+from icefloe.hookspecs import TableCommitted, hookimpl
+from icefloe.plugins import DISABLE_AUTOLOAD_ENV, Plugins, new_plugins
+from icefloe.testing.fixtures import (
+    assert_exactly_once,
+    group_snapshots,
+    make_sqlite_catalog,
+    sqlite_catalog_properties,
+    table_ids,
+)
+from icefloe.testing.harness import (
+    DoomedCoordinator,
+    RowSource,
+    drive,
+    lead,
+    run_doomed_coordinator,
+    wait_pending,
+)
+from icefloe.testing.memory import (
+    MemoryBackend,
+    MemoryServer,
+    memory_backend_options,
+    serve_memory_server,
+)
+from icefloe.writer import WriterClient
+
+TABLES = ("db.orders", "db.events")
+TTL = 1.0
+
+
+@pytest.fixture
+def group_id() -> str:
+    return f"pipe-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def backend(memory_server: MemoryServer, group_id: str) -> MemoryBackend:
+    return MemoryBackend(memory_server, group_id, TTL)
+
+
+@pytest.fixture
+def source(sqlite_catalog: SqlCatalog) -> RowSource:
+    return RowSource.create(sqlite_catalog, TABLES)
+
+
+class _Recorder:
+    """An after_table_commit plugin that remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.events: list[TableCommitted] = []
+
+    @hookimpl
+    def icefloe_after_table_commit(self, event: TableCommitted) -> None:
+        self.events.append(event)
+
+
+@pytest.fixture
+def recorder() -> _Recorder:
+    return _Recorder()
+
+
+@pytest.fixture
+def plugins(recorder: _Recorder) -> Plugins:
+    p = new_plugins(autoload=False)
+    p.pm.register(recorder)
+    return p
+
+
+@pytest.fixture
+def make(
+    backend: MemoryBackend, sqlite_catalog: SqlCatalog, group_id: str, plugins: Plugins
+) -> Iterator[_Factory]:
+    f = _Factory(backend, sqlite_catalog, group_id, plugins)
+    yield f
+    f.close()
+
+
+class _Factory:
+    """Coordinators and writers of one pipeline, closed at teardown."""
+
+    def __init__(
+        self, backend: MemoryBackend, catalog: SqlCatalog, group_id: str, plugins: Plugins
+    ) -> None:
+        self.backend, self.catalog, self.group_id, self.plugins = (
+            backend,
+            catalog,
+            group_id,
+            plugins,
+        )
+        self._open: list[Coordinator | WriterClient] = []
+
+    def coordinator(
+        self, name: str = "c1", hooks: CoordinatorHooks | None = None, **settings: float
+    ) -> Coordinator:
+        s = CoordinatorSettings(
+            **{"commit_interval_s": 3600.0, "commit_timeout_s": 30.0, **settings}  # type: ignore[arg-type]
+        )
+        c = Coordinator(
+            self.group_id,
+            self.backend.coordinator(name),
+            self.catalog,
+            s,
+            coordinator_id=name,
+            plugins=self.plugins,
+            hooks=hooks,
+        )
+        self._open.append(c)
+        return c
+
+    def writer(self, writer_id: str) -> WriterClient:
+        w = WriterClient(self.backend.writer(writer_id), self.group_id, writer_id)
+        w.start()
+        self._open.append(w)
+        return w
+
+    def close(self) -> None:
+        for x in reversed(self._open):
+            x.close()
+
+
+def test_settings_from_config() -> None:
+    c = CoordinationConfig(
+        commit_interval_s=3, commit_timeout_s=4, max_pending_files=5, writer_timeout_s=6, branch="b"
+    )
+    s = CoordinatorSettings.from_config(c)
+    assert (s.commit_interval_s, s.commit_timeout_s, s.max_pending_files) == (3, 4, 5)
+    assert (s.writer_timeout_s, s.branch, s.max_pending_bytes) == (6, "b", None)
+
+
+def test_complete_cycle_records_vtts_and_notifies_plugins(
+    make: _Factory, source: RowSource, group_id: str, recorder: _Recorder
+) -> None:
+    a, b = make.writer("a"), make.writer("b")
+    coord = make.coordinator()
+    lead(coord)
+    files = source.publish(a, 0).file_count + source.publish(b, 0).file_count
+    files += source.publish(a, 1).file_count
+    wait_pending(coord, files)
+    result = coord.commit_now()
+    assert result.complete
+    # per source partition the newest record time: a reached seq 1, b seq 0 -> min is b's
+    assert result.valid_through_ms == 1_700_000_000_000
+    for t in TABLES:
+        (snap,) = group_snapshots(make.catalog, t, group_id)
+        assert snap.summary is not None
+        assert snap.summary[VALID_THROUGH_KEY] == str(result.valid_through_ms)
+        assert coord.lease is not None
+        assert snap.summary[FENCING_TOKEN_KEY] == str(coord.lease.token)
+        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert sorted(e.table for e in recorder.events) == sorted(TABLES)
+    assert sum(e.records for e in recorder.events) == sum(len(v) for v in source.expected.values())
+    assert make.backend.server.stored_position(group_id) == coord.read_position
+
+
+def test_idle_writer_answers_at_once_so_the_cycle_completes(
+    make: _Factory, source: RowSource
+) -> None:
+    busy, idle = make.writer("busy"), make.writer("idle")
+    never_published = make.writer("never-published")
+    # a timeout far beyond the test's own: only answers can complete the cycle
+    coord = make.coordinator(commit_timeout_s=3600.0)
+    lead(coord)
+    files = source.publish(busy, 0).file_count + source.publish(idle, 0).file_count
+    wait_pending(coord, files)
+    assert coord.commit_now().complete
+    # second cycle: 'idle' publishes nothing but is live; it still answers
+    wait_pending(coord, source.publish(busy, 1).file_count)
+    result = coord.commit_now()
+    assert result.complete
+    assert result.valid_through_ms is not None
+    assert {"busy", "idle", "never-published"} <= set(coord.known_writers())
+    assert idle.answered >= 2
+    assert never_published.answered >= 2
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def test_commit_timeout_gives_partial_commit_and_late_files_go_to_the_next(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    answering = make.writer("answering")
+    # a writer that publishes but never answers StartCommit (its responder is not running)
+    silent = make.backend.writer("silent")
+    ref = WriterRef("silent", silent.open())
+    coord = make.coordinator(commit_timeout_s=0.5)
+    lead(coord)
+
+    def publish_silent(seq: int) -> int:
+        b = source.batch("silent", seq)
+        events = [Event(group_id, DataWritten(t, tuple(fs)), ref, seq) for t, fs in b.files.items()]
+        events.append(Event(group_id, DataComplete(tuple(b.positions)), ref, seq))
+        assert silent.publish(WriterBatch(ref, seq, tuple(events)))
+        for t, ids in b.ids.items():
+            source.expected.setdefault(t, []).extend(ids)
+        return b.file_count
+
+    files = source.publish(answering, 0).file_count + publish_silent(0)
+    wait_pending(coord, files)
+    first = coord.commit_now()
+    assert not first.complete
+    assert first.valid_through_ms is None
+    for t in TABLES:
+        (snap,) = group_snapshots(make.catalog, t, group_id)
+        assert snap.summary is not None
+        assert snap.summary[VALID_THROUGH_KEY] is None
+        assert_exactly_once(make.catalog, t, source.expected[t])
+    # the silent writer's late answer and its next batch arrive after the decision point
+    silent.respond(Event(group_id, DataComplete((), first.commit_id), ref, 0))
+    wait_pending(coord, publish_silent(1))
+    second = coord.commit_now()
+    assert not second.failed
+    assert all(r.snapshot_id is not None for r in second.tables)
+    for t in TABLES:
+        assert len(group_snapshots(make.catalog, t, group_id)) == 2
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def test_partial_table_failure_is_finished_later_without_duplicating_the_others(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    failing, healthy = TABLES[0], TABLES[1]
+    failures: list[str] = []
+
+    def fail_once(table: str) -> None:
+        if table == failing and not failures:
+            failures.append(table)
+            raise CommitError("injected: catalog unavailable")
+
+    w = make.writer("w")
+    coord = make.coordinator(hooks=CoordinatorHooks(before_table_commit=fail_once))
+    lead(coord)
+    b0 = source.publish(w, 0)
+    wait_pending(coord, b0.file_count)
+    first = coord.commit_now()
+    assert set(first.failed) == {failing}
+    assert "injected" in first.failed[failing]
+    assert [r.table for r in first.tables] == [healthy]
+    assert make.backend.server.stored_position(group_id) is None, "stored with a table failed"
+    assert_exactly_once(make.catalog, healthy, source.expected[healthy])
+    assert group_snapshots(make.catalog, failing, group_id) == []
+    assert coord.pending_files() == {failing: len(b0.files[failing])}
+
+    # the coordinator dies before the next cycle (it never releases; its lease expires) and
+    # its successor re-reads everything from the beginning
+    heir = make.coordinator("c2")
+    lead(heir)
+    wait_pending(heir, source.publish(w, 1).file_count)
+    second = heir.commit_now()
+    assert not second.failed
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert len(group_snapshots(make.catalog, healthy, group_id)) == 2
+    assert len(group_snapshots(make.catalog, failing, group_id)) == 1
+    assert make.backend.server.stored_position(group_id) == heir.read_position
+
+
+def test_zombie_that_passed_its_lease_check_is_refused_by_the_table(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    """The race of invariant 3: the leader renews its lease right before the catalog commit,
+    then pauses; a new leader takes over and commits; the zombie resumes. The table's fencing
+    token (or the changed metadata, then the token) must stop it."""
+    w = make.writer("w")
+    heirs: list[Coordinator] = []
+
+    def pause_and_let_a_successor_commit(_: str) -> None:
+        if heirs:
+            return
+        heir = make.coordinator("heir")
+        heirs.append(heir)
+        lead(heir)  # waits for the paused zombie's lease to expire
+        wait_pending(heir, sum(zombie.pending_files().values()))
+        assert not heir.commit_now().failed
+
+    zombie = make.coordinator(
+        "zombie", hooks=CoordinatorHooks(after_lease_check=pause_and_let_a_successor_commit)
+    )
+    lead(zombie)
+    wait_pending(zombie, source.publish(w, 0).file_count)
+    with pytest.raises(NotLeaderError):
+        zombie.commit_now()
+    assert not zombie.is_leader
+    (heir,) = heirs
+    assert heir.lease is not None
+    for t in TABLES:
+        (snap,) = group_snapshots(make.catalog, t, group_id)
+        assert snap.summary is not None
+        assert snap.summary[FENCING_TOKEN_KEY] == str(heir.lease.token)
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def test_coordinator_process_killed_after_iceberg_commit_loses_and_duplicates_nothing(
+    tmp_path: Path,
+) -> None:
+    """A real SIGKILL of a coordinator process between the Iceberg commits and the position
+    store; the channel state lives in a separate server process and survives."""
+    group_id = f"pipe-{uuid.uuid4().hex[:8]}"
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    source = RowSource.create(catalog, TABLES)
+    with serve_memory_server() as (server, address):
+        backend = MemoryBackend(server, group_id, TTL)
+        writers = [WriterClient(backend.writer(f"w{i}"), group_id, f"w{i}") for i in range(2)]
+        for w in writers:
+            w.start()
+        try:
+            files = sum(source.publish(w, seq).file_count for seq in range(2) for w in writers)
+            spec = DoomedCoordinator(address, catalog.name, props, group_id, TTL, files)
+            child = multiprocessing.get_context("spawn").Process(
+                target=run_doomed_coordinator, args=(spec,)
+            )
+            child.start()
+            child.join(120)
+            assert child.exitcode == -signal.SIGKILL, f"child exit code {child.exitcode}"
+            # Iceberg has the rows; the channel never heard of it
+            for t in TABLES:
+                assert len(group_snapshots(catalog, t, group_id)) == 1
+                assert_exactly_once(catalog, t, source.expected[t])
+            assert server.stored_position(group_id) is None
+
+            heir = Coordinator(
+                group_id,
+                backend.coordinator("heir"),
+                catalog,
+                CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0),
+                plugins=new_plugins(autoload=False),
+            )
+            try:
+                lead(heir)
+                result = heir.commit_now()
+                assert not result.failed
+                assert all(r.snapshot_id is None for r in result.tables)
+                assert server.stored_position(group_id) == heir.read_position
+                wait_pending(heir, sum(source.publish(w, 2).file_count for w in writers))
+                assert not heir.commit_now().failed
+            finally:
+                heir.close()
+            for t in TABLES:
+                assert len(group_snapshots(catalog, t, group_id)) == 2
+                assert_exactly_once(catalog, t, source.expected[t])
+        finally:
+            for w in writers:
+                w.close()
+
+
+def test_run_loop_commits_on_interval_and_hands_over_on_stop(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    w = make.writer("w")
+    first = make.coordinator("first", commit_interval_s=0.2)
+    second = make.coordinator("second", commit_interval_s=0.2)
+    stops = [threading.Event(), threading.Event()]
+    threads = [
+        threading.Thread(target=c.run, args=(s,), daemon=True)
+        for c, s in zip((first, second), stops, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        source.publish(w, 0)
+        drive_until_rows(make.catalog, source)
+        leader = 0 if first.is_leader else 1
+        stops[leader].set()
+        threads[leader].join(30)
+        assert not threads[leader].is_alive()
+        source.publish(w, 1)
+        drive_until_rows(make.catalog, source)
+        assert (second if leader == 0 else first).is_leader
+    finally:
+        for s in stops:
+            s.set()
+        for t in threads:
+            t.join(30)
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def drive_until_rows(catalog: SqlCatalog, source: RowSource, timeout: float = 30.0) -> None:
+    """Wait (the coordinators run in threads) until every expected row is in every table."""
+    deadline = time.monotonic() + timeout
+    while any(len(table_ids(catalog, t)) < len(source.expected[t]) for t in TABLES):
+        assert time.monotonic() < deadline, "rows did not arrive"
+        time.sleep(0.1)
+
+
+def test_size_trigger_starts_a_cycle_before_the_interval(make: _Factory, source: RowSource) -> None:
+    w = make.writer("w")
+    coord = make.coordinator(max_pending_files=len(TABLES))
+    lead(coord)
+    source.publish(w, 0)
+    deadline = time.monotonic() + 30
+    while coord.step(0.1) is None:
+        assert time.monotonic() < deadline, "no cycle started"
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def test_empty_cycle_makes_no_snapshot_but_stores_the_position(
+    make: _Factory, group_id: str
+) -> None:
+    w = make.writer("w")
+    coord = make.coordinator()
+    lead(coord)
+    w.publish(0, {}, [])  # a batch that wrote no files
+    drive(coord, lambda: "w" in coord.known_writers(), "the empty batch")
+    result = coord.commit_now()
+    assert result.complete
+    assert result.tables == ()
+    stored = make.backend.server.stored_position(group_id)
+    assert stored is not None
+    assert stored == coord.read_position
+    assert stored["0"] >= 2  # the batch and the writer's answer were read past
+
+
+def test_foreign_duplicate_and_stale_events_are_ignored(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    server = make.backend.server
+    table = TABLES[0]
+    # the injected writer never answers StartCommit: keep the wait short
+    coord = make.coordinator(commit_timeout_s=0.3)
+    lead(coord)
+
+    def inject(event: Event) -> None:
+        server.inject(group_id, encode_event(event))
+
+    first = source.batch("w", 0)
+    replay = source.batch("w", 0, ids=first.ids)  # same key, other files
+    other_pipeline = source.batch("x", 0)
+    ref1, ref2 = WriterRef("w", 1), WriterRef("w", 2)
+    inject(
+        Event("another-pipeline", DataWritten(table, tuple(other_pipeline.files[table])), ref1, 0)
+    )
+    inject(Event(group_id, DataWritten(table, tuple(first.files[table])), ref2, 0))
+    inject(Event(group_id, DataWritten(table, tuple(replay.files[table])), ref2, 0))
+    stale = source.batch("w", 1)
+    inject(Event(group_id, DataWritten(table, tuple(stale.files[table])), ref1, 1))
+    drive(coord, lambda: coord.read_position.get("0", 0) >= 4, "4 events read")
+    assert coord.pending_files() == {table: len(first.files[table])}
+    coord.commit_now()
+    assert_exactly_once(make.catalog, table, first.ids[table])
+
+
+def test_undecodable_event_stops_the_coordinator(make: _Factory, group_id: str) -> None:
+    coord = make.coordinator()
+    lead(coord)
+    make.backend.server.inject(group_id, b"IF\x01 definitely not an event")
+    with pytest.raises(EventDecodeError):
+        drive(coord, lambda: False, "the decode error")
+    # a restarted coordinator stops at the same event instead of skipping it
+    heir = make.coordinator("heir")
+    with pytest.raises(EventDecodeError):
+        drive(heir, lambda: False, "the decode error")
+
+
+def test_commit_now_requires_leadership(make: _Factory) -> None:
+    coord = make.coordinator()
+    with pytest.raises(NotLeaderError):
+        coord.commit_now()
+
+
+_CLI_SCRIPT = """
+import sys
+from icefloe.plugins import get_plugins
+from icefloe.testing.memory import MemoryPlugin
+get_plugins().pm.register(MemoryPlugin())
+from icefloe.cli import main
+sys.argv = ["icefloe", "coordinator", "--config", sys.argv[1], "--id", "standalone"]
+main()
+"""
+
+
+def test_standalone_coordinator_command_commits_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """`icefloe coordinator --config` in its own process, on a served reference channel."""
+    group_id = f"pipe-{uuid.uuid4().hex[:8]}"
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    source = RowSource.create(catalog, TABLES)
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    with serve_memory_server() as (server, address):
+        opts = memory_backend_options(address)
+        config = tmp_path / "pipeline.toml"
+        config.write_text(
+            f'name = "{group_id}"\n'
+            '[source]\ntopics = ["t"]\n'
+            + "".join(f'[[tables]]\nname = "{t}"\n' for t in TABLES)
+            + f'[catalog]\nname = "{catalog.name}"\n'
+            f'[catalog.properties]\nuri = "{props["uri"]}"\nwarehouse = "{props["warehouse"]}"\n'
+            '[coordination]\nbackend = "memory"\ncommit_interval_s = 0.3\nlease_ttl_s = 1.0\n'
+            f'[coordination.memory]\nhost = "{opts["host"]}"\nport = {opts["port"]}\n'
+            f'authkey = "{opts["authkey"]}"\n'
+        )
+        backend = MemoryBackend(server, group_id, TTL)
+        writer = WriterClient(backend.writer("w"), group_id, "w")
+        writer.start()
+        env = {**os.environ, DISABLE_AUTOLOAD_ENV: "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CLI_SCRIPT, str(config)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            source.publish(writer, 0)
+            source.publish(writer, 1)
+            drive_until_rows(catalog, source)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            writer.close()
+        assert proc.returncode == 0, err
+        assert "commit " in err
+        assert "coordinator standalone stopped" in err
+        # it released the lease on the way out: another coordinator leads at once
+        successor = backend.coordinator("successor")
+        assert successor.acquire(0.1) is not None
+        successor.close()
+    for t in TABLES:
+        assert_exactly_once(catalog, t, source.expected[t])

@@ -1,0 +1,80 @@
+"""Small Kafka helpers shared by the demo, the end-to-end tests and the benchmark."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+
+def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    """Create ``topic`` (replication 1: the embedded broker is a single node)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for f in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
+        f.result(timeout=30)
+
+
+def produce(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, bytes]]) -> int:
+    """Produce (key, value) pairs and wait until the broker acknowledged every one; raise if
+    any was not. Returns how many were produced."""
+    failures: list[str] = []
+
+    def report(err: Any, _msg: Any) -> None:
+        if err is not None:
+            failures.append(str(err))
+
+    producer = Producer(
+        {"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 20, "compression.type": "lz4"}
+    )
+    count = 0
+    for key, value in records:
+        while True:
+            try:
+                producer.produce(topic, value=value, key=key, on_delivery=report)
+                break
+            except BufferError:  # the local queue is full: let deliveries drain
+                producer.poll(0.1)
+        count += 1
+        if count % 10_000 == 0:
+            producer.poll(0)
+    left = producer.flush(60)
+    if left or failures:
+        raise RuntimeError(f"{left} records undelivered, {len(failures)} failed: {failures[:3]}")
+    return count
+
+
+def end_offsets(bootstrap: str, topic: str, timeout_s: float = 60.0) -> dict[int, int]:
+    """Each partition's end offset, found by reading to the end (exact on every broker;
+    the embedded Tansu's ListOffsets answers the last batch's base offset + 1)."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "icefloe-end-offsets",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        starts = {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts
+        }
+        # start near the listed end: only the last batch needs reading
+        consumer.assign(
+            [TopicPartition(topic, p, max(hi - 1, lo)) for p, (lo, hi) in starts.items()]
+        )
+        ends: dict[int, int] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(ends) < len(parts):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not find the end of {topic} in {timeout_s}s")
+            for msg in consumer.consume(1000, timeout=0.5):
+                err = msg.error()
+                if err is not None and err.code() == KafkaError._PARTITION_EOF:
+                    ends[msg.partition()] = msg.offset()
+        return ends
+    finally:
+        consumer.close()

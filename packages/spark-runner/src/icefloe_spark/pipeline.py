@@ -1,0 +1,275 @@
+"""Build and run one pipeline's streaming query from a :class:`PipelineConfig`.
+
+The driver process holds, for the life of the query: the writer identity (one
+:class:`WriterPublisher` over the configured backend, served to the sink's commit worker by a
+:class:`PublishServer`), and by default a coordinator thread. Coordinators elect a leader, so
+several drivers of one pipeline (or a standalone ``icefloe coordinator``) can run side by side;
+``coordinator=False`` leaves committing to a standalone one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.exceptions import NoSuchTableError
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from icefloe.backends import open_backend
+from icefloe.channel import Backend
+from icefloe.config import PipelineConfig
+from icefloe.coordinator import Coordinator, CoordinatorSettings
+from icefloe.errors import ConfigError
+from icefloe.plugins import Plugins, get_plugins
+from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
+from icefloe_spark.sink import SINK_NAME, IcefloeSink, derive_writer_id, sink_options
+from icefloe_spark.source import SOURCE_NAME, register_sources, source_options
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHECKPOINT_ROOT = ".icefloe/checkpoints"
+# keep the pipeline config (catalog credentials) and the publisher secret out of Spark's plans
+_REDACT_OPTIONS = "(?i)url|config|secret"
+_COORDINATOR_RETRY_S = 2.0
+
+
+def checkpoint_location(config: PipelineConfig, override: str | None = None) -> str:
+    """Where Spark keeps this query's offsets: ``--checkpoint``, ``spark.checkpoint_location``
+    or ``.icefloe/checkpoints/<name>`` under the working directory."""
+    location = override or config.spark.checkpoint_location
+    if location:
+        return location
+    return str(Path(DEFAULT_CHECKPOINT_ROOT, config.name).absolute())
+
+
+def build_session(config: PipelineConfig) -> SparkSession:
+    """A SparkSession for this pipeline; Python workers run this interpreter (else they start
+    under whatever ``python3`` is first on PATH, without icefloe installed)."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder: Any = SparkSession.builder.master(config.spark.master).appName(config.spark.app_name)
+    conf = {"spark.sql.redaction.options.regex": _REDACT_OPTIONS, **config.spark.conf}
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    session: SparkSession = builder.getOrCreate()
+    return session
+
+
+def register(spark: SparkSession) -> None:
+    """Make ``icefloe-kafka`` and ``icefloe`` known to this session."""
+    register_sources(spark)
+    spark.dataSource.register(IcefloeSink)
+
+
+def open_catalog(config: PipelineConfig) -> Catalog:
+    return load_catalog(config.catalog.name, **config.catalog.properties)
+
+
+def check_tables(catalog: Catalog, config: PipelineConfig) -> None:
+    """Every target table must exist before the query starts (a clear error beats failing
+    tasks)."""
+    for t in config.tables:
+        try:
+            catalog.load_table(t.name)
+        except NoSuchTableError:
+            hint = (
+                "auto_create is not supported yet: create the table first (pyiceberg, Spark SQL "
+                "or your catalog's tools)"
+                if t.auto_create
+                else "create the table first"
+            )
+            raise ConfigError("tables.name", f"table '{t.name}' does not exist", hint) from None
+
+
+class CoordinatorThread:
+    """Runs :meth:`Coordinator.run` in the driver until stopped, restarting it after errors
+    (leadership moves to another coordinator meanwhile, if one runs)."""
+
+    def __init__(
+        self, config: PipelineConfig, backend: Backend, catalog: Catalog, plugins: Plugins
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.catalog = catalog
+        self.plugins = plugins
+        self.coordinator_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.stop_event = threading.Event()
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="icefloe-coordinator", daemon=True)
+
+    def start(self) -> CoordinatorThread:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        settings = CoordinatorSettings.from_config(self.config.coordination)
+        while not self.stop_event.is_set():
+            coordinator = Coordinator(
+                self.config.name,
+                self.backend.coordinator(self.coordinator_id),
+                self.catalog,
+                settings,
+                coordinator_id=self.coordinator_id,
+                plugins=self.plugins,
+            )
+            try:
+                coordinator.run(self.stop_event)
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("coordinator failed; restarting in %.0fs", _COORDINATOR_RETRY_S)
+                self.stop_event.wait(_COORDINATOR_RETRY_S)
+            finally:
+                try:
+                    coordinator.close()
+                except Exception:
+                    log.warning("coordinator close failed", exc_info=True)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stop_event.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+class Pipeline:
+    """One running pipeline: ``start()``, watch ``query``, ``stop()`` (or use ``with``)."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        spark: SparkSession | None = None,
+        coordinator: bool = True,
+        checkpoint: str | None = None,
+        writer_id: str | None = None,
+        plugins: Plugins | None = None,
+        sink_extra_options: Mapping[str, str] | None = None,
+        reader: Callable[[SparkSession], DataFrame] | None = None,
+        source_extra_options: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.checkpoint = checkpoint_location(config, checkpoint)
+        self.writer_id = writer_id or derive_writer_id(config.name, self.checkpoint)
+        self.run_coordinator = coordinator
+        self.plugins = plugins or get_plugins()
+        self.sink_extra_options = dict(sink_extra_options or {})
+        self.reader = reader
+        self.source_extra_options = dict(source_extra_options or {})
+        self._spark = spark
+        self._owns_spark = spark is None
+        self.catalog: Catalog | None = None
+        self.backend: Backend | None = None
+        self.publisher: WriterPublisher | None = None
+        self.server: PublishServer | None = None
+        self.coordinator: CoordinatorThread | None = None
+        self.query: StreamingQuery | None = None
+
+    @property
+    def spark(self) -> SparkSession:
+        if self._spark is None:
+            raise RuntimeError("pipeline not started")
+        return self._spark
+
+    @property
+    def stats(self) -> PublishStats:
+        return self.publisher.stats if self.publisher else PublishStats()
+
+    def start(self) -> Pipeline:
+        """Open the backend, start the writer (and coordinator), then the streaming query."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        config = self.config
+        self.catalog = open_catalog(config)
+        check_tables(self.catalog, config)
+        self.backend = open_backend(config, self.plugins)
+        self.publisher = WriterPublisher(self.backend, config.name, self.writer_id).start()
+        self.server = PublishServer(self.publisher)
+        if self.run_coordinator:
+            self.coordinator = CoordinatorThread(
+                config, self.backend, self.catalog, self.plugins
+            ).start()
+        if self._spark is None:
+            self._spark = build_session(config)
+        register(self.spark)
+        options = sink_options(
+            config,
+            self.writer_id,
+            self.server.address,
+            self.server.secret,
+            extra=self.sink_extra_options,
+        )
+        interval = f"{config.spark.trigger_interval_s} seconds"
+        self.query = (
+            self._input()
+            .writeStream.format(SINK_NAME)
+            .options(**options)
+            .option("checkpointLocation", self.checkpoint)
+            .trigger(processingTime=interval)
+            .start()
+        )
+        log.info(
+            "pipeline %s started: query %s, writer %s, checkpoint %s",
+            config.name,
+            self.query.id,
+            self.writer_id,
+            self.checkpoint,
+        )
+
+    def _input(self) -> DataFrame:
+        """The configured source, or the caller's streaming DataFrame in Spark's Kafka layout
+        (e.g. from Spark's own ``kafka`` source where its connector is installed)."""
+        if self.reader is not None:
+            return self.reader(self.spark)
+        options = {**source_options(self.config), **self.source_extra_options}
+        df: DataFrame = self.spark.readStream.format(SOURCE_NAME).options(**options).load()
+        return df
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the query first (no more publishes), then the writer, coordinator and backend.
+        A batch interrupted here is re-run from the checkpoint next time and published once."""
+        if self.query is not None:
+            try:
+                self.query.stop()
+            except Exception:
+                log.warning("stopping the query failed", exc_info=True)
+        if self.server is not None:
+            self.server.close()
+        if self.coordinator is not None:
+            self.coordinator.stop(timeout)
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.backend is not None:
+            self.backend.close()
+        if self._owns_spark and self._spark is not None:
+            self._spark.stop()
+            self._spark = None
+        self.query = self.server = self.coordinator = self.publisher = self.backend = None
+
+    def __enter__(self) -> Pipeline:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,180 @@
+"""Live progress of a running pipeline: Spark's rates, what the driver published, what the
+tables hold and how far behind the source they are.
+
+Commit state is read from the tables (the snapshot summary the committer writes), not from the
+coordinator, so the view is the same when a standalone coordinator commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from pyiceberg.catalog import Catalog
+from rich.console import Group
+from rich.table import Table as RichTable
+from rich.text import Text
+
+from icefloe.committer import IcebergCommitter
+from icefloe.config import PipelineConfig
+from icefloe_spark.publish import PublishStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TableProgress:
+    """One target table as the committer left it."""
+
+    name: str
+    snapshot_id: int | None
+    committed_at_ms: int | None
+    records: int | None  # total-records of the current snapshot
+    lag: int | None  # source records not yet committed to this table (None: unknown)
+
+
+@dataclass(frozen=True)
+class QueryProgress:
+    """The fields of Spark's last progress report that matter here."""
+
+    batch_id: int | None = None
+    input_rows: int = 0
+    rows_per_s: float = 0.0
+
+    @classmethod
+    def from_spark(cls, progress: Mapping[str, Any] | None) -> QueryProgress:
+        if not progress:
+            return cls()
+        return cls(
+            batch_id=progress.get("batchId"),
+            input_rows=int(progress.get("numInputRows") or 0),
+            rows_per_s=float(progress.get("processedRowsPerSecond") or 0.0),
+        )
+
+
+def lag(
+    high_watermarks: Mapping[tuple[str, int], int],
+    committed: Mapping[str, Mapping[int, int]],
+    low_watermarks: Mapping[tuple[str, int], int],
+) -> int:
+    """Records between what the table's source offsets record and each partition's end."""
+    total = 0
+    for (topic, partition), high in high_watermarks.items():
+        start = committed.get(topic, {}).get(partition, low_watermarks.get((topic, partition), 0))
+        total += max(0, high - start)
+    return total
+
+
+class Monitor:
+    """Reads table state and source watermarks; cheap enough to call every couple of seconds."""
+
+    def __init__(self, config: PipelineConfig, catalog: Catalog) -> None:
+        self.config = config
+        self.catalog = catalog
+        self.committer = IcebergCommitter(catalog, config.name, branch=config.coordination.branch)
+        self._consumer: Consumer | None = None
+
+    def _watermarks(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]] | None:
+        src = self.config.source
+        try:
+            if self._consumer is None:
+                self._consumer = Consumer(
+                    {
+                        **src.kafka,
+                        "bootstrap.servers": src.bootstrap_servers,
+                        "group.id": f"icefloe-monitor-{uuid.uuid4().hex[:8]}",
+                        "enable.auto.commit": False,
+                    }
+                )
+            high: dict[tuple[str, int], int] = {}
+            low: dict[tuple[str, int], int] = {}
+            for topic in src.topics:
+                meta = self._consumer.list_topics(topic, timeout=2.0).topics.get(topic)
+                if meta is None or meta.error is not None:
+                    continue
+                for p in meta.partitions:
+                    lo, hi = self._consumer.get_watermark_offsets(
+                        TopicPartition(topic, p), timeout=2.0, cached=False
+                    )
+                    low[(topic, p)], high[(topic, p)] = lo, hi
+            return high, low
+        except KafkaException:
+            log.debug("watermarks unavailable", exc_info=True)
+            return None
+
+    def tables(self) -> list[TableProgress]:
+        marks = self._watermarks()
+        out = []
+        for t in self.config.tables:
+            try:
+                state = self.committer.state(t.name)
+                table = self.catalog.load_table(t.name)
+            except Exception:
+                log.debug("state of %s unavailable", t.name, exc_info=True)
+                out.append(TableProgress(t.name, None, None, None, None))
+                continue
+            snap = table.snapshot_by_id(state.snapshot_id) if state else None
+            records = None
+            if snap is not None and snap.summary is not None:
+                raw = snap.summary.additional_properties.get("total-records")
+                records = int(raw) if raw is not None else None
+            behind = None
+            if marks is not None:
+                behind = lag(marks[0], state.source_offsets if state else {}, marks[1])
+            out.append(
+                TableProgress(
+                    t.name,
+                    state.snapshot_id if state else None,
+                    snap.timestamp_ms if snap else None,
+                    records,
+                    behind,
+                )
+            )
+        return out
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+
+
+def _ago(ms: int | None, now: float) -> str:
+    if ms is None:
+        return "never"
+    return f"{max(0.0, now - ms / 1000):.0f}s ago"
+
+
+def render(
+    name: str,
+    query: QueryProgress,
+    stats: PublishStats,
+    tables: list[TableProgress],
+    coordinator: str,
+) -> Group:
+    """The live view of ``icefloe run``."""
+    now = time.time()
+    head = Text.assemble(
+        ("icefloe ", "bold cyan"),
+        (name, "bold"),
+        f"  batch {query.batch_id if query.batch_id is not None else '-'}",
+        f"  {query.rows_per_s:,.0f} records/s",
+        f"  published {stats.batches} batches / {stats.records:,} records / {stats.files} files",
+        f"  coordinator: {coordinator}",
+    )
+    grid = RichTable(box=None, pad_edge=False)
+    for col in ("table", "rows", "snapshot", "last commit", "lag"):
+        grid.add_column(col, justify="left" if col == "table" else "right")
+    for t in tables:
+        grid.add_row(
+            t.name,
+            "-" if t.records is None else f"{t.records:,}",
+            "-" if t.snapshot_id is None else str(t.snapshot_id),
+            _ago(t.committed_at_ms, now),
+            "?" if t.lag is None else f"{t.lag:,}",
+        )
+    return Group(head, grid)

@@ -1,0 +1,707 @@
+"""``icefloe-kafka``: a Kafka source for Spark Structured Streaming in Python.
+
+Spark's own Kafka source is a JVM connector that PySpark wheels do not ship; this one uses
+PySpark's Python Data Source API and confluent-kafka, and produces the same columns (key,
+value, topic, partition, offset, timestamp, timestampType, headers) as Arrow record batches.
+
+Offsets are Spark offsets, ``{"topic": {"partition": next offset}}``, checkpointed by Spark.
+A micro-batch reads the fixed range [start, end) of each partition, one Spark input
+partition per Kafka partition, so a replayed batch reads exactly the same records (the
+exactly-once sink relies on it).
+
+Options (Spark-style names; keys are case-insensitive):
+
+* ``kafka.bootstrap.servers`` (required); every other ``kafka.*`` option goes to the
+  confluent-kafka clients without the prefix (e.g. ``kafka.security.protocol``).
+* ``subscribe`` (or ``topics``): comma-separated topic names.
+* ``startingOffsets``: ``earliest`` (default), ``latest``, JSON ``{"topic": {"0": 42}}``
+  (-2 = earliest, -1 = latest; partitions not listed start at earliest) or ``table``: resume
+  from the ``icefloe.source-offsets`` the pipeline recorded in its Iceberg tables (needs
+  ``icefloe.tables``, ``icefloe.groupId``, ``icefloe.catalog.name`` and the catalog's
+  properties as ``icefloe.catalog.<key>``). Used only when the query has no checkpoint.
+* ``maxOffsetsPerTrigger`` (or ``maxRecordsPerBatch``): records per micro-batch, shared
+  among partitions in proportion to their lag.
+* ``failOnDataLoss`` (default true): fail when records between the checkpoint and the
+  broker's earliest offset are gone; false: log it and go on from the earliest.
+* ``probeHighWatermark`` (default false): learn each partition's end from a fetch response
+  instead of a ListOffsets request; for brokers whose ListOffsets lags behind the log end
+  (the embedded Tansu 0.6 answers the last *batch's* base offset + 1).
+* ``pollTimeoutMs`` (default 30000): how long a task waits for records it knows exist.
+
+New partitions (and topics created after the start) are picked up from their earliest
+offset: the batch that discovers one records it at its earliest offset, the next reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+from confluent_kafka import (
+    TIMESTAMP_CREATE_TIME,
+    TIMESTAMP_LOG_APPEND_TIME,
+    Consumer,
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    ReadMinRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from icefloe.errors import ConfigError, IcefloeError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from icefloe.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+SOURCE_NAME = "icefloe-kafka"
+
+KAFKA_SCHEMA = StructType(
+    [
+        StructField("key", BinaryType()),
+        StructField("value", BinaryType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("timestamp", TimestampType()),
+        StructField("timestampType", IntegerType()),
+        StructField(
+            "headers",
+            ArrayType(
+                StructType([StructField("key", StringType()), StructField("value", BinaryType())])
+            ),
+        ),
+    ]
+)
+# exactly what Spark checks returned batches against
+KAFKA_ARROW_SCHEMA: pa.Schema = to_arrow_schema(KAFKA_SCHEMA, timezone="UTC")
+
+EARLIEST, LATEST = -2, -1  # Spark's markers in JSON starting offsets
+_READ_BATCH = 20_000
+
+Offsets = dict[str, dict[str, int]]  # topic -> partition (as text, JSON keys) -> next offset
+TP = tuple[str, int]
+
+
+class KafkaSourceError(IcefloeError):
+    """The source cannot deliver the records a micro-batch asked for."""
+
+
+class DataLossError(KafkaSourceError):
+    """Records between the last processed offset and the broker's earliest offset are gone."""
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _bool(options: Mapping[str, str], key: str, default: bool) -> bool:
+    raw = options.get(key.lower())
+    if raw is None:
+        return default
+    if str(raw).lower() in ("true", "false"):
+        return str(raw).lower() == "true"
+    raise ConfigError(f"option '{key}'", "must be true or false", f"set {key} to true/false", raw)
+
+
+def _int(options: Mapping[str, str], key: str, default: int | None) -> int | None:
+    raw = options.get(key.lower())
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"option '{key}'", "must be a positive integer", "fix the value", raw)
+    return value
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """The parsed, picklable options of one query's source."""
+
+    bootstrap_servers: str
+    topics: tuple[str, ...]
+    starting_offsets: str = "earliest"
+    max_records: int | None = None
+    fail_on_data_loss: bool = True
+    probe_high_watermark: bool = False
+    poll_timeout_s: float = 30.0
+    client_conf: dict[str, str] = field(default_factory=dict)
+    catalog_name: str = "default"
+    catalog_properties: dict[str, str] = field(default_factory=dict)
+    tables: tuple[str, ...] = ()
+    group_id: str | None = None
+    branch: str = "main"
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> SourceOptions:
+        opts = {str(k).lower(): str(v) for k, v in options.items()}
+        servers = opts.get("kafka.bootstrap.servers")
+        if not servers:
+            raise ConfigError(
+                "option 'kafka.bootstrap.servers'",
+                "is required",
+                '.option("kafka.bootstrap.servers", "host:9092")',
+            )
+        raw_topics = opts.get("subscribe", opts.get("topics", ""))
+        topics = tuple(t.strip() for t in raw_topics.split(",") if t.strip())
+        if not topics:
+            raise ConfigError(
+                "option 'subscribe'",
+                "names no topic",
+                '.option("subscribe", "topic1,topic2")',
+                raw_topics,
+            )
+        starting = opts.get("startingoffsets", "earliest").strip()
+        if starting.lower() in ("earliest", "latest", "table"):
+            starting = starting.lower()
+        else:
+            _parse_offsets_json(starting)  # validate now, at query start
+        tables = tuple(t.strip() for t in opts.get("icefloe.tables", "").split(",") if t.strip())
+        group_id = opts.get("icefloe.groupid")
+        if starting == "table" and (not tables or not group_id):
+            raise ConfigError(
+                "option 'startingOffsets'",
+                "'table' needs the options icefloe.tables and icefloe.groupId",
+                "set them to the pipeline's tables (comma-separated) and name",
+                starting,
+            )
+        max_records = _int(opts, "maxOffsetsPerTrigger", None)
+        max_records = _int(opts, "maxRecordsPerBatch", max_records)
+        poll_ms = _int(opts, "pollTimeoutMs", 30_000)
+        prefix = "icefloe.catalog."
+        return cls(
+            bootstrap_servers=servers,
+            topics=topics,
+            starting_offsets=starting,
+            max_records=max_records,
+            fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
+            probe_high_watermark=_bool(opts, "probeHighWatermark", False),
+            poll_timeout_s=(poll_ms or 30_000) / 1000.0,
+            client_conf={
+                k[len("kafka.") :]: v
+                for k, v in opts.items()
+                if k.startswith("kafka.") and k != "kafka.bootstrap.servers"
+            },
+            catalog_name=opts.get("icefloe.catalog.name", "default"),
+            catalog_properties={
+                k[len(prefix) :]: v
+                for k, v in opts.items()
+                if k.startswith(prefix) and k != "icefloe.catalog.name"
+            },
+            tables=tables,
+            group_id=group_id,
+            branch=opts.get("icefloe.branch", "main"),
+        )
+
+    def _base_conf(self) -> dict[str, Any]:
+        return {
+            "bootstrap.servers": self.bootstrap_servers,
+            "logger": logging.getLogger("icefloe_spark.kafka"),
+        }
+
+    def consumer_conf(self) -> dict[str, Any]:
+        """Consumer settings: the user's ``kafka.*`` options, then what bounded reads need."""
+        conf: dict[str, Any] = {
+            "group.id": f"icefloe-source-{uuid.uuid4().hex}",  # required; never joined
+            **self._base_conf(),
+            **self.client_conf,
+        }
+        conf.update(
+            {
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "enable.partition.eof": True,
+                "auto.offset.reset": "error" if self.fail_on_data_loss else "earliest",
+            }
+        )
+        return conf
+
+    def admin_conf(self) -> dict[str, Any]:
+        # consumer-only options would only draw warnings from an admin client
+        shared = ("security.", "sasl.", "ssl.", "client.", "socket.", "broker.", "metadata.")
+        extra = {k: v for k, v in self.client_conf.items() if k.startswith(shared)}
+        return {**self._base_conf(), **extra}
+
+    def isolation_level(self) -> IsolationLevel:
+        level = self.client_conf.get("isolation.level", "read_committed")
+        return (
+            IsolationLevel.READ_UNCOMMITTED
+            if level == "read_uncommitted"
+            else IsolationLevel.READ_COMMITTED
+        )
+
+
+def _parse_offsets_json(text: str) -> Offsets:
+    try:
+        raw = json.loads(text)
+        out = {
+            str(topic): {str(int(p)): int(o) for p, o in parts.items()}
+            for topic, parts in raw.items()
+        }
+    except (ValueError, AttributeError, TypeError):
+        raise ConfigError(
+            "option 'startingOffsets'",
+            'is not earliest, latest, table or JSON like {"topic": {"0": 42}}',
+            "fix the value",
+            text,
+        ) from None
+    return out
+
+
+def source_options(config: PipelineConfig) -> dict[str, str]:
+    """Reader options for a pipeline configuration (what ``icefloe run`` passes)."""
+    src = config.source
+    opts = {
+        "kafka.bootstrap.servers": src.bootstrap_servers,
+        "subscribe": ",".join(src.topics),
+        "startingOffsets": (
+            src.starting_offsets
+            if isinstance(src.starting_offsets, str)
+            else json.dumps(src.starting_offsets)
+        ),
+        "icefloe.tables": ",".join(t.name for t in config.tables),
+        "icefloe.groupId": config.name,
+        "icefloe.branch": config.coordination.branch,
+        "icefloe.catalog.name": config.catalog.name,
+        **{f"icefloe.catalog.{k}": v for k, v in config.catalog.properties.items()},
+        **{f"kafka.{k}": v for k, v in src.kafka.items()},
+    }
+    if src.max_records_per_batch is not None:
+        opts["maxOffsetsPerTrigger"] = str(src.max_records_per_batch)
+    return opts
+
+
+def table_source_offsets(
+    catalog_properties: Mapping[str, str],
+    tables: Sequence[str],
+    group_id: str,
+    catalog_name: str = "default",
+    branch: str = "main",
+) -> dict[str, dict[int, int]]:
+    """The source offsets the pipeline ``group_id`` recorded in its tables' newest snapshots
+    (``icefloe.source-offsets``), merged by taking each partition's highest offset.
+
+    Highest, not lowest: a table that received no rows of a range gets no snapshot for it, so
+    its offsets legitimately lag; restarting from the lowest would duplicate rows in the
+    others. Tables that do not exist or have no snapshot of the group are skipped.
+    """
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe.committer import IcebergCommitter
+
+    catalog = load_catalog(catalog_name, **dict(catalog_properties))
+    committer = IcebergCommitter(catalog, group_id, branch=branch)
+    merged: dict[str, dict[int, int]] = {}
+    for name in tables:
+        if not catalog.table_exists(name):
+            continue
+        state = committer.state(name)
+        if state is None:
+            continue
+        for topic, parts in state.source_offsets.items():
+            mine = merged.setdefault(topic, {})
+            for partition, offset in parts.items():
+                mine[int(partition)] = max(mine.get(int(partition), offset), offset)
+    return merged
+
+
+# --------------------------------------------------------------------------- planning
+
+
+class KafkaInputPartition(InputPartition):
+    """Records [start, end) of one Kafka partition."""
+
+    def __init__(self, topic: str, partition: int, start: int, end: int) -> None:
+        super().__init__((topic, partition, start, end))
+        self.topic = topic
+        self.partition = partition
+        self.start = start
+        self.end = end
+
+
+def split_limit(lags: Mapping[TP, int], limit: int) -> dict[TP, int]:
+    """Share ``limit`` records among partitions in proportion to their lag (largest remainders
+    first, ties by topic and partition), never giving a partition more than its lag."""
+    total = sum(lags.values())
+    if total <= limit:
+        return dict(lags)
+    shares = {tp: limit * lag / total for tp, lag in lags.items()}
+    out = {tp: int(s) for tp, s in shares.items()}
+    left = limit - sum(out.values())
+    order = sorted(lags, key=lambda tp: (-(shares[tp] - out[tp]), tp))
+    for tp in order:
+        if left <= 0:
+            break
+        if out[tp] < lags[tp]:
+            out[tp] += 1
+            left -= 1
+    return out
+
+
+def _int_of(value: int | None) -> int:
+    """Offsets and partitions of consumed messages are always set (typed as optional)."""
+    if value is None:
+        raise KafkaSourceError("the Kafka client returned a message without offset/partition")
+    return value
+
+
+def _flat(offsets: Mapping[str, Mapping[str, int]]) -> dict[TP, int]:
+    return {(t, int(p)): int(o) for t, parts in offsets.items() for p, o in parts.items()}
+
+
+def _nest(flat: Mapping[TP, int]) -> Offsets:
+    out: Offsets = {}
+    for (t, p), o in sorted(flat.items()):
+        out.setdefault(t, {})[str(p)] = o
+    return out
+
+
+class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Driver side: offsets and planning. Executor side: :meth:`read` (on a pickled copy,
+    without the driver's clients)."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+        self._admin: AdminClient | None = None
+        self._probe: Consumer | None = None
+        self._latest: dict[TP, int] | None = None
+        self._target: dict[TP, int] | None = None  # Trigger.AvailableNow's end
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.options = state["options"]
+        self._admin, self._probe, self._latest, self._target = None, None, None, None
+
+    # ---- broker queries (driver)
+
+    def admin(self) -> AdminClient:
+        if self._admin is None:
+            self._admin = AdminClient(self.options.admin_conf())
+        return self._admin
+
+    def _timeout(self) -> float:
+        return max(self.options.poll_timeout_s, 1.0)
+
+    def topic_partitions(self) -> list[TP]:
+        """Current partitions of the subscribed topics (a missing topic has none yet)."""
+        meta = self.admin().list_topics(timeout=self._timeout())
+        out = []
+        for topic in self.options.topics:
+            tmeta = meta.topics.get(topic)
+            if tmeta is None or tmeta.error is not None:
+                continue
+            out += [(topic, p) for p in sorted(tmeta.partitions)]
+        return out
+
+    def _list_offsets(self, tps: Sequence[TP], spec: OffsetSpec) -> dict[TP, int]:
+        if not tps:
+            return {}
+        request = {TopicPartition(t, p): spec for t, p in tps}
+        futures = self.admin().list_offsets(
+            request,
+            isolation_level=self.options.isolation_level(),
+            request_timeout=self._timeout(),
+        )
+        return {(tp.topic, tp.partition): int(f.result().offset) for tp, f in futures.items()}
+
+    def bounds(self, tps: Sequence[TP]) -> tuple[dict[TP, int], dict[TP, int]]:
+        """(earliest, latest) offsets of ``tps``."""
+        earliest = self._list_offsets(tps, OffsetSpec.earliest())  # type: ignore[no-untyped-call]
+        latest = self._list_offsets(tps, OffsetSpec.latest())  # type: ignore[no-untyped-call]
+        if self.options.probe_high_watermark:
+            latest = self._probe_latest(earliest, latest)
+        return earliest, latest
+
+    def _probe_latest(self, earliest: dict[TP, int], listed: dict[TP, int]) -> dict[TP, int]:
+        """The end of each partition as a fetch response reports it: fetch from the last
+        listed offset and take the end-of-partition position (or the last offset seen)."""
+        todo = {tp: max(listed[tp] - 1, earliest[tp]) for tp in listed if listed[tp] > earliest[tp]}
+        result = dict(listed)
+        if not todo:
+            return result
+        if self._probe is None:
+            self._probe = Consumer(self.options.consumer_conf())
+        self._probe.assign([TopicPartition(t, p, o) for (t, p), o in todo.items()])
+        pending = set(todo)
+        deadline = time.monotonic() + self._timeout()
+        try:
+            while pending and time.monotonic() < deadline:
+                for msg in self._probe.consume(num_messages=10_000, timeout=0.2):
+                    tp = (str(msg.topic()), _int_of(msg.partition()))
+                    err = msg.error()
+                    if err is None:
+                        result[tp] = max(result[tp], _int_of(msg.offset()) + 1)
+                    elif err.code() == KafkaError._PARTITION_EOF:
+                        result[tp] = max(result[tp], _int_of(msg.offset()))
+                        pending.discard(tp)
+                    else:
+                        log.warning("probing the end of %s failed: %s", tp, err)
+                        pending.discard(tp)
+        finally:
+            self._probe.unassign()
+        return result
+
+    # ---- Spark's streaming contract (driver)
+
+    def initialOffset(self) -> dict[str, Any]:  # noqa: N802 (Spark's name)
+        tps = self.topic_partitions()
+        earliest, latest = self.bounds(tps)
+        start = self.options.starting_offsets
+        chosen: dict[TP, int]
+        if start == "earliest":
+            chosen = dict(earliest)
+        elif start == "latest":
+            chosen = dict(latest)
+        else:
+            if start == "table":
+                assert self.options.group_id is not None
+                recorded = table_source_offsets(
+                    self.options.catalog_properties,
+                    self.options.tables,
+                    self.options.group_id,
+                    self.options.catalog_name,
+                    self.options.branch,
+                )
+                given = {(t, p): o for t, parts in recorded.items() for p, o in parts.items()}
+                log.info("resuming from the offsets recorded in the tables: %s", recorded)
+            else:
+                given = _flat(_parse_offsets_json(start))
+            chosen = {}
+            for tp in tps:
+                offset = given.get(tp, EARLIEST)
+                chosen[tp] = (
+                    earliest[tp]
+                    if offset == EARLIEST
+                    else latest[tp]
+                    if offset == LATEST
+                    else offset
+                )
+            # offsets for partitions the broker does not (yet) list are kept as given
+            chosen.update({tp: o for tp, o in given.items() if tp not in chosen and o >= 0})
+        return _nest(chosen)
+
+    def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 (Spark's name)
+        """Fix the end of an AvailableNow run: what the partitions hold now, nothing later
+        (partitions that appear later are not read by this run)."""
+        tps = self.topic_partitions()
+        self._target = self.bounds(tps)[1]
+
+    def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802 (Spark's name)
+        if self.options.max_records is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self.options.max_records)
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:  # noqa: N802 (Spark's name)
+        begin = _flat(start)
+        tps = self.topic_partitions()
+        earliest, latest = self.bounds(tps)
+        self._latest = dict(latest)
+        if self._target is not None:
+            tps = [tp for tp in tps if tp in self._target]
+            latest = {tp: min(latest[tp], self._target[tp]) for tp in tps}
+        end = dict(begin)  # partitions gone from the broker keep their offsets
+        lags: dict[TP, int] = {}
+        for tp in tps:
+            if tp not in begin:
+                # discovered: recorded at its earliest offset, read from the next batch on, so
+                # every batch's range is fixed by its own start and end offsets
+                end[tp] = earliest[tp]
+                log.info("new Kafka partition %s[%d] from offset %d", tp[0], tp[1], earliest[tp])
+                continue
+            at = begin[tp]
+            if at < earliest[tp] or at > latest[tp]:
+                self._data_loss(tp, at, earliest[tp], latest[tp])
+                at = max(at, earliest[tp])
+            lags[tp] = max(latest[tp] - at, 0)
+        if isinstance(limit, ReadMinRows) and sum(lags.values()) < limit.min_rows:
+            return _nest(begin)
+        if isinstance(limit, ReadMaxRows):
+            lags = split_limit(lags, limit.max_rows)
+        for tp, n in lags.items():
+            end[tp] = max(begin[tp], earliest[tp]) + n if n else begin[tp]
+        return _nest(end)
+
+    def _data_loss(self, tp: TP, at: int, earliest: int, latest: int) -> None:
+        what = (
+            f"{tp[0]}[{tp[1]}]: offset {at} is outside the broker's range [{earliest}, {latest}]"
+            " (records deleted by retention, or the topic was recreated)"
+        )
+        if self.options.fail_on_data_loss:
+            raise DataLossError(
+                what + "; set failOnDataLoss=false to continue from what the broker still has"
+            )
+        log.warning("%s; continuing (failOnDataLoss=false)", what)
+
+    def reportLatestOffset(self) -> dict[str, Any] | None:  # noqa: N802 (Spark's name)
+        return None if self._latest is None else _nest(self._latest)
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        begin, stop = _flat(start), _flat(end)
+        out: list[InputPartition] = []
+        for tp in sorted(stop):
+            first = begin.get(tp, stop[tp])
+            if stop[tp] > first:
+                out.append(KafkaInputPartition(tp[0], tp[1], first, stop[tp]))
+        return out
+
+    def commit(self, end: dict[str, Any]) -> None:
+        """Nothing to do: progress lives in Spark's checkpoint and, for the sink, in the
+        Iceberg snapshot summaries; no consumer group is used."""
+
+    def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        self._admin = None
+
+    # ---- executor
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, KafkaInputPartition)
+        yield from read_range(self.options, partition)
+
+
+def read_range(
+    options: SourceOptions, part: KafkaInputPartition, batch_size: int = _READ_BATCH
+) -> Iterator[pa.RecordBatch]:
+    """Every record of [start, end) of one partition, as Kafka-layout record batches.
+
+    Offsets without a record (transaction markers, compaction, aborted transactions under
+    read_committed) are skipped: the range ends at the first record at or past ``end``, or
+    at the end of the partition once it reaches ``end``.
+    """
+    consumer = Consumer(options.consumer_conf())
+    try:
+        consumer.assign([TopicPartition(part.topic, part.partition, part.start)])
+        msgs: list[Any] = []
+        next_offset = part.start
+        last_progress = time.monotonic()
+        while next_offset < part.end:
+            polled = consumer.consume(num_messages=batch_size, timeout=1.0)
+            if not polled and time.monotonic() - last_progress > options.poll_timeout_s:
+                raise KafkaSourceError(
+                    f"{part.topic}[{part.partition}]: no records for {options.poll_timeout_s}s "
+                    f"while reading offsets [{part.start}, {part.end}) (next: {next_offset})"
+                )
+            for msg in polled:
+                err = msg.error()
+                offset = _int_of(msg.offset())
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        if offset >= part.end:  # the rest of the range holds no records
+                            next_offset = part.end
+                        continue
+                    if err.code() in (
+                        KafkaError._AUTO_OFFSET_RESET,
+                        KafkaError.OFFSET_OUT_OF_RANGE,
+                    ):
+                        raise DataLossError(
+                            f"{part.topic}[{part.partition}]: offsets [{part.start}, {part.end})"
+                            f" are no longer on the broker ({err.str()}); set "
+                            "failOnDataLoss=false to continue from what the broker still has"
+                        )
+                    raise KafkaException(err)
+                if offset >= part.end:
+                    next_offset = part.end
+                    break
+                msgs.append(msg)
+                next_offset = offset + 1
+                last_progress = time.monotonic()
+            if msgs and (len(msgs) >= batch_size or next_offset >= part.end):
+                yield to_record_batch(part.topic, part.partition, msgs)
+                msgs = []
+    finally:
+        consumer.close()
+
+
+_TS_TYPE = {TIMESTAMP_CREATE_TIME: 0, TIMESTAMP_LOG_APPEND_TIME: 1}  # Kafka's TimestampType ids
+_HEADERS_TYPE = KAFKA_ARROW_SCHEMA.field("headers").type
+
+
+def to_record_batch(topic: str, partition: int, msgs: Sequence[Any]) -> pa.RecordBatch:
+    """Messages -> one Kafka-layout batch. One pass per column over the client's message
+    objects (confluent-kafka hands out one object per record); the rest is vectorised."""
+    n = len(msgs)
+    stamps = [m.timestamp() for m in msgs]
+    ts_ms = np.fromiter((s[1] for s in stamps), dtype=np.int64, count=n)
+    ts_type = np.fromiter((_TS_TYPE.get(s[0], -1) for s in stamps), dtype=np.int32, count=n)
+    no_ts = ts_type < 0
+    timestamps = pa.array(ts_ms * 1000, pa.int64(), mask=no_ts if no_ts.any() else None).cast(
+        KAFKA_ARROW_SCHEMA.field("timestamp").type
+    )
+    headers = [m.headers() for m in msgs]
+    if any(h is not None for h in headers):
+        header_col = pa.array(
+            [None if h is None else [{"key": k, "value": v} for k, v in h] for h in headers],
+            _HEADERS_TYPE,
+        )
+    else:
+        header_col = pa.nulls(n, _HEADERS_TYPE)
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([m.key() for m in msgs], pa.binary()),
+            pa.array([m.value() for m in msgs], pa.binary()),
+            pa.repeat(pa.scalar(topic, pa.string()), n),
+            pa.repeat(pa.scalar(partition, pa.int32()), n),
+            pa.array(np.fromiter((m.offset() for m in msgs), np.int64, n)),
+            timestamps,
+            pa.array(ts_type),
+            header_col,
+        ],
+        schema=KAFKA_ARROW_SCHEMA,
+    )
+
+
+# --------------------------------------------------------------------------- registration
+
+
+class IcefloeKafkaDataSource(DataSource):
+    """``spark.readStream.format("icefloe-kafka")``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return SOURCE_NAME
+
+    def schema(self) -> StructType:
+        return KAFKA_SCHEMA
+
+    def streamReader(self, schema: StructType) -> KafkaStreamReader:  # noqa: N802 (Spark's name)
+        return KafkaStreamReader(SourceOptions.parse(self.options))
+
+
+def register_sources(spark: SparkSession) -> None:
+    """Make ``icefloe-kafka`` available to ``spark.readStream.format(...)``."""
+    spark.dataSource.register(IcefloeKafkaDataSource)

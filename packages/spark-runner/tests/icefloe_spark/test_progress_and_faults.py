@@ -1,0 +1,77 @@
+"""Progress arithmetic and the test-only fault hooks (inert unless switched on)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from icefloe_spark import faults
+from icefloe_spark.progress import QueryProgress, lag
+
+
+def test_lag_counts_what_the_table_has_not_recorded_yet() -> None:
+    high = {("t", 0): 100, ("t", 1): 50, ("u", 0): 10}
+    low = {("t", 0): 0, ("t", 1): 20, ("u", 0): 0}
+    committed = {"t": {0: 90, 1: 50}}
+    # t0: 10 behind; t1: caught up; u0: nothing committed, counted from the low watermark
+    assert lag(high, committed, low) == 10 + 0 + 10
+    assert lag(high, {}, low) == 100 + 30 + 10
+    assert lag(high, {"t": {0: 120}}, low) == 0 + 30 + 10  # never negative
+
+
+def test_query_progress_reads_sparks_report() -> None:
+    assert QueryProgress.from_spark(None) == QueryProgress()
+    got = QueryProgress.from_spark(
+        {"batchId": 4, "numInputRows": 1000, "processedRowsPerSecond": 2500.5}
+    )
+    assert got == QueryProgress(4, 1000, 2500.5)
+
+
+def test_exit_after_publish_fires_only_for_its_batch() -> None:
+    code = (
+        "from icefloe_spark.faults import exit_after_publish\n"
+        "exit_after_publish(2)\n"
+        "print('survived 2', flush=True)\n"
+        "exit_after_publish(3)\n"
+        "print('survived 3', flush=True)\n"
+    )
+    env = {faults.EXIT_AFTER_PUBLISH_ENV: "3"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**_base_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == faults.EXIT_CODE
+    assert proc.stdout.split("\n")[0] == "survived 2"
+    assert "survived 3" not in proc.stdout
+    off = subprocess.run([sys.executable, "-c", code], env=_base_env(), timeout=60)
+    assert off.returncode == 0
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != faults.EXIT_AFTER_PUBLISH_ENV}
+
+
+def test_fail_task_hits_only_the_first_attempt_of_the_chosen_task(tmp_path: Path) -> None:
+    spec = faults.parse_fail_task(
+        json.dumps({"batch": 1, "partition": 0, "marker_dir": str(tmp_path)})
+    )
+    faults.fail_task_if_chosen(spec, 0, 0, 0, ["x"])  # other batch
+    faults.fail_task_if_chosen(spec, 1, 1, 0, ["x"])  # other task
+    faults.fail_task_if_chosen(spec, 1, 0, 1, ["x"])  # the retry
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(faults.InjectedFaultError):
+        faults.fail_task_if_chosen(spec, 1, 0, 0, ["file:///w/a.parquet"])
+    marker = json.loads((tmp_path / "failed-1-0.json").read_text())
+    assert marker["files"] == ["file:///w/a.parquet"]
+    assert faults.parse_fail_task(None) is None
+    with pytest.raises(ValueError, match="marker_dir"):
+        faults.parse_fail_task('{"partition": 0}')

@@ -1,0 +1,402 @@
+"""The icefloe-kafka Spark source against a real broker (Tansu) and a real local Spark."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, ReadMinRows
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.errors import ConfigError
+from icefloe.testing.fixtures import (
+    create_rows_table,
+    make_sqlite_catalog,
+    sqlite_catalog_properties,
+    write_rows,
+)
+from icefloe_spark.source import (
+    KAFKA_ARROW_SCHEMA,
+    DataLossError,
+    KafkaInputPartition,
+    KafkaStreamReader,
+    SourceOptions,
+    read_range,
+    split_limit,
+    table_source_offsets,
+)
+
+Row = dict[str, Any]
+
+# What Spark's own Kafka source produces (includeHeaders=true), column for column.
+SPARK_KAFKA_SCHEMA = StructType(
+    [
+        StructField("key", BinaryType()),
+        StructField("value", BinaryType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("timestamp", TimestampType()),
+        StructField("timestampType", IntegerType()),
+        StructField(
+            "headers",
+            ArrayType(
+                StructType([StructField("key", StringType()), StructField("value", BinaryType())])
+            ),
+        ),
+    ]
+)
+
+
+def run_available_now(
+    spark: SparkSession,
+    options: dict[str, str],
+    checkpoint: Path,
+    on_batch: Callable[[int, list[Row]], None] | None = None,
+) -> list[tuple[int, list[Row]]]:
+    """Run the source until everything available now is read; (batch id, rows) per batch."""
+    batches: list[tuple[int, list[Row]]] = []
+
+    def each(df: Any, batch_id: int) -> None:
+        rows = [r.asDict(recursive=True) for r in df.collect()]
+        if on_batch is not None:
+            on_batch(batch_id, rows)
+        batches.append((batch_id, rows))
+
+    df = spark.readStream.format("icefloe-kafka").options(**options).load()
+    query = (
+        df.writeStream.foreachBatch(each)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    try:
+        finished = query.awaitTermination(300)
+        assert finished, "the streaming query did not finish within 300 s"
+    finally:
+        query.stop()
+    return batches
+
+
+def positions(batches: list[tuple[int, list[Row]]]) -> list[tuple[str, int, int]]:
+    return [(r["topic"], r["partition"], r["offset"]) for _, rows in batches for r in rows]
+
+
+def values(batches: list[tuple[int, list[Row]]]) -> list[bytes]:
+    return sorted(r["value"] for _, rows in batches for r in rows)
+
+
+# --------------------------------------------------------------------------- through Spark
+
+
+def test_layout_matches_spark_kafka_source(
+    spark: SparkSession, new_topic: Any, produce: Any, source_options: Any, tmp_path: Path
+) -> None:
+    topic = new_topic(partitions=1)
+    before = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=5)
+    produce(
+        topic,
+        [b"v0", b"v1", None],
+        keys=[b"k0", None, b"k2"],
+        headers=[[("h", b"1"), ("g", b"")], None, None],
+    )
+    df = spark.readStream.format("icefloe-kafka").options(**source_options(topic)).load()
+    assert df.schema == SPARK_KAFKA_SCHEMA
+
+    batches = run_available_now(spark, source_options(topic), tmp_path / "ck")
+    rows = sorted((r for _, rs in batches for r in rs), key=lambda r: r["offset"])
+    assert [(r["key"], r["value"], r["topic"], r["partition"], r["offset"]) for r in rows] == [
+        (b"k0", b"v0", topic, 0, 0),
+        (None, b"v1", topic, 0, 1),
+        (b"k2", None, topic, 0, 2),
+    ]
+    assert rows[0]["headers"] == [{"key": "h", "value": b"1"}, {"key": "g", "value": b""}]
+    assert rows[1]["headers"] is None  # like Spark's source: no headers -> null
+    assert all(r["timestampType"] == 0 for r in rows)  # CreateTime
+    after = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=5)
+    for r in rows:
+        # PySpark hands TimestampType out as naive local time
+        assert before <= r["timestamp"].astimezone(dt.UTC) <= after
+
+
+def test_every_record_exactly_once_and_limit_respected(
+    spark: SparkSession, new_topic: Any, produce: Any, source_options: Any, tmp_path: Path
+) -> None:
+    topic = new_topic(partitions=3)
+    sent = [f"r{i}".encode() for i in range(40)]
+    produce(topic, sent, partitions=3)
+    opts = source_options(topic, maxOffsetsPerTrigger="7")
+    batches = run_available_now(spark, opts, tmp_path / "ck")
+    non_empty = [rows for _, rows in batches if rows]
+    assert all(len(rows) <= 7 for rows in non_empty)
+    assert len(non_empty) >= 6  # 40 records, at most 7 per batch
+    got = positions(batches)
+    assert len(got) == len(set(got)) == 40
+    assert values(batches) == sorted(sent)
+
+    # a second run from the same checkpoint reads only what arrived since
+    more = [f"s{i}".encode() for i in range(5)]
+    produce(topic, more, partitions=3)
+    again = run_available_now(spark, opts, tmp_path / "ck")
+    assert values(again) == sorted(more)
+
+
+def test_starting_offsets_latest(
+    spark: SparkSession, new_topic: Any, produce: Any, source_options: Any, tmp_path: Path
+) -> None:
+    topic = new_topic(partitions=2)
+    produce(topic, [b"old"] * 6, partitions=2)
+    opts = source_options(topic, startingOffsets="latest")
+    assert values(run_available_now(spark, opts, tmp_path / "ck")) == []
+    produce(topic, [b"new1", b"new2", b"new3"], partitions=2)
+    assert values(run_available_now(spark, opts, tmp_path / "ck")) == [b"new1", b"new2", b"new3"]
+
+
+def test_starting_offsets_explicit_json(
+    spark: SparkSession, new_topic: Any, produce: Any, source_options: Any, tmp_path: Path
+) -> None:
+    topic = new_topic(partitions=3)
+    produce(topic, [f"p{i % 3}-{i // 3}".encode() for i in range(15)], partitions=3)
+    # partition 0 from offset 3, partition 1 from earliest (-2), partition 2 unlisted: earliest
+    start = json.dumps({topic: {"0": 3, "1": -2}})
+    batches = run_available_now(spark, source_options(topic, startingOffsets=start), tmp_path / "c")
+    expected = [b"p0-3", b"p0-4"] + [f"p{p}-{i}".encode() for p in (1, 2) for i in range(5)]
+    assert values(batches) == sorted(expected)
+
+
+def test_topic_created_later_is_picked_up(
+    spark: SparkSession, new_topic: Any, produce: Any, source_options: Any, tmp_path: Path
+) -> None:
+    first = new_topic(partitions=1)
+    later = f"later-{first}"
+    produce(first, [b"a0", b"a1"])
+    opts = source_options([first, later])
+    assert values(run_available_now(spark, opts, tmp_path / "ck")) == [b"a0", b"a1"]
+
+    new_topic(partitions=2, name=later)
+    produce(later, [b"b0", b"b1", b"b2"], partitions=2)
+    produce(first, [b"a2"])
+    batches = run_available_now(spark, opts, tmp_path / "ck")
+    assert values(batches) == [b"a2", b"b0", b"b1", b"b2"]
+    assert {t for t, _, _ in positions(batches)} == {first, later}
+
+
+def test_replayed_batch_reads_the_same_records(
+    spark: SparkSession, new_topic: Any, produce: Any, source_options: Any, tmp_path: Path
+) -> None:
+    """A micro-batch that failed after Spark logged its offsets is replayed on restart with
+    the same offsets: the source must hand it exactly the same records."""
+    topic = new_topic(partitions=2)
+    produce(topic, [f"x{i}".encode() for i in range(20)], partitions=2)
+    opts = source_options(topic, maxOffsetsPerTrigger="8")
+    attempts: dict[int, list[list[Row]]] = {}
+
+    def fail_once_on_batch_one(batch_id: int, rows: list[Row]) -> None:
+        attempts.setdefault(batch_id, []).append(rows)
+        if batch_id == 1 and len(attempts[1]) == 1:
+            raise RuntimeError("injected failure after the batch's offsets were logged")
+
+    with pytest.raises(Exception, match="injected failure"):
+        run_available_now(spark, opts, tmp_path / "ck", fail_once_on_batch_one)
+    batches = run_available_now(spark, opts, tmp_path / "ck", fail_once_on_batch_one)
+
+    assert len(attempts[1]) == 2
+    first, replay = ([(r["partition"], r["offset"], r["value"]) for r in a] for a in attempts[1])
+    assert first
+    assert sorted(first) == sorted(replay)
+    # all 20 records delivered once by the successful batches (0, the replayed 1, then more)
+    done = [(0, attempts[0][0]), *batches]
+    got = positions(done)
+    assert len(got) == len(set(got)) == 20
+
+
+def test_starting_offsets_from_table(
+    spark: SparkSession, new_topic: Any, produce: Any, source_options: Any, tmp_path: Path
+) -> None:
+    """``startingOffsets=table`` resumes where the pipeline's Iceberg snapshots say it was."""
+    topic = new_topic(partitions=2)
+    produce(topic, [f"v{i}".encode() for i in range(10)], partitions=2)  # 5 per partition
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg", name="cat")
+    _commit_offsets(catalog, "db.events", "pipe", {topic: {0: 3, 1: 1}})
+    _commit_offsets(catalog, "db.other", "pipe", {topic: {0: 2, 1: 4}})
+    _commit_offsets(catalog, "db.events", "someone-else", {topic: {0: 5, 1: 5}})
+
+    assert table_source_offsets(props, ["db.events", "db.other", "db.missing"], "pipe", "cat") == {
+        topic: {0: 3, 1: 4}
+    }
+    opts = source_options(
+        topic,
+        startingOffsets="table",
+        **{
+            "icefloe.tables": "db.events,db.other",
+            "icefloe.groupId": "pipe",
+            "icefloe.catalog.name": "cat",
+            **{f"icefloe.catalog.{k}": v for k, v in props.items()},
+        },
+    )
+    batches = run_available_now(spark, opts, tmp_path / "ck")
+    assert sorted((p, o) for _, p, o in positions(batches)) == [(0, 3), (0, 4), (1, 4)]
+
+
+def _commit_offsets(
+    catalog: Any, table: str, group: str, offsets: dict[str, dict[int, int]]
+) -> None:
+    """A real icefloe snapshot (one data file) recording ``offsets`` for ``group``."""
+    if not catalog.table_exists(table):
+        create_rows_table(catalog, table)
+    tbl = catalog.load_table(table)
+    metas = write_rows(tbl, [1], writer="w", batch_seq=1)
+    files = tuple(PendingFile(m, "w", 1, "0", i) for i, m in enumerate(metas))
+    IcebergCommitter(catalog, group).commit(
+        TableCommitRequest(
+            table=table,
+            commit_id=f"c-{group}",
+            files=files,
+            positions={"0": len(files)},
+            source_offsets=offsets,
+            fencing_token=1,
+        )
+    )
+
+
+# --------------------------------------------------------------------------- without Spark
+
+
+def _reader(source_options: Any, topic: str, **extra: str) -> KafkaStreamReader:
+    return KafkaStreamReader(SourceOptions.parse(source_options(topic, **extra)))
+
+
+def test_bounded_read_is_deterministic_and_skips_nothing(
+    new_topic: Any, produce: Any, source_options: Any
+) -> None:
+    topic = new_topic(partitions=1)
+    produce(topic, [f"d{i}".encode() for i in range(30)], batched=True)
+    opts = SourceOptions.parse(source_options(topic, probeHighWatermark="true"))
+    part = KafkaInputPartition(topic, 0, 4, 21)
+
+    def read() -> pa.Table:
+        return pa.Table.from_batches(list(read_range(opts, part, batch_size=5)), KAFKA_ARROW_SCHEMA)
+
+    first, second = read(), read()
+    assert first.schema == KAFKA_ARROW_SCHEMA
+    assert first.column("offset").to_pylist() == list(range(4, 21))
+    assert first.column("value").to_pylist() == [f"d{i}".encode() for i in range(4, 21)]
+    assert first.equals(second)
+
+
+def test_probe_finds_the_end_of_multi_record_batches(
+    new_topic: Any, produce: Any, source_options: Any
+) -> None:
+    """Tansu's ListOffsets reports the last batch's base offset + 1; the fetch probe reports
+    the true end. (With Apache Kafka both agree.)"""
+    topic = new_topic(partitions=1)
+    produce(topic, [f"b{i}".encode() for i in range(25)], batched=True)
+    probed = _reader(source_options, topic, probeHighWatermark="true")
+    _, latest = probed.bounds([(topic, 0)])
+    assert latest == {(topic, 0): 25}
+    listed = _reader(source_options, topic)
+    _, plain = listed.bounds([(topic, 0)])
+    assert 1 <= plain[(topic, 0)] <= 25
+    probed.stop()
+    listed.stop()
+
+
+def test_latest_offset_limits_and_new_partitions(
+    new_topic: Any, produce: Any, source_options: Any
+) -> None:
+    topic = new_topic(partitions=2)
+    produce(topic, [b"x"] * 10, partition=0)
+    produce(topic, [b"y"] * 2, partition=1)
+    reader = _reader(source_options, topic)
+    start = reader.initialOffset()
+    assert start == {topic: {"0": 0, "1": 0}}
+    assert reader.latestOffset(start, ReadAllAvailable()) == {topic: {"0": 10, "1": 2}}
+    assert reader.latestOffset(start, ReadMaxRows(6)) == {topic: {"0": 5, "1": 1}}
+    assert reader.latestOffset(start, ReadMinRows(13)) == start
+    assert reader.getDefaultReadLimit() == ReadAllAvailable()
+    # a partition missing from the start offsets is recorded at its earliest offset first
+    assert reader.latestOffset({topic: {"0": 10}}, ReadAllAvailable()) == {topic: {"0": 10, "1": 0}}
+    parts = reader.partitions({topic: {"0": 4, "1": 2}}, {topic: {"0": 10, "1": 2}})
+    assert [(p.topic, p.partition, p.start, p.end) for p in parts] == [(topic, 0, 4, 10)]
+    # the reader goes to executors pickled, without its driver-side clients
+    clone = pickle.loads(pickle.dumps(reader))
+    assert clone.options == reader.options
+    assert clone._admin is None
+    reader.stop()
+
+
+def test_offsets_beyond_the_log_are_data_loss(
+    new_topic: Any, produce: Any, source_options: Any
+) -> None:
+    topic = new_topic(partitions=1)
+    produce(topic, [b"z"] * 3)
+    start = {topic: {"0": 50}}  # e.g. a checkpoint from before the topic was recreated
+    with pytest.raises(DataLossError, match="failOnDataLoss"):
+        _reader(source_options, topic).latestOffset(start, ReadAllAvailable())
+    lenient = _reader(source_options, topic, failOnDataLoss="false")
+    assert lenient.latestOffset(start, ReadAllAvailable()) == start
+
+
+def test_option_errors_name_the_option() -> None:
+    with pytest.raises(ConfigError, match=r"kafka\.bootstrap\.servers"):
+        SourceOptions.parse({"subscribe": "t"})
+    with pytest.raises(ConfigError, match="subscribe"):
+        SourceOptions.parse({"kafka.bootstrap.servers": "h:1"})
+    with pytest.raises(ConfigError, match="startingOffsets"):
+        SourceOptions.parse(
+            {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "startingOffsets": "{bad"}
+        )
+    with pytest.raises(ConfigError, match=r"icefloe\.tables"):
+        SourceOptions.parse(
+            {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "startingOffsets": "table"}
+        )
+    with pytest.raises(ConfigError, match="maxOffsetsPerTrigger"):
+        SourceOptions.parse(
+            {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "maxOffsetsPerTrigger": "0"}
+        )
+    opts = SourceOptions.parse(
+        {
+            "Kafka.Bootstrap.Servers": "h:1",
+            "subscribe": "a, b",
+            "kafka.security.protocol": "PLAINTEXT",
+            "maxRecordsPerBatch": "9",
+        }
+    )
+    assert opts.topics == ("a", "b")
+    assert opts.client_conf == {"security.protocol": "PLAINTEXT"}
+    assert opts.max_records == 9
+    assert opts.consumer_conf()["enable.auto.commit"] is False
+
+
+@given(
+    lags=st.dictionaries(
+        st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 7)), st.integers(0, 10_000)
+    ),
+    limit=st.integers(1, 20_000),
+)
+def test_split_limit_shares_fairly(lags: dict[tuple[str, int], int], limit: int) -> None:
+    out = split_limit(lags, limit)
+    assert set(out) == set(lags)
+    assert all(0 <= out[tp] <= lags[tp] for tp in lags)
+    assert sum(out.values()) == min(limit, sum(lags.values()))
+    assert split_limit(lags, limit) == out  # deterministic

@@ -1,0 +1,291 @@
+"""Kafka (a real Tansu broker) -> Spark (local) -> Iceberg (SqlCatalog): exactly once, with each
+coordination backend, through a driver crash at the dangerous moment and a failed task.
+
+Every test counts the table's rows against the records produced: each id exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.partitioning import PartitionField, PartitionSpec
+from pyiceberg.schema import Schema
+from pyiceberg.transforms import IdentityTransform
+from pyiceberg.types import LongType, NestedField, StringType
+
+from icefloe.config import config_from_dict
+from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe.testing.fixtures import assert_exactly_once, group_snapshots
+from icefloe_spark import faults
+from icefloe_spark.kafkautil import create_topic, end_offsets, produce
+from icefloe_spark.pipeline import Pipeline
+
+TABLE = "e2e.events"
+SCHEMA = Schema(
+    NestedField(1, "id", LongType(), required=True),
+    NestedField(2, "name", StringType(), required=False),
+    NestedField(3, "kind", StringType(), required=False),
+)
+SPEC = PartitionSpec(PartitionField(3, 1000, IdentityTransform(), "kind"))
+# Tansu's ListOffsets answers the last batch's base offset + 1: learn partition ends by fetching
+SOURCE_OPTIONS = {"probeHighWatermark": "true", "pollTimeoutMs": "10000"}
+WAIT_S = 180.0
+BACKENDS = ("kafka", "postgres", "redis")
+POSTGRES_DSN = os.environ.get(
+    "ICEFLOE_TEST_POSTGRES_DSN", "host=127.0.0.1 port=5432 user=postgres dbname=test"
+)
+REDIS_URL = os.environ.get("ICEFLOE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def require_server(host: str, port: int, what: str) -> None:
+    """Fail (never skip) when a server the test needs is not listening."""
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError as exc:
+        pytest.fail(f"{what} is not reachable on {host}:{port} ({exc}); start it")
+
+
+def backend_section(backend: str, broker: EmbeddedKafkaBroker) -> dict[str, Any]:
+    """The ``[coordination.<backend>]`` section for a real server of that backend."""
+    if backend == "kafka":
+        return {"bootstrap_servers": broker.bootstrap_servers}
+    if backend == "postgres":
+        require_server("127.0.0.1", 5432, "PostgreSQL")
+        return {"dsn": POSTGRES_DSN}
+    require_server("127.0.0.1", 6379, "Redis")
+    return {"url": REDIS_URL}
+
+
+def produce_json(bootstrap: str, topic: str, ids: range) -> None:
+    """One JSON record per id, keyed by id so they spread over the partitions."""
+    produce(
+        bootstrap,
+        topic,
+        (
+            (str(i).encode(), json.dumps({"id": i, "name": f"n{i}", "kind": "abc"[i % 3]}).encode())
+            for i in ids
+        ),
+    )
+
+
+def new_topic(broker: EmbeddedKafkaBroker, partitions: int = 2) -> str:
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    create_topic(broker.bootstrap_servers, topic, partitions)
+    return topic
+
+
+def pipeline_dict(
+    name: str,
+    broker: EmbeddedKafkaBroker,
+    topic: str,
+    catalog_properties: dict[str, str],
+    backend: str,
+    checkpoint: Path,
+    batch: int = 250,
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "source": {
+            "bootstrap_servers": broker.bootstrap_servers,
+            "topics": [topic],
+            "max_records_per_batch": batch,
+        },
+        "tables": [{"name": TABLE}],
+        "catalog": {"name": "e2e", "properties": catalog_properties},
+        "coordination": {
+            "backend": backend,
+            "commit_interval_s": 1.0,
+            "commit_timeout_s": 5.0,
+            "lease_ttl_s": 3.0,
+            backend: backend_section(backend, broker),
+        },
+        "spark": {
+            "master": "local[2]",
+            "checkpoint_location": str(checkpoint),
+            "trigger_interval_s": 0.2,
+            "conf": {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"},
+        },
+    }
+
+
+def make_table(catalog_properties: dict[str, str]) -> Catalog:
+    catalog = load_catalog("e2e", **catalog_properties)
+    catalog.create_namespace("e2e")
+    catalog.create_table(TABLE, schema=SCHEMA, partition_spec=SPEC)
+    return catalog
+
+
+def committed_rows(catalog: Catalog) -> int:
+    snap = catalog.load_table(TABLE).current_snapshot()
+    return 0 if snap is None or snap.summary is None else int(snap.summary["total-records"] or 0)
+
+
+def committed_paths(catalog: Catalog) -> list[str]:
+    return [t.file.file_path for t in catalog.load_table(TABLE).scan().plan_files()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_record_lands_exactly_once(
+    backend: str,
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    name = f"e2e-{backend}-{tmp_path.name[-12:]}".replace("_", "-")
+    config = config_from_dict(
+        pipeline_dict(name, kafka_broker, topic, catalog_properties, backend, tmp_path / "ckpt")
+    )
+    produce_json(bootstrap, topic, range(600))
+    with Pipeline(config, spark=spark, source_extra_options=SOURCE_OPTIONS) as pipeline:
+        wait_until(lambda: committed_rows(catalog) >= 600, WAIT_S, "the first 600 rows")
+        produce_json(bootstrap, topic, range(600, 1000))  # while the query runs
+        wait_until(lambda: committed_rows(catalog) >= 1000, WAIT_S, "all 1000 rows")
+        assert pipeline.stats.batches >= 4  # 250 records per batch at most
+        assert pipeline.stats.records == 1000
+    assert_exactly_once(catalog, TABLE, range(1000))
+    snapshots = group_snapshots(catalog, TABLE, name)
+    assert snapshots, "no snapshot carries the pipeline's group id"
+    recorded = json.loads(snapshots[-1].summary.additional_properties["icefloe.source-offsets"])
+    ends = end_offsets(bootstrap, topic)
+    assert recorded == {topic: {str(p): o for p, o in ends.items()}}
+    assert len(set(committed_paths(catalog))) == len(committed_paths(catalog))
+
+
+def test_failed_task_attempt_commits_no_file_and_no_duplicate(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """The first attempt of input partition 0 of every batch writes its files, then fails;
+    Spark retries it (``local[2,2]`` allows two attempts)."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    markers = tmp_path / "faults"
+    config = config_from_dict(
+        pipeline_dict(
+            f"e2e-taskfail-{tmp_path.name[-12:]}".replace("_", "-"),
+            kafka_broker,
+            topic,
+            catalog_properties,
+            "kafka",
+            tmp_path / "ckpt",
+            batch=200,
+        )
+    )
+    fault = {faults.FAIL_TASK_OPTION: json.dumps({"partition": 0, "marker_dir": str(markers)})}
+    produce_json(bootstrap, topic, range(400))
+    with Pipeline(
+        config, spark=spark, source_extra_options=SOURCE_OPTIONS, sink_extra_options=fault
+    ):
+        wait_until(lambda: committed_rows(catalog) >= 400, WAIT_S, "all 400 rows")
+    failed = [json.loads(p.read_text()) for p in sorted(markers.glob("failed-*.json"))]
+    assert failed, "the fault never fired"
+    failed_files = {f for m in failed for f in m["files"]}
+    assert failed_files, "the failed attempts wrote no file, so the test proves nothing"
+    assert all(m["attempt"] == 0 for m in failed)
+    paths = committed_paths(catalog)
+    assert not failed_files & set(paths), "a file of a failed attempt was committed"
+    assert len(set(paths)) == len(paths)
+    for f in failed_files:  # the failed attempt cleaned up after itself
+        assert not Path(f.removeprefix("file://")).exists()
+    assert_exactly_once(catalog, TABLE, range(400))
+
+
+@contextlib.contextmanager
+def driver(config_file: Path, log: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """``icefloe run`` as its own process group (its JVM and Python workers with it)."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "icefloe", "run", "--config", str(config_file), "--quiet"),
+                *(a for k, v in SOURCE_OPTIONS.items() for a in ("--source-option", f"{k}={v}")),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a JVM left behind by the dead driver
+
+
+def test_driver_killed_after_publish_before_spark_recorded_the_batch(
+    kafka_broker: EmbeddedKafkaBroker, catalog_properties: dict[str, str], tmp_path: Path
+) -> None:
+    """Batch 1 is published, then the driver dies before Spark writes ``commits/1``. The
+    restarted driver re-runs batch 1 from the checkpoint and publishes it again (new files,
+    same key): the table must hold every record once."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    ckpt = tmp_path / "ckpt"
+    data = pipeline_dict(
+        f"e2e-crash-{tmp_path.name[-12:]}".replace("_", "-"),
+        kafka_broker,
+        topic,
+        catalog_properties,
+        "kafka",
+        ckpt,
+        batch=200,
+    )
+    config_file = tmp_path / "pipeline.toml"
+    config_file.write_text(tomli_w.dumps(data))
+    produce_json(bootstrap, topic, range(1000))
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    log = tmp_path / "driver.log"
+
+    with driver(config_file, log, {**env, faults.EXIT_AFTER_PUBLISH_ENV: "1"}) as first:
+        code = first.wait(WAIT_S)
+    assert code == faults.EXIT_CODE, f"driver exited {code}; log:\n{log.read_text()[-3000:]}"
+    assert (ckpt / "offsets" / "1").exists(), "Spark never planned batch 1"
+    assert not (ckpt / "commits" / "1").exists(), "Spark recorded batch 1: the crash came late"
+    assert committed_rows(catalog) <= 400
+
+    with driver(config_file, log, env) as second:
+        wait_until(
+            lambda: committed_rows(catalog) >= 1000 or second.poll() is not None,
+            WAIT_S,
+            "all 1000 rows after the restart",
+        )
+        assert second.poll() is None, f"restarted driver died; log:\n{log.read_text()[-3000:]}"
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 0, "the driver did not stop cleanly on SIGTERM"
+    assert (ckpt / "commits" / "1").exists()
+    assert_exactly_once(catalog, TABLE, range(1000))
+    paths = committed_paths(catalog)
+    assert len(set(paths)) == len(paths)

@@ -1,0 +1,185 @@
+"""A third party's backend, installed as a real distribution, is found by its config name.
+
+``tests/plugins/icefloe-backend-example`` is packaged the way an outside author ships a backend
+(its own pyproject.toml with an ``icefloe`` entry point). It is installed with an installer
+into a private directory; everything else runs in subprocesses that see that directory on
+``PYTHONPATH``, as a user's environment would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PLUGIN_SRC = Path(__file__).parent / "plugins" / "icefloe-backend-example"
+PIPELINE = """
+name = "{name}"
+
+[source]
+topics = ["orders"]
+
+[[tables]]
+name = "db.orders"
+
+[coordination]
+backend = "{backend}"
+lease_ttl_s = 5
+
+[coordination.example]
+directory = "{directory}"
+"""
+
+
+def _installer(target: Path) -> list[str]:
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input", "--target"]
+    uv = shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
+    if uv is None:
+        pytest.fail("neither pip nor uv is available to install the example plugin")
+    return [uv, "pip", "install", "--python", sys.executable, "--no-deps", "--target"]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example plugin installed (built by its build backend, entry points and all)."""
+    target = tmp_path_factory.mktemp("site")
+    # build from a copy: building in place would leave build artefacts in the source tree
+    src = tmp_path_factory.mktemp("src") / PLUGIN_SRC.name
+    shutil.copytree(PLUGIN_SRC, src)
+    subprocess.run([*_installer(target), str(target), str(src)], check=True, timeout=600)
+    assert list(target.glob("icefloe_backend_example-*.dist-info/entry_points.txt"))
+    return target
+
+
+def _env(site: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ICEFLOE")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    env["COLUMNS"] = "60"  # a narrow terminal must still get one-line errors
+    return env
+
+
+def _run(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=_env(site), timeout=300
+    )
+
+
+def _pipeline(tmp_path: Path, backend: str) -> Path:
+    path = tmp_path / f"{backend}.toml"
+    text = PIPELINE.format(name="orders", backend=backend, directory=tmp_path / "channel")
+    path.write_text(text)
+    return path
+
+
+def test_cli_lists_the_installed_backend(site: Path) -> None:
+    out = _run(site, "-m", "icefloe", "backends")
+    assert out.returncode == 0, out.stderr
+    lines = [line.split() for line in out.stdout.splitlines()]
+    assert ["backend", "example"] in [line[:2] for line in lines]
+
+
+ROUND_TRIP = """
+import json, sys
+import icefloe_backend_example
+from icefloe.backends import open_backend
+from icefloe.channel import WriterBatch
+from icefloe.config import load_config
+from icefloe.events import (
+    CommitComplete, DataComplete, DataFileMeta, DataWritten, Event, SourcePosition,
+    StartCommit, WriterRef,
+)
+
+role, config_path = sys.argv[1], sys.argv[2]
+backend = open_backend(load_config(config_path))
+out = {"module": icefloe_backend_example.__file__, "backend": type(backend).__module__}
+if role == "writer":
+    writer = backend.writer("writer-1")
+    ref = WriterRef("writer-1", writer.open())
+    files = (DataFileMeta("file:///w/db/orders/data/a.parquet", 10, 1000),)
+    events = (
+        Event("orders", DataWritten("db.orders", files), writer=ref, batch_seq=0),
+        Event("orders", DataComplete((SourcePosition("orders", 0, 10),)), writer=ref, batch_seq=0),
+    )
+    out["published"] = writer.publish(WriterBatch(ref, 0, events))
+    out["replayed"] = writer.publish(WriterBatch(ref, 0, events))
+    out["epoch"] = ref.epoch
+else:
+    coordinator = backend.coordinator("coordinator-1")
+    out["leader"] = coordinator.acquire(5.0) is not None
+    coordinator.seek(coordinator.stored_position())
+    records = coordinator.poll(1.0)
+    out["events"] = [
+        [r.partition, r.offset, r.event.type.value, r.event.writer.writer_id, r.event.batch_seq]
+        for r in records
+    ]
+    out["files"] = [f.path for r in records if isinstance(r.event.payload, DataWritten)
+                    for f in r.event.payload.files]
+    if records:
+        coordinator.store_position({"0": records[-1].offset + 1})
+    coordinator.broadcast(Event("orders", CommitComplete("c-1")))
+    out["stored"] = coordinator.stored_position()
+    coordinator.close()
+backend.close()
+print(json.dumps(out))
+"""
+
+
+def _round_trip_step(site: Path, tmp_path: Path, role: str, config: Path) -> dict[str, object]:
+    script = tmp_path / "round_trip.py"
+    script.write_text(textwrap.dedent(ROUND_TRIP))
+    out = _run(site, str(script), role, str(config))
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert str(result["module"]).startswith(str(site)), "not the installed distribution"
+    assert result["backend"] == "icefloe_backend_example.channel"
+    return result
+
+
+def test_config_name_selects_the_third_party_backend_and_it_works(
+    site: Path, tmp_path: Path
+) -> None:
+    config = _pipeline(tmp_path, "example")
+    writer = _round_trip_step(site, tmp_path, "writer", config)
+    assert writer["published"] is True
+    assert writer["replayed"] is False  # the same batch key again is a no-op
+    coordinator = _round_trip_step(site, tmp_path, "coordinator", config)
+    assert coordinator["leader"] is True
+    assert coordinator["events"] == [
+        ["0", 0, "DATA_WRITTEN", "writer-1", 0],
+        ["0", 1, "DATA_COMPLETE", "writer-1", 0],
+    ]
+    assert coordinator["files"] == ["file:///w/db/orders/data/a.parquet"]
+    assert coordinator["stored"] == {"0": 2}
+    # a second writer instance is a new epoch; a restarted coordinator resumes after the stored
+    # position, so it sees nothing again
+    assert _round_trip_step(site, tmp_path, "writer", config)["epoch"] == 2
+    again = _round_trip_step(site, tmp_path, "coordinator", config)
+    assert again["events"] == []
+
+
+def test_uninstalled_backend_gives_one_clean_error_line(site: Path, tmp_path: Path) -> None:
+    config = _pipeline(tmp_path, "cassandra")
+    out = _run(site, "-m", "icefloe", "doctor", "--config", str(config))
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    line = lines[0]
+    assert line.startswith("error: coordination backend 'cassandra' is not installed")
+    assert "example" in line  # the installed ones are listed
+    assert "pip install icefloe-backend-cassandra" in line
+    assert "Traceback" not in out.stderr
+
+
+def test_doctor_accepts_the_third_party_backend(site: Path, tmp_path: Path) -> None:
+    out = _run(site, "-m", "icefloe", "doctor", "--config", str(_pipeline(tmp_path, "example")))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

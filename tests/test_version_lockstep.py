@@ -1,0 +1,65 @@
+"""One version for all five distributions: the root VERSION file is the single source."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import icefloe
+
+ROOT = Path(__file__).resolve().parent.parent
+VERSION = (ROOT / "VERSION").read_text().strip()
+PYPROJECTS = sorted(ROOT.glob("packages/*/pyproject.toml"))
+_PIN = re.compile(r"^(icefloe-[a-z-]+)(\[[^\]]*\])?\s*(==|>=|~=|<=|!=|>|<)?\s*([^;\s]*)")
+
+
+def _requirements(project: dict[str, Any]) -> list[str]:
+    reqs = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        reqs.extend(extra)
+    return reqs
+
+
+def test_there_are_five_packages() -> None:
+    assert len(PYPROJECTS) == 5, PYPROJECTS
+
+
+def test_every_package_has_the_root_version() -> None:
+    versions = {
+        p.parent.name: tomllib.loads(p.read_text())["project"]["version"] for p in PYPROJECTS
+    }
+    assert versions == dict.fromkeys(versions, VERSION)
+
+
+def test_every_internal_dependency_is_pinned_to_the_root_version() -> None:
+    pins = []
+    for path in PYPROJECTS:
+        for req in _requirements(tomllib.loads(path.read_text())["project"]):
+            m = _PIN.match(req)
+            if m:
+                pins.append((path.parent.name, req))
+                assert (m[3], m[4]) == ("==", VERSION), f"{path.parent.name}: {req!r}"
+    assert len(pins) >= 4, pins  # every backend and the runner pin core
+
+
+def test_installed_version_is_the_root_version() -> None:
+    assert icefloe.__version__ == VERSION
+
+
+def test_bump_tool_leaves_a_lockstep_tree_unchanged_and_rewrites_every_pin() -> None:
+    spec = importlib.util.spec_from_file_location("bump_version", ROOT / "tools/bump_version.py")
+    assert spec is not None
+    assert spec.loader is not None
+    bump = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bump)
+    for path in PYPROJECTS:
+        text = path.read_text()
+        assert bump.rewrite(text, VERSION) == text, path
+        bumped = tomllib.loads(bump.rewrite(text, "9.8.7"))["project"]
+        assert bumped["version"] == "9.8.7"
+        for req in _requirements(bumped):
+            m = _PIN.match(req)
+            assert m is None or m[4] == "9.8.7", req
