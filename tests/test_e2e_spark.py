@@ -45,6 +45,7 @@ SPEC = PartitionSpec(PartitionField(3, 1000, IdentityTransform(), "kind"))
 SOURCE_OPTIONS = {"probeHighWatermark": "true", "pollTimeoutMs": "10000"}
 WAIT_S = 180.0
 BACKENDS = ("kafka", "postgres", "redis")
+FAULT_BACKEND = os.environ.get("ICEFLOE_TEST_FAULT_BACKEND", "kafka")  # the default backend
 POSTGRES_DSN = os.environ.get(
     "ICEFLOE_TEST_POSTGRES_DSN", "host=127.0.0.1 port=5432 user=postgres dbname=test"
 )
@@ -196,7 +197,7 @@ def test_failed_task_attempt_commits_no_file_and_no_duplicate(
             kafka_broker,
             topic,
             catalog_properties,
-            "kafka",
+            FAULT_BACKEND,
             tmp_path / "ckpt",
             batch=200,
         )
@@ -259,7 +260,7 @@ def test_driver_killed_after_publish_before_spark_recorded_the_batch(
         kafka_broker,
         topic,
         catalog_properties,
-        "kafka",
+        FAULT_BACKEND,
         ckpt,
         batch=200,
     )

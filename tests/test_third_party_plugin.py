@@ -3,7 +3,8 @@
 ``tests/plugins/icefloe-backend-example`` is packaged the way an outside author ships a backend
 (its own pyproject.toml with an ``icefloe`` entry point). It is installed with an installer
 into a private directory; everything else runs in subprocesses that see that directory on
-``PYTHONPATH``, as a user's environment would.
+``PYTHONPATH``, as a user's environment would. The installed backend also runs icefloe's
+backend conformance suite, so "it works" means what it means for the built-in backends.
 """
 
 from __future__ import annotations
@@ -183,3 +184,37 @@ def test_doctor_accepts_the_third_party_backend(site: Path, tmp_path: Path) -> N
     out = _run(site, "-m", "icefloe", "doctor", "--config", str(_pipeline(tmp_path, "example")))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+CONFORMANCE = """
+from pathlib import Path
+
+import pytest
+
+from icefloe.hookspecs import BackendContext
+from icefloe.testing.conformance import BackendConformance, BackendFactory
+from icefloe_backend_example.channel import ExampleConfig, FileBackend
+
+
+class TestExampleBackendConformance(BackendConformance):
+    @pytest.fixture
+    def backend_factory(self, tmp_path: Path) -> BackendFactory:
+        config = ExampleConfig(directory=str(tmp_path / "channel"))
+        return lambda group_id, ttl: FileBackend(config, BackendContext(group_id, ttl))
+"""
+
+
+def test_installed_example_backend_passes_the_conformance_suite(site: Path, tmp_path: Path) -> None:
+    (tmp_path / "test_example_conformance.py").write_text(CONFORMANCE)
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "icefloe.testing.fixtures"]
+    out = subprocess.run(
+        [sys.executable, *args, "--rootdir", str(tmp_path), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=_env(site),
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout
+    assert "failed" not in out.stdout

@@ -195,16 +195,23 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
         producer, _ = self._leader()
         run_transaction(producer, lambda: body(producer), self._clients.timeout, self._lost)
 
-    def _write_lease(self, status: str) -> None:
+    def _write_lease(self, status: str, also: Callable[[Producer], None] | None = None) -> None:
+        """Commit a lease record of ours (plus whatever ``also`` adds) in one transaction."""
         _, lease = self._leader()
         record = StateValue(lease.token, self._instance, status)
-        self._transact(
-            lambda p: produce_state(self._clients, p, self._lease_key, record, self._group_id)
-        )
 
-    def _heartbeat(self) -> Lease:
+        def body(producer: Producer) -> None:
+            produce_state(self._clients, producer, self._lease_key, record, self._group_id)
+            if also is not None:
+                also(producer)
+
+        self._transact(body)
+
+    def _heartbeat(self, also: Callable[[Producer], None] | None = None) -> Lease:
+        """A committed heartbeat proves nobody took over: the lease runs one TTL from its
+        start."""
         started = time.monotonic()
-        self._write_lease(HEARTBEAT)
+        self._write_lease(HEARTBEAT, also)
         _, lease = self._leader()
         self._last_heartbeat = started
         self._lease = Lease(lease.token, self._id, started + self._ttl)
@@ -369,15 +376,21 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
             self._transact(body)
 
     def store_position(self, position: ChannelPosition) -> None:
+        """Commit the offsets in one transaction with a lease heartbeat: the record proves the
+        lease in the same atomic step, and some brokers (Tansu 0.6) apply the offsets of a
+        transaction that produced no record only when a later one commits."""
         with self._lock:
             self._leader()
             topic = self._clients.control_topic
             offsets = [TopicPartition(topic, int(p), int(o)) for p, o in position.items()]
-            if not offsets:
-                return
             metadata = self._data_consumer().consumer_group_metadata()
             timeout = self._clients.timeout
-            self._transact(lambda p: p.send_offsets_to_transaction(offsets, metadata, timeout))
+
+            def send_offsets(producer: Producer) -> None:
+                if offsets:
+                    producer.send_offsets_to_transaction(offsets, metadata, timeout)
+
+            self._heartbeat(send_offsets)
 
     def stored_position(self) -> ChannelPosition | None:
         with self._lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -141,7 +142,7 @@ def latest_version(migrations: Sequence[Migration] = MIGRATIONS) -> int:
 
 
 def migrate(
-    conn: psycopg.Connection[object],
+    conn: psycopg.Connection[Any],
     schema: str,
     migrations: Sequence[Migration] = MIGRATIONS,
 ) -> list[int]:
@@ -168,7 +169,7 @@ def migrate(
         row = conn.execute(
             sql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_migrations").format(ident)
         ).fetchone()
-        current = int(row[0]) if row else 0  # type: ignore[index]
+        current = int(row[0]) if row else 0
         if current > latest_version(migrations):
             raise SchemaVersionError(
                 f"schema '{schema}' is at version {current}, newer than this icefloe-backend-"
@@ -190,17 +191,17 @@ def migrate(
     return applied
 
 
-def schema_version(conn: psycopg.Connection[object], schema: str) -> int | None:
+def schema_version(conn: psycopg.Connection[Any], schema: str) -> int | None:
     """The version recorded in ``schema``, or None when it was never migrated."""
     row = conn.execute(
         "SELECT to_regclass(%s) IS NOT NULL",
         (sql.Identifier(schema, "schema_migrations").as_string(conn),),
     ).fetchone()
-    if not row or not row[0]:  # type: ignore[index]
+    if not row or not row[0]:
         return None
     got = conn.execute(
         sql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_migrations").format(
             sql.Identifier(schema)
         )
     ).fetchone()
-    return int(got[0]) if got else None  # type: ignore[index]
+    return int(got[0]) if got else None

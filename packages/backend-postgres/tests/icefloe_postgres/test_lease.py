@@ -4,13 +4,15 @@ fenced leaders refused inside the transactions that write."""
 from __future__ import annotations
 
 import threading
-import time
+from typing import Any
 
 import pytest
 from psycopg import sql
 
+from icefloe.channel import Lease
 from icefloe.errors import NotLeaderError
 from icefloe.events import Event, StartCommit
+from icefloe_postgres.listener import Listener
 from icefloe_postgres.testing import BackendMaker
 
 
@@ -93,38 +95,36 @@ def test_renew_keeps_the_lease(make_backend: BackendMaker) -> None:
     assert c2.acquire(0) is None
 
 
-def test_release_wakes_a_waiting_contender_through_notify(make_backend: BackendMaker) -> None:
+def test_release_wakes_a_waiting_contender_through_notify(
+    make_backend: BackendMaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The lease would last 10 minutes and fallback polling is slower than the contender's
     timeout, so only the NOTIFY sent by release() can let it in before it gives up."""
     b = make_backend(lease_ttl_s=600, poll_interval_s=600)
     holder, waiter = b.coordinator("holder"), b.coordinator("waiter")
     assert holder.acquire(0) is not None
-    got: list[object] = []
-    started = threading.Event()
+    waiting = threading.Event()
+    woke: list[bool] = []
+    real_wait = Listener.wait
 
-    def wait_for_lease() -> None:
-        started.set()
-        got.append(waiter.acquire(60))
+    def wait(self: Listener, channels: Any, timeout: float) -> bool:
+        waiting.set()
+        result = real_wait(self, channels, timeout)
+        woke.append(result)
+        return result
 
-    t = threading.Thread(target=wait_for_lease)
+    monkeypatch.setattr(Listener, "wait", wait)
+    got: list[Lease | None] = []
+    t = threading.Thread(target=lambda: got.append(waiter.acquire(60)))
     t.start()
-    started.wait()
-    # wait until the contender has tried once and is blocked on its LISTEN connection
-    deadline = time.monotonic() + 20
-    while not _listening(b, waiter):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    assert waiting.wait(20), "the contender never waited"
     holder.release()
     t.join(90)
     assert len(got) == 1
     lease = got[0]
     assert lease is not None
-    assert getattr(lease, "holder", None) == "waiter"
-
-
-def _listening(b: object, ch: object) -> bool:
-    listener = ch._listener  # type: ignore[attr-defined]
-    return listener._conn is not None and listener._lock.locked()
+    assert lease.holder == "waiter"
+    assert woke == [True], "the contender was not woken by NOTIFY"
 
 
 def test_takeover_at_once_when_the_leaders_session_dies(make_backend: BackendMaker) -> None:

@@ -268,7 +268,7 @@ class _Converter:
                 arr = pa.nulls(n, target.type)
             else:
                 converted = [self.value(s, field.field_type, target.type, where) for s in sources]
-                arr = converted[0] if len(converted) == 1 else pc.coalesce(*converted)
+                arr = converted[0] if len(converted) == 1 else _coalesce(converted)
             if field.required:
                 _check_required(arr, parent_valid, where, missing=not sources)
             out.append(arr)
@@ -317,7 +317,7 @@ class _Converter:
 
     def map(self, arr: pa.Array, ice: MapType, target: pa.MapType, path: str) -> pa.Array:
         if isinstance(arr, pa.StructArray):
-            offsets, keys, items = _struct_entries(arr)
+            offsets, keys, items = _struct_entries(arr, path)
         elif isinstance(arr, pa.MapArray) or (
             (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type))
             and pa.types.is_struct(arr.type.value_type)
@@ -340,7 +340,25 @@ class _Converter:
         )
 
 
-def _struct_entries(arr: pa.StructArray) -> tuple[np.ndarray[Any, Any], pa.Array, pa.Array]:
+def _valid_np(arr: pa.Array) -> np.ndarray[Any, Any]:
+    return np.asarray(arr.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _coalesce(arrays: Sequence[pa.Array]) -> pa.Array:
+    """Per row, the first non-null of ``arrays`` (same type). ``pc.coalesce`` where Arrow has a
+    kernel; otherwise (extension types such as uuid) one ``take`` over their concatenation."""
+    try:
+        return pc.coalesce(*arrays)
+    except (pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        n = len(arrays[0])
+        valid = np.stack([_valid_np(a) for a in arrays])  # (k, n)
+        first = valid.argmax(axis=0)  # rows valid nowhere take arrays[0]'s null
+        return pa.concat_arrays(list(arrays)).take(pa.array(first * n + np.arange(n)))
+
+
+def _struct_entries(
+    arr: pa.StructArray, path: str
+) -> tuple[np.ndarray[Any, Any], pa.Array, pa.Array]:
     """A JSON object decoded as a struct (one child per key seen) as map entries: per row, the
     keys whose value is present, in field order. Built with numpy index arithmetic."""
     n, k = len(arr), arr.type.num_fields
@@ -348,20 +366,23 @@ def _struct_entries(arr: pa.StructArray) -> tuple[np.ndarray[Any, Any], pa.Array
     if k == 0:
         empty = pa.array([], pa.string())
         return np.zeros(n + 1, dtype=np.int64), empty, pa.nulls(0)
-    present = np.stack(
-        [np.asarray(c.is_valid().to_numpy(zero_copy_only=False), dtype=bool) for c in children],
-        axis=1,
-    )  # (n, k): row r has key i
+    present = np.stack([_valid_np(c) for c in children], axis=1)  # (n, k): row r has key i
     counts = present.sum(axis=1)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     rows, cols = np.nonzero(present)  # row-major: per row, keys in field order
     names = pa.array([arr.type.field(i).name for i in range(k)], pa.string())
     keys = names.take(pa.array(cols))
+    # values under different keys may have been inferred with different JSON types
+    kinds = {c.type for c in children if not pa.types.is_null(c.type)}
+    common = next(iter(kinds)) if len(kinds) == 1 else pa.string()
     try:
-        items_all = pa.concat_arrays(list(children))
-    except pa.ArrowInvalid:
-        # values of different JSON types under different keys: unify as text
-        items_all = pa.concat_arrays([pc.cast(c, pa.string()) for c in children])
+        same = [c if c.type == common else pc.cast(c, common) for c in children]
+    except _ARROW_ERRORS:
+        shown = ", ".join(sorted(str(t) for t in kinds))
+        raise _MisfitError(
+            _first_valid(arr), path, f"map values of different kinds ({shown})"
+        ) from None
+    items_all = pa.concat_arrays(same)
     items = items_all.take(pa.array(cols * n + rows))
     return offsets, keys, items
 
@@ -603,7 +624,7 @@ class RecordConverter:
         from icefloe.routing import route_masks
 
         decoded, context = self.decode(batch)
-        masks = route_masks(decoded, [t.config for t in self.targets])
+        masks = route_masks(decoded, [t.config for t in self.targets], self.case_insensitive)
         out: dict[str, pa.Table] = {}
         for t in self.targets:
             mask = masks[t.config.name]

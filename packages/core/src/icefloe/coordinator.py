@@ -24,6 +24,7 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -156,7 +157,6 @@ class Coordinator:
         coordinator_id: str | None = None,
         plugins: Plugins | None = None,
         hooks: CoordinatorHooks | None = None,
-        committer: IcebergCommitter | None = None,
     ) -> None:
         self.group_id = group_id
         self.coordinator_id = coordinator_id or f"coordinator-{uuid.uuid4().hex[:8]}"
@@ -164,11 +164,12 @@ class Coordinator:
         self._channel = channel
         self._plugins = plugins
         self._hooks = hooks or CoordinatorHooks()
-        self._committer = committer or IcebergCommitter(
+        self._committer = IcebergCommitter(
             catalog, group_id, branch=self.settings.branch, before_commit=self._before_commit
         )
         self._lease: Lease | None = None
         self._renew_at = 0.0
+        self._stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -222,12 +223,16 @@ class Coordinator:
         Channel errors (a backend hiccup) are logged and retried after a pause; anything else
         (a decode error, a bug) propagates, because skipping it could lose data.
         """
+        self._stop = stop
         try:
             while not stop.is_set():
                 try:
                     self.step(timeout=_POLL_S)
                 except ChannelError:
-                    log.exception("%s: channel error; retrying", self.coordinator_id)
+                    # start over from election: state read so far may have gaps now
+                    log.exception("%s: channel error; starting over", self.coordinator_id)
+                    with contextlib.suppress(ChannelError):
+                        self._release()
                     self._drop_leadership()
                     stop.wait(1.0)
         finally:
@@ -456,8 +461,8 @@ class Coordinator:
             deadline = time.monotonic() + self.settings.commit_timeout_s
             while not expected <= self._answered:
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    break
+                if left <= 0 or (self._stop is not None and self._stop.is_set()):
+                    break  # commit what was read, as a partial cycle
                 self._poll(min(left, _POLL_S))
                 self._renew_if_due()
             complete = expected <= self._answered

@@ -56,7 +56,10 @@ class RecordCodec(Protocol):
     (per-record Python objects cost most of the throughput budget)."""
 
     def decode(self, values: pa.Array, schema: pa.Schema, context: DecodeContext) -> pa.Table:
-        """Decode binary ``values`` into a table with exactly ``schema``'s columns."""
+        """Decode binary ``values`` into a table, one row per value (a null value: a row of
+        nulls), with ``schema``'s columns typed as closely as the format allows; columns it
+        does not name may be kept. ``icefloe.convert.conform`` makes the exact table schema
+        (names, aliases, casts); errors name the record through ``context``."""
         ...
 
 

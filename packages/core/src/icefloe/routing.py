@@ -16,8 +16,14 @@ from icefloe.config import TableConfig
 from icefloe.errors import ConfigError
 
 
-def _column(table: pa.Table, name: str) -> pa.Array | None:
-    """``name`` as a top-level column, else as a dotted path into struct columns."""
+def _column(table: pa.Table, name: str, case_insensitive: bool = False) -> pa.Array | None:
+    """``name`` as a top-level column, else as a dotted path into struct columns; with
+    ``case_insensitive``, every top-level column of that name in any letter case, coalesced."""
+    same = [i for i, c in enumerate(table.column_names) if c.casefold() == name.casefold()]
+    if case_insensitive and same:
+        exact = [i for i in same if table.column_names[i] == name]
+        cols = [_text(table.column(i)) for i in exact + [i for i in same if i not in exact]]
+        return cols[0] if len(cols) == 1 else pc.coalesce(*cols)
     if name in table.column_names:
         col = table.column(name)
     else:
@@ -29,10 +35,17 @@ def _column(table: pa.Table, name: str) -> pa.Array | None:
             if not pa.types.is_struct(col.type) or col.type.get_field_index(part) < 0:
                 return None
             col = pc.struct_field(col, part)
-    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    return _text(col)
 
 
-def route_masks(table: pa.Table, tables: Sequence[TableConfig]) -> dict[str, pa.Array | None]:
+def _text(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    return arr if pa.types.is_string(arr.type) else pc.cast(arr, pa.string())
+
+
+def route_masks(
+    table: pa.Table, tables: Sequence[TableConfig], case_insensitive: bool = False
+) -> dict[str, pa.Array | None]:
     """table name -> boolean row mask, or None for "every row" (no copy needed)."""
     out: dict[str, pa.Array | None] = {}
     cache: dict[str, pa.Array] = {}
@@ -47,7 +60,7 @@ def route_masks(table: pa.Table, tables: Sequence[TableConfig]) -> dict[str, pa.
                 "list the field values that go to this table, or remove route_field",
             )
         if t.route_field not in cache:
-            col = _column(table, t.route_field)
+            col = _column(table, t.route_field, case_insensitive)
             if col is None:
                 raise ConfigError(
                     f"tables[{i}].route_field",
@@ -63,9 +76,11 @@ def route_masks(table: pa.Table, tables: Sequence[TableConfig]) -> dict[str, pa.
     return out
 
 
-def route(table: pa.Table, tables: Sequence[TableConfig]) -> dict[str, pa.Table]:
+def route(
+    table: pa.Table, tables: Sequence[TableConfig], case_insensitive: bool = False
+) -> dict[str, pa.Table]:
     """table name -> the rows of ``table`` routed to it (possibly empty)."""
     return {
         name: table if mask is None else table.filter(mask)
-        for name, mask in route_masks(table, tables).items()
+        for name, mask in route_masks(table, tables, case_insensitive).items()
     }

@@ -42,7 +42,9 @@ from icefloe.hookspecs import DecodeContext
 UTC = dt.UTC
 
 
-def ctx(n: int, first_offset: int = 100, topic: str = "events", partition: int = 3) -> DecodeContext:
+def ctx(
+    n: int, first_offset: int = 100, topic: str = "events", partition: int = 3
+) -> DecodeContext:
     return DecodeContext(
         topics=pa.array([topic] * n),
         partitions=pa.array([partition] * n, pa.int32()),
@@ -222,7 +224,10 @@ def test_nested_lists_maps_and_structs() -> None:
         NestedField(
             6,
             "items",
-            ListType(7, StructType(NestedField(8, "sku", StringType()), NestedField(9, "n", IntegerType()))),
+            ListType(
+                7,
+                StructType(NestedField(8, "sku", StringType()), NestedField(9, "n", IntegerType())),
+            ),
         ),
         NestedField(10, "labels", MapType(11, StringType(), 12, StringType())),
     )
@@ -238,7 +243,12 @@ def test_nested_lists_maps_and_structs() -> None:
     out = conform(table, s, context=ctx(3))
     assert out.schema.equals(schema_to_pyarrow(s))
     assert out.to_pylist() == [
-        {"scores": [1, 2], "attrs": [("a", 1)], "items": [{"sku": "x", "n": 1}], "labels": [("k", "v")]},
+        {
+            "scores": [1, 2],
+            "attrs": [("a", 1)],
+            "items": [{"sku": "x", "n": 1}],
+            "labels": [("k", "v")],
+        },
         {"scores": None, "attrs": [("b", 2)], "items": [], "labels": None},
         {"scores": [3], "attrs": None, "items": None, "labels": []},
     ]
@@ -248,7 +258,9 @@ def test_nested_lists_maps_and_structs() -> None:
         conform(bad, s, context=ctx(3))
     assert (err.value.offset, err.value.field) == (102, "scores.element")
     # map values are required here: a null one names its record
-    labels = pa.array([[("a", "1")], [], [("b", "2"), ("c", None)]], pa.map_(pa.string(), pa.string()))
+    labels = pa.array(
+        [[("a", "1")], [], [("b", "2"), ("c", None)]], pa.map_(pa.string(), pa.string())
+    )
     with pytest.raises(RecordConversionError) as err:
         conform(pa.table({"labels": labels}), s, context=ctx(3))
     assert (err.value.offset, err.value.field) == (102, "labels.value")
@@ -303,7 +315,9 @@ def test_conformed_rows_append_to_a_real_table(tmp_path: Path) -> None:
             )
         },
     )
-    rows = pa.table({"ID": [1, 2], "when": ["2024-01-01T00:00:00Z", None], "tags": [{"a": "b"}, None]})
+    rows = pa.table(
+        {"ID": [1, 2], "when": ["2024-01-01T00:00:00Z", None], "tags": [{"a": "b"}, None]}
+    )
     out = conform(rows, table.schema(), name_mapping=table_name_mapping(table))
     table.append(out)
     back = catalog.load_table("db.t").scan().to_arrow().sort_by("id").to_pylist()

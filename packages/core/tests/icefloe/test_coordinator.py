@@ -6,6 +6,7 @@ corrupt events, and a coordinator process killed by SIGKILL."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -16,15 +17,16 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.channel import WriterBatch
+from icefloe.channel import ChannelRecord, WriterBatch
 from icefloe.committer import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
 from icefloe.config import CoordinationConfig
 from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
-from icefloe.errors import CommitError, EventDecodeError, NotLeaderError
+from icefloe.errors import ChannelError, CommitError, EventDecodeError, NotLeaderError
 from icefloe.events import DataComplete, DataWritten, Event, WriterRef, encode_event
 from icefloe.hookspecs import TableCommitted, hookimpl
 from icefloe.plugins import DISABLE_AUTOLOAD_ENV, Plugins, new_plugins
@@ -45,6 +47,7 @@ from icefloe.testing.harness import (
 )
 from icefloe.testing.memory import (
     MemoryBackend,
+    MemoryCoordinatorChannel,
     MemoryServer,
     memory_backend_options,
     serve_memory_server,
@@ -117,11 +120,10 @@ class _Factory:
         self._open: list[Coordinator | WriterClient] = []
 
     def coordinator(
-        self, name: str = "c1", hooks: CoordinatorHooks | None = None, **settings: float
+        self, name: str = "c1", hooks: CoordinatorHooks | None = None, **settings: Any
     ) -> Coordinator:
-        s = CoordinatorSettings(
-            **{"commit_interval_s": 3600.0, "commit_timeout_s": 30.0, **settings}  # type: ignore[arg-type]
-        )
+        base = CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0)
+        s = dataclasses.replace(base, **settings)
         c = Coordinator(
             self.group_id,
             self.backend.coordinator(name),
@@ -190,6 +192,8 @@ def test_idle_writer_answers_at_once_so_the_cycle_completes(
     files = source.publish(busy, 0).file_count + source.publish(idle, 0).file_count
     wait_pending(coord, files)
     assert coord.commit_now().complete
+    # its answer made 'never-published' known (and live): the next cycle expects it too
+    drive(coord, lambda: "never-published" in coord.known_writers(), "its first answer")
     # second cycle: 'idle' publishes nothing but is live; it still answers
     wait_pending(coord, source.publish(busy, 1).file_count)
     result = coord.commit_now()
@@ -381,8 +385,8 @@ def test_run_loop_commits_on_interval_and_hands_over_on_stop(
         threading.Thread(target=c.run, args=(s,), daemon=True)
         for c, s in zip((first, second), stops, strict=True)
     ]
-    for t in threads:
-        t.start()
+    for th in threads:
+        th.start()
     try:
         source.publish(w, 0)
         drive_until_rows(make.catalog, source)
@@ -396,8 +400,8 @@ def test_run_loop_commits_on_interval_and_hands_over_on_stop(
     finally:
         for s in stops:
             s.set()
-        for t in threads:
-            t.join(30)
+        for th in threads:
+            th.join(30)
     for t in TABLES:
         assert_exactly_once(make.catalog, t, source.expected[t])
 
@@ -545,3 +549,42 @@ def test_standalone_coordinator_command_commits_and_stops_on_sigterm(tmp_path: P
         successor.close()
     for t in TABLES:
         assert_exactly_once(catalog, t, source.expected[t])
+
+
+class _FlakyCoordinatorChannel(MemoryCoordinatorChannel):
+    """Fails one poll after leading, as a dropped connection would."""
+
+    failures = 1
+
+    def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:
+        if self.failures and self._token is not None:
+            self.failures -= 1
+            raise ChannelError("injected: connection reset")
+        return super().poll(timeout, max_records)
+
+
+def test_run_loop_survives_a_channel_error_and_starts_over(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    w = make.writer("w")
+    channel = _FlakyCoordinatorChannel(make.backend.server, group_id, "flaky", TTL)
+    coord = Coordinator(
+        group_id,
+        channel,
+        make.catalog,
+        CoordinatorSettings(commit_interval_s=0.2, commit_timeout_s=30.0),
+        plugins=make.plugins,
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        source.publish(w, 0)
+        drive_until_rows(make.catalog, source)
+    finally:
+        stop.set()
+        thread.join(30)
+        coord.close()
+    assert channel.failures == 0
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])

@@ -30,7 +30,7 @@ TABLE_REFRESH_S = 2.0
 @contextmanager
 def stop_on_signals(stop: threading.Event) -> Iterator[None]:
     """SIGINT and SIGTERM set ``stop`` (a clean shutdown) instead of killing the driver."""
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
 
     def handler(signum: int, frame: FrameType | None) -> None:
         stop.set()

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
 
 
 def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
@@ -73,8 +74,10 @@ def end_offsets(bootstrap: str, topic: str, timeout_s: float = 60.0) -> dict[int
                 raise TimeoutError(f"could not find the end of {topic} in {timeout_s}s")
             for msg in consumer.consume(1000, timeout=0.5):
                 err = msg.error()
-                if err is not None and err.code() == KafkaError._PARTITION_EOF:
-                    ends[msg.partition()] = msg.offset()
+                part, offset = msg.partition(), msg.offset()
+                eof = err is not None and err.code() == KafkaError._PARTITION_EOF
+                if eof and part is not None and offset is not None:
+                    ends[part] = offset
         return ends
     finally:
         consumer.close()

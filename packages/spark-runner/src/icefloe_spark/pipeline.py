@@ -23,7 +23,7 @@ from typing import Any
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming.query import StreamingQuery
 
 from icefloe.backends import open_backend
 from icefloe.channel import Backend
@@ -58,7 +58,11 @@ def build_session(config: PipelineConfig) -> SparkSession:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder: Any = SparkSession.builder.master(config.spark.master).appName(config.spark.app_name)
-    conf = {"spark.sql.redaction.options.regex": _REDACT_OPTIONS, **config.spark.conf}
+    conf = {
+        "spark.sql.redaction.options.regex": _REDACT_OPTIONS,
+        "spark.ui.showConsoleProgress": "false",  # it would scribble over the live view
+        **config.spark.conf,
+    }
     for key, value in conf.items():
         builder = builder.config(key, value)
     session: SparkSession = builder.getOrCreate()

@@ -154,8 +154,8 @@ def merge_messages(messages: Sequence[WriterCommitMessage | None], batch_id: int
                 )
         merge_positions(positions, out.positions)
     seen: set[str] = set()
-    for metas in files.values():
-        for meta in metas:
+    for table_files in files.values():
+        for meta in table_files:
             if meta.path in seen:
                 raise ValueError(f"batch {batch_id}: file {meta.path} returned twice")
             seen.add(meta.path)

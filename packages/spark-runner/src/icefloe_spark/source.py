@@ -34,6 +34,7 @@ offset: the batch that discovers one records it at its earliest offset, the next
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import time
@@ -280,7 +281,9 @@ def _parse_offsets_json(text: str) -> Offsets:
 
 
 def source_options(config: PipelineConfig) -> dict[str, str]:
-    """Reader options for a pipeline configuration (what ``icefloe run`` passes)."""
+    """Reader options for a pipeline configuration (what ``icefloe run`` passes). Catalog
+    properties (which may hold credentials) are passed only when ``starting_offsets`` is
+    ``table``, the one mode that reads them."""
     src = config.source
     opts = {
         "kafka.bootstrap.servers": src.bootstrap_servers,
@@ -290,13 +293,18 @@ def source_options(config: PipelineConfig) -> dict[str, str]:
             if isinstance(src.starting_offsets, str)
             else json.dumps(src.starting_offsets)
         ),
-        "icefloe.tables": ",".join(t.name for t in config.tables),
-        "icefloe.groupId": config.name,
-        "icefloe.branch": config.coordination.branch,
-        "icefloe.catalog.name": config.catalog.name,
-        **{f"icefloe.catalog.{k}": v for k, v in config.catalog.properties.items()},
         **{f"kafka.{k}": v for k, v in src.kafka.items()},
     }
+    if src.starting_offsets == "table":
+        opts.update(
+            {
+                "icefloe.tables": ",".join(t.name for t in config.tables),
+                "icefloe.groupId": config.name,
+                "icefloe.branch": config.coordination.branch,
+                "icefloe.catalog.name": config.catalog.name,
+                **{f"icefloe.catalog.{k}": v for k, v in config.catalog.properties.items()},
+            }
+        )
     if src.max_records_per_batch is not None:
         opts["maxOffsetsPerTrigger"] = str(src.max_records_per_batch)
     return opts
@@ -509,8 +517,14 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     if offset == LATEST
                     else offset
                 )
-            # offsets for partitions the broker does not (yet) list are kept as given
-            chosen.update({tp: o for tp, o in given.items() if tp not in chosen and o >= 0})
+            # offsets of subscribed partitions the broker does not list (yet) are kept as given
+            chosen.update(
+                {
+                    tp: o
+                    for tp, o in given.items()
+                    if tp not in chosen and o >= 0 and tp[0] in self.options.topics
+                }
+            )
         return _nest(chosen)
 
     def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 (Spark's name)
@@ -611,35 +625,29 @@ def read_range(
         last_progress = time.monotonic()
         while next_offset < part.end:
             polled = consumer.consume(num_messages=batch_size, timeout=1.0)
-            if not polled and time.monotonic() - last_progress > options.poll_timeout_s:
-                raise KafkaSourceError(
-                    f"{part.topic}[{part.partition}]: no records for {options.poll_timeout_s}s "
-                    f"while reading offsets [{part.start}, {part.end}) (next: {next_offset})"
-                )
-            for msg in polled:
-                err = msg.error()
-                offset = _int_of(msg.offset())
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        if offset >= part.end:  # the rest of the range holds no records
-                            next_offset = part.end
-                        continue
-                    if err.code() in (
-                        KafkaError._AUTO_OFFSET_RESET,
-                        KafkaError.OFFSET_OUT_OF_RANGE,
-                    ):
-                        raise DataLossError(
-                            f"{part.topic}[{part.partition}]: offsets [{part.start}, {part.end})"
-                            f" are no longer on the broker ({err.str()}); set "
-                            "failOnDataLoss=false to continue from what the broker still has"
-                        )
-                    raise KafkaException(err)
-                if offset >= part.end:
+            if not polled:
+                if time.monotonic() - last_progress > options.poll_timeout_s:
+                    raise KafkaSourceError(
+                        f"{part.topic}[{part.partition}]: no records for "
+                        f"{options.poll_timeout_s}s while reading offsets [{part.start}, "
+                        f"{part.end}) (next: {next_offset})"
+                    )
+                continue
+            # list comprehensions, not a loop with branches: this runs once per record
+            events = [m for m in polled if m.error() is not None]
+            if events:
+                polled = [m for m in polled if m.error() is None]
+                if _range_ends_here(part, events):
                     next_offset = part.end
-                    break
-                msgs.append(msg)
-                next_offset = offset + 1
-                last_progress = time.monotonic()
+            if polled:
+                if _int_of(polled[-1].offset()) >= part.end:
+                    offsets = [_int_of(m.offset()) for m in polled]
+                    polled = polled[: bisect.bisect_left(offsets, part.end)]
+                    next_offset = part.end
+                if polled:
+                    msgs += polled
+                    next_offset = max(next_offset, _int_of(polled[-1].offset()) + 1)
+                    last_progress = time.monotonic()
             if msgs and (len(msgs) >= batch_size or next_offset >= part.end):
                 yield to_record_batch(part.topic, part.partition, msgs)
                 msgs = []
@@ -647,7 +655,30 @@ def read_range(
         consumer.close()
 
 
-_TS_TYPE = {TIMESTAMP_CREATE_TIME: 0, TIMESTAMP_LOG_APPEND_TIME: 1}  # Kafka's TimestampType ids
+def _range_ends_here(part: KafkaInputPartition, events: Sequence[Any]) -> bool:
+    """Handle the client's non-record events: True when the partition's end was reached at
+    or past ``part.end`` (the rest of the range holds no records); data loss and other
+    errors raise."""
+    ended = False
+    for event in events:
+        err = event.error()
+        if err.code() == KafkaError._PARTITION_EOF:
+            ended = ended or _int_of(event.offset()) >= part.end
+        elif err.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+            raise DataLossError(
+                f"{part.topic}[{part.partition}]: offsets [{part.start}, {part.end}) are no "
+                f"longer on the broker ({err.str()}); set failOnDataLoss=false to continue "
+                "from what the broker still has"
+            )
+        else:
+            raise KafkaException(err)
+    return ended
+
+
+# confluent-kafka's timestamp kinds -> Kafka's TimestampType ids (-1: none)
+_TS_TYPE = np.full(3, -1, dtype=np.int32)
+_TS_TYPE[TIMESTAMP_CREATE_TIME] = 0
+_TS_TYPE[TIMESTAMP_LOG_APPEND_TIME] = 1
 _HEADERS_TYPE = KAFKA_ARROW_SCHEMA.field("headers").type
 
 
@@ -655,9 +686,9 @@ def to_record_batch(topic: str, partition: int, msgs: Sequence[Any]) -> pa.Recor
     """Messages -> one Kafka-layout batch. One pass per column over the client's message
     objects (confluent-kafka hands out one object per record); the rest is vectorised."""
     n = len(msgs)
-    stamps = [m.timestamp() for m in msgs]
-    ts_ms = np.fromiter((s[1] for s in stamps), dtype=np.int64, count=n)
-    ts_type = np.fromiter((_TS_TYPE.get(s[0], -1) for s in stamps), dtype=np.int32, count=n)
+    stamps = np.array([m.timestamp() for m in msgs], dtype=np.int64).reshape(n, 2)
+    ts_type = _TS_TYPE[np.clip(stamps[:, 0], 0, 2)]
+    ts_ms = stamps[:, 1]
     no_ts = ts_type < 0
     timestamps = pa.array(ts_ms * 1000, pa.int64(), mask=no_ts if no_ts.any() else None).cast(
         KAFKA_ARROW_SCHEMA.field("timestamp").type

@@ -11,6 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from confluent_kafka import Producer
 from hypothesis import given
 from hypothesis import strategies as st
 from pyspark.sql import SparkSession
@@ -302,6 +303,34 @@ def test_bounded_read_is_deterministic_and_skips_nothing(
     assert first.column("offset").to_pylist() == list(range(4, 21))
     assert first.column("value").to_pylist() == [f"d{i}".encode() for i in range(4, 21)]
     assert first.equals(second)
+
+
+def test_transaction_markers_do_not_stall_a_range(
+    kafka_broker: Any, new_topic: Any, source_options: Any
+) -> None:
+    """A committed transaction ends with a control record: an offset without a record. A
+    range ending there must finish at the end of the partition, not wait for a record."""
+    topic = new_topic(partitions=1)
+    producer = Producer(
+        {
+            "bootstrap.servers": kafka_broker.bootstrap_servers,
+            "transactional.id": f"tx-{topic}",
+            "batch.num.messages": 1,
+        }
+    )
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    for i in range(5):
+        producer.produce(topic, value=f"t{i}".encode(), partition=0)
+    producer.commit_transaction(30)
+    reader = _reader(source_options, topic, pollTimeoutMs="5000")
+    end = reader.latestOffset(reader.initialOffset(), ReadAllAvailable())[topic]["0"]
+    assert end > 5  # the marker takes an offset
+    (part,) = reader.partitions(reader.initialOffset(), {topic: {"0": end}})
+    assert isinstance(part, KafkaInputPartition)
+    batches = list(read_range(reader.options, part))
+    assert [o for b in batches for o in b.column("offset").to_pylist()] == [0, 1, 2, 3, 4]
+    reader.stop()
 
 
 def test_probe_finds_the_end_of_multi_record_batches(

@@ -11,6 +11,11 @@ Options (``source.format_options``): none are required.
   matches names case-insensitively).
 
 A null value decodes to a row of nulls (the converter drops tombstones before decoding).
+
+A field whose JSON type differs from the declared one (``"42"`` for an int column, epoch
+numbers for a timestamp) is decoded with its inferred type and cast by the converter; but
+within one batch a field must keep one JSON type: mixing text and numbers is an error naming
+the first record that differs.
 """
 
 from __future__ import annotations
@@ -94,8 +99,10 @@ class JsonCodec:
         )
         if len(values) == 0:
             return explicit.empty_table()
-        if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        if pa.types.is_string(values.type):
             values = values.cast(pa.binary())
+        elif pa.types.is_large_string(values.type):
+            values = values.cast(pa.large_binary())
         values = pc.fill_null(values, pa.scalar(b"{}", values.type))
         # a field whose values do not have its declared JSON type is retried with an inferred
         # type (the converter may still cast it, e.g. "42" into an int column)
@@ -119,7 +126,8 @@ def _failed_column(exc: Exception) -> str | None:
 def _parse(values: pa.Array, explicit: pa.Schema, infer: bool) -> pa.Table:
     """One ``read_json`` over the newline-joined values; row count checked against input."""
     n = len(values)
-    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), values), b"\n")
+    one_list = pa.ListArray.from_arrays(pa.array([0, n], pa.int32()), values)
+    joined = pc.binary_join(one_list, pa.scalar(b"\n", values.type))
     buf = joined[0].as_buffer()
     longest = pc.max(pc.binary_length(values)).as_py() or 0
     multiline = bool(pc.any(pc.match_substring(values, "\n")).as_py())

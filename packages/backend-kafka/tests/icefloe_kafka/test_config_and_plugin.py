@@ -1,0 +1,133 @@
+"""Configuration, secrets handling and registration through the ``icefloe`` entry point."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from icefloe.backends import backend_config, open_backend
+from icefloe.config import config_from_dict, redacted_dict
+from icefloe.embedded import EmbeddedKafkaBroker, free_port
+from icefloe.errors import ChannelError, ConfigError
+from icefloe.plugins import new_plugins
+from icefloe_kafka import KafkaBackend, KafkaBackendConfig
+
+SECRET = "s3cr3t-sasl-pw"
+
+
+def pipeline(coordination: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": "orders",
+        "source": {"topics": ["orders"]},
+        "tables": [{"name": "sales.orders"}],
+        "coordination": coordination,
+    }
+
+
+def test_kafka_is_the_default_backend_and_comes_from_the_entry_point(
+    kafka_broker: EmbeddedKafkaBroker,
+) -> None:
+    plugins = new_plugins(autoload=True)
+    spec = plugins.backend("kafka")
+    assert spec.config_model is KafkaBackendConfig
+    assert plugins.distributions  # loaded from installed distributions, not by hand
+    config = config_from_dict(
+        pipeline({"kafka": {"bootstrap_servers": kafka_broker.bootstrap_servers}})
+    )
+    assert config.coordination.backend == "kafka"
+    backend = open_backend(config, plugins)
+    try:
+        assert isinstance(backend, KafkaBackend)
+        assert backend.group_id == "orders"
+        assert backend.config.bootstrap_servers == kafka_broker.bootstrap_servers
+        assert backend.lease_ttl_s == config.coordination.lease_ttl_s
+    finally:
+        backend.close()
+
+
+def test_wrong_keys_name_the_key_and_the_fix() -> None:
+    plugins = new_plugins(autoload=True)
+    bad = config_from_dict(pipeline({"kafka": {"partitions": 0}}))
+    with pytest.raises(ConfigError) as err:
+        backend_config(bad, plugins)
+    assert err.value.key == "coordination.kafka.partitions"
+    typo = config_from_dict(pipeline({"kafka": {"bootstrap_server": "x:9092"}}))
+    with pytest.raises(ConfigError) as err:
+        backend_config(typo, plugins)
+    assert err.value.key == "coordination.kafka.bootstrap_server"
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["isolation.level", "transactional.id", "group.id", "enable.auto.commit", "bootstrap.servers"],
+)
+def test_settings_the_guarantees_rest_on_cannot_be_overridden(key: str) -> None:
+    with pytest.raises(ValidationError, match=key):
+        KafkaBackendConfig.model_validate({"kafka": {key: "x"}})
+
+
+def test_client_settings_pass_through_and_secrets_are_never_shown() -> None:
+    cfg = KafkaBackendConfig.model_validate(
+        {
+            "kafka": {
+                "security.protocol": "SASL_SSL",
+                "sasl.mechanism": "SCRAM-SHA-512",
+                "sasl.username": "icefloe",
+                "sasl.password": SECRET,
+                "ssl.key.pem": SECRET,
+                "socket.keepalive.enable": True,
+                "message.max.bytes": 2_000_000,
+            }
+        }
+    )
+    assert isinstance(cfg.kafka["sasl.password"], SecretStr)
+    assert isinstance(cfg.kafka["ssl.key.pem"], SecretStr)
+    settings = cfg.client_settings()
+    assert settings["sasl.password"] == SECRET
+    assert settings["security.protocol"] == "SASL_SSL"
+    assert settings["socket.keepalive.enable"] == "true"
+    assert settings["message.max.bytes"] == "2000000"
+    for shown in (repr(cfg), str(cfg), str(redacted_dict(cfg)), repr(KafkaBackend(cfg, "g"))):
+        assert SECRET not in shown
+    # every client the backend builds gets the pass-through settings
+    backend = KafkaBackend(cfg, "g")
+    conf = backend.clients._base("test")
+    assert conf["sasl.username"] == "icefloe"
+    assert conf["sasl.password"] == SECRET
+
+
+def test_unreachable_cluster_errors_and_logs_hide_the_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    cfg = KafkaBackendConfig.model_validate(
+        {
+            "bootstrap_servers": f"127.0.0.1:{free_port()}",  # nothing listens there
+            "operation_timeout_s": 1.0,
+            "kafka": {
+                "security.protocol": "SASL_PLAINTEXT",
+                "sasl.mechanism": "PLAIN",
+                "sasl.username": "u",
+                "sasl.password": SECRET,
+            },
+        }
+    )
+    backend = KafkaBackend(cfg, "g")
+    with pytest.raises(ChannelError) as err:
+        backend.writer("w").open()
+    assert "127.0.0.1" in str(err.value)
+    assert SECRET not in str(err.value)
+    warnings = backend.doctor()
+    assert any("cannot reach" in w for w in warnings)
+    assert SECRET not in " ".join(warnings)
+    assert SECRET not in caplog.text
+
+
+def test_state_topic_defaults_next_to_the_control_topic() -> None:
+    assert KafkaBackendConfig(control_topic="ctl").state_topic_name == "ctl-state"
+    assert KafkaBackendConfig(state_topic="st").state_topic_name == "st"
+    with pytest.raises(ValidationError, match="replication_factor"):
+        KafkaBackendConfig(replication_factor=0)
