@@ -334,11 +334,14 @@ class Coordinator:
         self._channel.seek(stored)
         self._recovering = True
         read = 0
+        # Bounded: under steady publishing the log never runs dry, so recovery ends after at
+        # most one commit interval and the normal loop reads the rest of the backlog.
+        deadline = time.monotonic() + self.settings.commit_interval_s
         while True:
             n = self._poll(_POLL_S)
             read += n
             self._renew_if_due()
-            if n == 0:
+            if n == 0 or time.monotonic() >= deadline:
                 break
         self._recovering = False
         self._last_cycle_end = time.monotonic()

@@ -199,6 +199,53 @@ def test_json_accepts_any_binary_or_text_column(arrow_type: pa.DataType) -> None
     assert JsonCodec({}).decode(values, hint(), ctx(3)).column("id").to_pylist() == [2, None, 4]
 
 
+ROUND_TRIP = Schema(
+    NestedField(1, "id", LongType(), required=True),
+    NestedField(2, "name", StringType()),
+    NestedField(3, "tags", ListType(4, StringType())),
+    NestedField(5, "geo", StructType(NestedField(6, "lat", DoubleType()))),
+)
+json_records = st.lists(
+    st.fixed_dictionaries(
+        {"id": st.integers(-(2**62), 2**62)},
+        optional={
+            "name": st.one_of(st.none(), st.text()),
+            "tags": st.one_of(st.none(), st.lists(st.text(max_size=5), max_size=3)),
+            "geo": st.one_of(
+                st.none(), st.fixed_dictionaries({"lat": st.floats(allow_nan=False, width=32)})
+            ),
+        },
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(records=json_records, indent=st.sampled_from([None, 1]))
+def test_json_round_trip(records: list[dict[str, Any]], indent: int | None) -> None:
+    """Any text (escapes, unicode, line breaks), nesting and nulls survive the batch parse."""
+    values = raw([json.dumps(r, indent=indent, ensure_ascii=False).encode() for r in records])
+    context = ctx(len(records))
+    out = conform(
+        JsonCodec({}).decode(values, hint(ROUND_TRIP), context), ROUND_TRIP, context=context
+    )
+    expected = [
+        {"id": r["id"], "name": r.get("name"), "tags": r.get("tags"), "geo": r.get("geo")}
+        for r in records
+    ]
+    assert out.to_pylist() == expected
+
+
+def test_json_line_breaks_inside_values_across_blocks() -> None:
+    """More than one parser block (1 MiB) of values that contain line breaks."""
+    records = [{"id": i, "name": "n" * 300, "tags": ["a", "b"]} for i in range(5000)]
+    values = raw([json.dumps(r, indent=2).replace("\n", "\r\n").encode() for r in records])
+    assert sum(len(v) for v in values.to_pylist()) > 1 << 20
+    out = JsonCodec({}).decode(values, hint(ROUND_TRIP), ctx(len(records)))
+    assert out.column("id").to_pylist() == list(range(5000))
+
+
 def test_json_option_errors() -> None:
     with pytest.raises(ConfigError, match="unknown_fields"):
         JsonCodec({"unknown_fields": "keep"})

@@ -266,6 +266,34 @@ def test_nested_lists_maps_and_structs() -> None:
     assert (err.value.offset, err.value.field) == (102, "labels.value")
 
 
+def test_aliases_coalesce_for_every_type() -> None:
+    u1, u2 = uuid.uuid4(), uuid.uuid4()
+    s = schema(NestedField(1, "u", UUIDType()))
+    mapping = parse_mapping_from_json(json.dumps([{"field-id": 1, "names": ["u", "uid"]}]))
+    table = pa.table({"u": [str(u1), None, None], "uid": [str(u2), str(u2), None]})
+    out = conform(table, s, name_mapping=mapping)
+    assert out.column("u").to_pylist() == [u1, u2, None]
+
+
+def test_objects_as_maps_with_mixed_value_kinds() -> None:
+    s = schema(NestedField(1, "m", MapType(2, StringType(), 3, StringType())))
+    table = pa.table(
+        {"m": pa.array([{"a": 1, "b": "x", "c": None}, {"a": 2, "b": None, "c": None}])}
+    )
+    assert conform(table, s).column("m").to_pylist() == [[("a", "1"), ("b", "x")], [("a", "2")]]
+    nested = pa.table({"m": pa.array([{"a": 1, "b": {"deep": 1}}])})
+    with pytest.raises(RecordConversionError, match="map values of different kinds") as err:
+        conform(nested, s, context=ctx(1))
+    assert err.value.field == "m"
+
+
+def test_empty_input() -> None:
+    s = schema(NestedField(1, "id", LongType(), required=True))
+    out = conform(pa.table({"id": pa.array([], pa.int32())}), s)
+    assert out.num_rows == 0
+    assert out.schema.equals(schema_to_pyarrow(s))
+
+
 def test_shape_mismatch_is_a_record_error() -> None:
     s = schema(NestedField(1, "pos", StructType(NestedField(2, "x", DoubleType()))))
     with pytest.raises(RecordConversionError, match="record/object") as err:

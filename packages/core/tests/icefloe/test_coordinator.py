@@ -27,7 +27,14 @@ from icefloe.committer import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
 from icefloe.config import CoordinationConfig
 from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
 from icefloe.errors import ChannelError, CommitError, EventDecodeError, NotLeaderError
-from icefloe.events import DataComplete, DataWritten, Event, WriterRef, encode_event
+from icefloe.events import (
+    DataComplete,
+    DataWritten,
+    Event,
+    SourcePosition,
+    WriterRef,
+    encode_event,
+)
 from icefloe.hookspecs import TableCommitted, hookimpl
 from icefloe.plugins import DISABLE_AUTOLOAD_ENV, Plugins, new_plugins
 from icefloe.testing.fixtures import (
@@ -586,5 +593,38 @@ def test_run_loop_survives_a_channel_error_and_starts_over(
         thread.join(30)
         coord.close()
     assert channel.failures == 0
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+@pytest.mark.timeout(120)  # without bounded recovery, lead() never returns
+def test_recovery_ends_under_steady_publishing(make: _Factory, source: RowSource) -> None:
+    """A writer that never pauses must not keep a new leader recovering forever."""
+    data = make.writer("data")
+    source.publish(data, 0)
+    chatty = make.writer("chatty")
+    stop = threading.Event()
+    sent: list[int] = []
+
+    def keep_publishing() -> None:
+        # batches with no files: cheap, so the log never runs dry while the leader recovers
+        while not stop.is_set():
+            seq = len(sent)
+            chatty.publish(seq, {}, [SourcePosition("chatter", 0, seq + 1, None)])
+            sent.append(seq)
+
+    thread = threading.Thread(target=keep_publishing, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30.0
+        while len(sent) < 100 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        coord = make.coordinator(commit_interval_s=0.5)
+        lead(coord, timeout=60.0)  # never returns if recovery waits for the log to run dry
+        assert stop.is_set() is False, "the writer must still be publishing"
+        coord.commit_now()
+    finally:
+        stop.set()
+        thread.join(timeout=30)
     for t in TABLES:
         assert_exactly_once(make.catalog, t, source.expected[t])

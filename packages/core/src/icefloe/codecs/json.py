@@ -130,7 +130,8 @@ def _parse(values: pa.Array, explicit: pa.Schema, infer: bool) -> pa.Table:
     joined = pc.binary_join(one_list, pa.scalar(b"\n", values.type))
     buf = joined[0].as_buffer()
     longest = pc.max(pc.binary_length(values)).as_py() or 0
-    multiline = bool(pc.any(pc.match_substring(values, "\n")).as_py())
+    # Arrow splits blocks at line breaks unless told values may contain them
+    multiline = any(bool(pc.any(pc.match_substring(values, brk)).as_py()) for brk in ("\n", "\r"))
     table = pj.read_json(
         pa.BufferReader(buf),
         read_options=pj.ReadOptions(block_size=max(1 << 20, 2 * longest + 2)),
