@@ -9,10 +9,19 @@ import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type: ignore[attr-defined]
 
 from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe_kafka import TopicMissingError
+from icefloe_kafka import KafkaBackend, TopicMissingError
 from icefloe_kafka.clients import STATE_SEGMENT_MS
 
 from .conftest import BackendMaker
+
+
+def open_writer(backend: KafkaBackend) -> int:
+    """Open (and close) a writer: the first use of a backend, which checks the topics."""
+    w = backend.writer("w")
+    try:
+        return w.open()
+    finally:
+        w.close()
 
 
 def unique(name: str) -> str:
@@ -40,7 +49,7 @@ def test_missing_topics_are_created_with_the_configured_settings(
 ) -> None:
     control = unique("ctl")
     backend = make_backend("g", control_topic=control, partitions=2, retention_ms=123_456_789)
-    backend.writer("w").open()
+    open_writer(backend)
     topics = admin.list_topics(timeout=20).topics
     assert len(topics[control].partitions) == 2
     assert len(topics[f"{control}-state"].partitions) == 1
@@ -58,7 +67,7 @@ def test_missing_topic_without_permission_to_create_is_a_typed_error(
     control = unique("ctl")
     backend = make_backend("g", control_topic=control, create_topics=False)
     with pytest.raises(TopicMissingError) as err:
-        backend.writer("w").open()
+        open_writer(backend)
     assert err.value.topic == control
     assert err.value.key == "coordination.kafka.create_topics"
     assert "create_topics = true" in str(err.value)
@@ -68,7 +77,7 @@ def test_missing_topic_without_permission_to_create_is_a_typed_error(
     # an administrator creates them: the same backend now works without creating anything
     create_topic(admin, control, 1, **{"retention.ms": "604800000"})
     create_topic(admin, f"{control}-state", 1, **{"cleanup.policy": "compact"})
-    assert backend.writer("w").open() > 0
+    assert open_writer(backend) > 0
 
 
 def test_doctor_warns_about_settings_that_weaken_guarantees(
@@ -94,7 +103,7 @@ def test_doctor_on_a_healthy_setup_only_reports_the_single_replica(
 ) -> None:
     backend = make_backend("g", control_topic=unique("ctl"))
     assert any("does not exist" in w for w in backend.doctor())
-    backend.writer("w").open()
+    open_writer(backend)
     warnings = backend.doctor()
     assert warnings
     assert all("replication factor 1" in w for w in warnings), warnings
