@@ -10,9 +10,9 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import ConfigResource  # type: ignore[attr-defined]  # not re-exported in the stubs
 
 from icefloe.channel import Backend, CoordinatorChannel, WriterChannel
-from icefloe.errors import ChannelError
+from icefloe.errors import ChannelError, ConfigError
 from icefloe_kafka.clients import KafkaClients
-from icefloe_kafka.config import KafkaBackendConfig
+from icefloe_kafka.config import SECTION, KafkaBackendConfig
 from icefloe_kafka.coordinator import KafkaCoordinatorChannel
 from icefloe_kafka.writer import KafkaWriterChannel
 
@@ -25,6 +25,15 @@ class KafkaBackend(Backend):
     """The default coordination backend: a control topic on a Kafka cluster."""
 
     def __init__(self, config: KafkaBackendConfig, group_id: str, lease_ttl_s: float = 10.0):
+        beat = config.heartbeat_interval_s
+        if beat is not None and beat * 2 > lease_ttl_s:
+            # a standby takes over after one TTL without a heartbeat: leave room for one miss
+            raise ConfigError(
+                f"{SECTION}.heartbeat_interval_s",
+                f"must be at most half of coordination.lease_ttl_s ({lease_ttl_s})",
+                "lower it or leave it unset (lease TTL / 3)",
+                beat,
+            )
         self.config = config
         self.group_id = group_id
         self.lease_ttl_s = lease_ttl_s

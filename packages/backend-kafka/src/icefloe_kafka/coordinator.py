@@ -170,6 +170,9 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
             )
         except NotLeaderError as exc:
             log.info("%s", exc)
+            # someone took over just now: give it a full TTL instead of fencing it right back
+            self._seen = StateValue(self._max_token, "", ACQUIRE)
+            self._seen_at = time.monotonic()
             return None
         self._producer = producer
         self._lease = Lease(token, self._id, started + self._ttl)

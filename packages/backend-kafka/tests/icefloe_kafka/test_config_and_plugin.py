@@ -131,3 +131,11 @@ def test_state_topic_defaults_next_to_the_control_topic() -> None:
     assert KafkaBackendConfig(state_topic="st").state_topic_name == "st"
     with pytest.raises(ValidationError, match="replication_factor"):
         KafkaBackendConfig(replication_factor=0)
+
+
+def test_heartbeat_interval_must_leave_room_for_a_missed_beat() -> None:
+    cfg = KafkaBackendConfig(heartbeat_interval_s=6.0)
+    with pytest.raises(ConfigError) as err:
+        KafkaBackend(cfg, "g", lease_ttl_s=10.0)
+    assert err.value.key == "coordination.kafka.heartbeat_interval_s"
+    assert KafkaBackend(cfg, "g", lease_ttl_s=12.0).lease_ttl_s == 12.0

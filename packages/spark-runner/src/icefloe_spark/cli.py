@@ -56,7 +56,8 @@ def watch(
 
     assert pipeline.query is not None
     assert pipeline.catalog is not None
-    monitor = Monitor(pipeline.config, pipeline.catalog)
+    probe = pipeline.source_extra_options.get("probeHighWatermark", "").lower() == "true"
+    monitor = Monitor(pipeline.config, pipeline.catalog, probe_end=probe)
     tables = monitor.tables()
     last_tables = 0.0
 
@@ -93,6 +94,8 @@ def watch(
                     break
     finally:
         monitor.close()
+        if live:
+            console.print()  # the live view leaves the cursor at the end of its last line
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:

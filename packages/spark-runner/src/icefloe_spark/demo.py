@@ -32,7 +32,7 @@ from rich.table import Table as RichTable
 
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe_spark.cli import console, watch
+from icefloe_spark.cli import console, stop_on_signals, watch
 from icefloe_spark.kafkautil import create_topic, produce
 from icefloe_spark.pipeline import Pipeline
 
@@ -51,6 +51,10 @@ SCHEMA = Schema(
     NestedField(5, "ts", TimestamptzType(), required=False),
 )
 SPEC = PartitionSpec(PartitionField(5, 1000, DayTransform(), "ts_day"))
+# the embedded Tansu's ListOffsets answers the last batch's base offset + 1: learn the ends of
+# partitions by fetching instead
+SOURCE_OPTIONS = {"probeHighWatermark": "true"}
+QUIET_LOG4J = Path(__file__).with_name("log4j2-quiet.properties")
 
 
 def demo_config(directory: Path, bootstrap: str, partitions: int) -> PipelineConfig:
@@ -63,7 +67,7 @@ def demo_config(directory: Path, bootstrap: str, partitions: int) -> PipelineCon
                 "topics": [TOPIC],
                 "format": "json",
                 "starting_offsets": "earliest",
-                "max_records_per_batch": 2_500 * partitions,
+                "max_records_per_batch": 4_000,
             },
             "tables": [{"name": TABLE}],
             "catalog": {"name": "demo", "properties": catalog_properties(directory)},
@@ -79,7 +83,11 @@ def demo_config(directory: Path, bootstrap: str, partitions: int) -> PipelineCon
                 "app_name": "icefloe-demo",
                 "checkpoint_location": str(directory / "checkpoint"),
                 "trigger_interval_s": 0.5,
-                "conf": {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"},
+                "conf": {
+                    "spark.ui.enabled": "false",
+                    "spark.sql.shuffle.partitions": "2",
+                    "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={QUIET_LOG4J}",
+                },
             },
         }
     )
@@ -200,22 +208,25 @@ def run_demo(
             )
             stop = threading.Event()
             deadline = time.monotonic() + timeout_s
-            pipeline = Pipeline(config)
-            try:
-                pipeline.start()
-                pipeline.spark.sparkContext.setLogLevel("ERROR")
-                producer.start()
+            pipeline = Pipeline(config, source_extra_options=SOURCE_OPTIONS)
+            with stop_on_signals(stop):
+                try:
+                    pipeline.start()
+                    pipeline.spark.sparkContext.setLogLevel("ERROR")
+                    producer.start()
 
-                def finished() -> bool:
-                    if time.monotonic() > deadline:
-                        console.print("[red]timed out waiting for the table to fill up[/red]")
-                        return True
-                    return done.is_set() and table_rows(catalog) >= records
+                    def finished() -> bool:
+                        if time.monotonic() > deadline:
+                            console.print("[red]timed out waiting for the table[/red]")
+                            return True
+                        return done.is_set() and table_rows(catalog) >= records
 
-                watch(pipeline, stop, until=finished)
-            finally:
-                pipeline.stop()
+                    watch(pipeline, stop, until=finished)
+                finally:
+                    console.print("stopping ...")
+                    pipeline.stop()
             producer.join(timeout=30)
+        console.print()
         return summarize(catalog, records, time.monotonic() - started, console)
     finally:
         if temporary:

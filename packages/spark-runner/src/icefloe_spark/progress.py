@@ -22,6 +22,7 @@ from rich.text import Text
 
 from icefloe.committer import IcebergCommitter
 from icefloe.config import PipelineConfig
+from icefloe_spark.kafkautil import end_offsets
 from icefloe_spark.publish import PublishStats
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,9 @@ def lag(
 class Monitor:
     """Reads table state and source watermarks; cheap enough to call every couple of seconds."""
 
-    def __init__(self, config: PipelineConfig, catalog: Catalog) -> None:
+    def __init__(self, config: PipelineConfig, catalog: Catalog, probe_end: bool = False) -> None:
         self.config = config
+        self.probe_end = probe_end  # read partition ends by fetching (see kafkautil.end_offsets)
         self.catalog = catalog
         self.committer = IcebergCommitter(catalog, config.name, branch=config.coordination.branch)
         self._consumer: Consumer | None = None
@@ -102,8 +104,11 @@ class Monitor:
                         TopicPartition(topic, p), timeout=2.0, cached=False
                     )
                     low[(topic, p)], high[(topic, p)] = lo, hi
+                if self.probe_end:
+                    ends = end_offsets(src.bootstrap_servers, topic, timeout_s=5.0)
+                    high.update({(topic, p): o for p, o in ends.items()})
             return high, low
-        except KafkaException:
+        except (KafkaException, TimeoutError):
             log.debug("watermarks unavailable", exc_info=True)
             return None
 
@@ -163,8 +168,9 @@ def render(
         (name, "bold"),
         f"  batch {query.batch_id if query.batch_id is not None else '-'}",
         f"  {query.rows_per_s:,.0f} records/s",
-        f"  published {stats.batches} batches / {stats.records:,} records / {stats.files} files",
-        f"  coordinator: {coordinator}",
+        f"  coordinator: {coordinator}\n",
+        f"published {stats.batches} batches, {stats.records:,} records, {stats.files} files",
+        f" ({stats.duplicates} replays ignored)" if stats.duplicates else "",
     )
     grid = RichTable(box=None, pad_edge=False)
     for col in ("table", "rows", "snapshot", "last commit", "lag"):

@@ -1,0 +1,287 @@
+"""End-to-end throughput against the single-process ceiling, on the same data, in one run.
+
+    nox -s bench                       # or: python benchmarks/bench_e2e.py --records 1000000
+
+1. Starts the embedded Kafka-protocol broker (Tansu); the events are JSON (10 fields,
+   ~250 bytes), on a topic with P partitions.
+2. Ceiling: one process, no Spark, no coordination: confluent-kafka consumes every partition,
+   the records become Kafka-layout Arrow batches (the source's own ``to_record_batch``), are
+   decoded and conformed by the sink's converter and written as Parquet by pyiceberg's writer
+   (``write_data_files``), ``--batch`` records at a time. Nothing is committed.
+3. End to end: the real pipeline (icefloe-kafka source -> Spark local -> icefloe sink ->
+   backend -> coordinator -> Iceberg commits) into a fresh table. It is started and warmed up
+   first on W extra records (JVM, Python workers, first commit: start-up is latency, not
+   throughput); then the N events are produced while it runs. Timed from the start of that
+   production until the table's committed snapshot holds every row.
+
+The ceiling reads exactly the N events the pipeline was timed on, after the pipeline has
+stopped, so the two never compete for the CPU.
+
+Prints both rates and their ratio, and a Markdown row for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, TopicPartition
+from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.schema import Schema
+from pyiceberg.types import (
+    BooleanType,
+    DoubleType,
+    IntegerType,
+    LongType,
+    NestedField,
+    StringType,
+    TimestamptzType,
+)
+
+from icefloe.config import PipelineConfig, TableConfig, config_from_dict
+from icefloe.convert import RecordConverter, TargetTable
+from icefloe.datafiles import write_data_files
+from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe_spark.kafkautil import create_topic, end_offsets, produce
+from icefloe_spark.pipeline import Pipeline, build_session
+from icefloe_spark.source import to_record_batch
+
+TOPIC = "bench-events"
+SCHEMA = Schema(
+    NestedField(1, "id", LongType(), required=False),
+    NestedField(2, "user_id", LongType(), required=False),
+    NestedField(3, "session", StringType(), required=False),
+    NestedField(4, "action", StringType(), required=False),
+    NestedField(5, "page", StringType(), required=False),
+    NestedField(6, "amount", DoubleType(), required=False),
+    NestedField(7, "quantity", IntegerType(), required=False),
+    NestedField(8, "country", StringType(), required=False),
+    NestedField(9, "mobile", BooleanType(), required=False),
+    NestedField(10, "ts", TimestamptzType(), required=False),
+)
+SOURCE_OPTIONS = {"probeHighWatermark": "true"}  # Tansu's ListOffsets is not exact
+
+
+def events(first: int, n: int) -> Iterator[tuple[bytes | None, bytes]]:
+    rng = random.Random(first)
+    base = datetime(2025, 1, 1, tzinfo=UTC).timestamp()
+    actions = ("view", "click", "cart", "buy", "search")
+    countries = ("DE", "FR", "US", "JP", "BR", "IN", "NG", "SE")
+    for i in range(first, first + n):
+        value = {
+            "id": i,
+            "user_id": rng.randrange(1_000_000),
+            "session": f"{rng.getrandbits(64):016x}",
+            "action": rng.choice(actions),
+            "page": f"/products/{rng.randrange(10_000)}/details",
+            "amount": round(rng.uniform(0, 500), 2),
+            "quantity": rng.randrange(1, 10),
+            "country": rng.choice(countries),
+            "mobile": rng.random() < 0.6,
+            "ts": datetime.fromtimestamp(base + i / 1000, UTC).isoformat(),
+        }
+        yield None, json.dumps(value).encode()
+
+
+def make_table(catalog: Catalog, name: str) -> None:
+    if not catalog.namespace_exists("bench"):
+        catalog.create_namespace("bench")
+    catalog.create_table(name, schema=SCHEMA)
+
+
+def ceiling(
+    bootstrap: str,
+    config: PipelineConfig,
+    catalog: Catalog,
+    table_name: str,
+    batch: int,
+    starts: dict[int, int],
+) -> tuple[float, int]:
+    """Consume from ``starts`` to the end + decode + Parquet write in this process;
+    (seconds, records)."""
+    table = catalog.load_table(table_name)
+    converter = RecordConverter.from_config(
+        config.source, [TargetTable.of(TableConfig(name=table_name), table)]
+    )
+    ends = end_offsets(bootstrap, TOPIC)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "bench-ceiling",
+            "enable.auto.commit": False,
+            "fetch.max.bytes": 64 * 1024 * 1024,
+        }
+    )
+    consumer.assign([TopicPartition(TOPIC, p, starts.get(p, 0)) for p in ends])
+    pending: dict[int, list[Any]] = defaultdict(list)
+    pending_n = 0
+    done = {p: end <= starts.get(p, 0) for p, end in ends.items()}
+    records = 0
+
+    def flush() -> None:
+        nonlocal pending_n, records
+        batches = [to_record_batch(TOPIC, p, msgs) for p, msgs in pending.items() if msgs]
+        for b in batches:
+            for rows in converter.convert(b).values():
+                write_data_files(table, rows)
+            records += b.num_rows
+        pending.clear()
+        pending_n = 0
+
+    t0 = time.perf_counter()
+    while not all(done.values()):
+        for msg in consumer.consume(num_messages=10_000, timeout=1.0):
+            if msg.error() is not None:
+                continue
+            p = msg.partition()
+            pending[p].append(msg)
+            pending_n += 1
+            if msg.offset() + 1 >= ends[p]:
+                done[p] = True
+        if pending_n >= batch:
+            flush()
+    flush()
+    seconds = time.perf_counter() - t0
+    consumer.close()
+    return seconds, records
+
+
+def committed_rows(catalog: Catalog, name: str) -> int:
+    snap = catalog.load_table(name).current_snapshot()
+    return 0 if snap is None or snap.summary is None else int(snap.summary["total-records"] or 0)
+
+
+def end_to_end(
+    bootstrap: str,
+    config: PipelineConfig,
+    catalog: Catalog,
+    table_name: str,
+    warmup: int,
+    records: int,
+    timeout_s: float,
+) -> tuple[float, int, int]:
+    """Warm the pipeline up on ``warmup`` records, then time ``records`` more;
+    (seconds, Spark batches, snapshots) of the timed part."""
+    spark = build_session(config)
+    spark.sparkContext.setLogLevel("ERROR")
+    pipeline = Pipeline(config, spark=spark, source_extra_options=SOURCE_OPTIONS)
+    pipeline.start()
+
+    def wait_for(rows: int) -> None:
+        deadline = time.monotonic() + timeout_s
+        while committed_rows(catalog, table_name) < rows:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{committed_rows(catalog, table_name)} of {rows} rows")
+            if pipeline.query is not None and not pipeline.query.isActive:
+                raise RuntimeError(f"query failed: {pipeline.query.exception()}")
+            time.sleep(0.05)
+
+    try:
+        wait_for(warmup)
+        batches0 = pipeline.stats.batches
+        snaps0 = len(catalog.load_table(table_name).snapshots())
+        t0 = time.perf_counter()
+        produce(bootstrap, TOPIC, events(warmup, records))
+        wait_for(warmup + records)
+        seconds = time.perf_counter() - t0
+        batches = pipeline.stats.batches - batches0
+    finally:
+        pipeline.stop()
+        spark.stop()
+    snapshots = len(catalog.load_table(table_name).snapshots()) - snaps0
+    return seconds, batches, snapshots
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--records", type=int, default=500_000)
+    ap.add_argument("--warmup", type=int, default=20_000, help="untimed records first")
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=100_000, help="records per micro-batch / write")
+    ap.add_argument("--backend", default="kafka")
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--commit-interval", type=float, default=2.0)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
+    args = ap.parse_args()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+    root = args.dir or Path(tempfile.mkdtemp(prefix="icefloe-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    props = {
+        "type": "sql",
+        "uri": f"sqlite:///{root / 'catalog.db'}",
+        "warehouse": f"file://{root / 'warehouse'}",
+    }
+    with EmbeddedKafkaBroker(log_path=root / "broker.log") as broker:
+        bootstrap = broker.bootstrap_servers
+        create_topic(bootstrap, TOPIC, args.partitions)
+        produce(bootstrap, TOPIC, events(0, args.warmup))
+        warm_ends = end_offsets(bootstrap, TOPIC)
+        catalog = load_catalog("bench", **props)
+        make_table(catalog, "bench.ceiling")
+        make_table(catalog, "bench.e2e")
+        backend_section: dict[str, Any] = {}
+        if args.backend == "kafka":
+            backend_section = {"bootstrap_servers": bootstrap}
+        config = config_from_dict(
+            {
+                "name": f"bench-{int(time.time())}",
+                "source": {
+                    "bootstrap_servers": bootstrap,
+                    "topics": [TOPIC],
+                    "max_records_per_batch": args.batch,
+                },
+                "tables": [{"name": "bench.e2e"}],
+                "catalog": {"name": "bench", "properties": props},
+                "coordination": {
+                    "backend": args.backend,
+                    "commit_interval_s": args.commit_interval,
+                    args.backend: backend_section,
+                },
+                "spark": {
+                    "master": args.master,
+                    "checkpoint_location": str(root / "checkpoint"),
+                    "trigger_interval_s": 0,
+                    "conf": {"spark.ui.enabled": "false"},
+                },
+            }
+        )
+        e_s, batches, snaps = end_to_end(
+            bootstrap, config, catalog, "bench.e2e", args.warmup, args.records, args.timeout
+        )
+        e_rate = args.records / e_s
+        print(
+            f"end to end  : {args.records:,} records in {e_s:.1f}s = {e_rate:,.0f} records/s "
+            f"({batches} Spark batches, {snaps} snapshots)",
+            flush=True,
+        )
+        c_s, c_n = ceiling(bootstrap, config, catalog, "bench.ceiling", args.batch, warm_ends)
+        assert c_n == args.records, f"ceiling read {c_n} of {args.records} records"
+        c_rate = c_n / c_s
+        print(f"ceiling     : {c_n:,} records in {c_s:.1f}s = {c_rate:,.0f} records/s")
+        ratio = e_rate / c_rate
+        print(f"ratio       : {ratio:.0%} of the single-process ceiling")
+        load = os.getloadavg()[0]
+        cmd = "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
+        print("\nMarkdown row for docs/benchmarks.md:")
+        print(
+            f"| {datetime.now(UTC):%Y-%m-%d} | `{cmd.strip()}` | {args.records:,} | "
+            f"{args.partitions} | {args.backend} | {c_rate:,.0f} | {e_rate:,.0f} | {ratio:.0%} | "
+            f"{os.cpu_count()} cores, load {load:.1f}, {platform.python_version()} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
