@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -144,10 +144,12 @@ def ceiling(
         for msg in consumer.consume(num_messages=10_000, timeout=1.0):
             if msg.error() is not None:
                 continue
-            p = msg.partition()
+            p, offset = msg.partition(), msg.offset()
+            if p is None or offset is None:
+                continue
             pending[p].append(msg)
             pending_n += 1
-            if msg.offset() + 1 >= ends[p]:
+            if offset + 1 >= ends[p]:
                 done[p] = True
         if pending_n >= batch:
             flush()
@@ -196,11 +198,32 @@ def end_to_end(
         wait_for(warmup + records)
         seconds = time.perf_counter() - t0
         batches = pipeline.stats.batches - batches0
+        assert pipeline.query is not None
+        report_batches(pipeline.query.recentProgress[-batches:])
     finally:
         pipeline.stop()
         spark.stop()
     snapshots = len(catalog.load_table(table_name).snapshots()) - snaps0
     return seconds, batches, snapshots
+
+
+def report_batches(progress: Sequence[Any]) -> None:
+    """Where a micro-batch's time goes, from Spark's own progress reports (medians)."""
+    timed = [p for p in progress if p.get("numInputRows")]
+    if not timed:
+        return
+
+    def median(key: str) -> float:
+        values = sorted(float(p["durationMs"].get(key, 0)) for p in timed)
+        return values[len(values) // 2]
+
+    rows = sorted(int(p["numInputRows"]) for p in timed)[len(timed) // 2]
+    print(
+        f"per batch   : median {rows:,} rows; latestOffset {median('latestOffset'):.0f} ms, "
+        f"addBatch (read + write + commit) {median('addBatch'):.0f} ms, "
+        f"whole trigger {median('triggerExecution'):.0f} ms",
+        flush=True,
+    )
 
 
 def main() -> None:

@@ -290,3 +290,62 @@ def test_driver_killed_after_publish_before_spark_recorded_the_batch(
     assert_exactly_once(catalog, TABLE, range(1000))
     paths = committed_paths(catalog)
     assert len(set(paths)) == len(paths)
+
+
+def test_demo_command_checks_its_own_table(tmp_path: Path) -> None:
+    """The README's first command, as a user runs it (small): exit 0 and an exact match."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "icefloe", "demo", "--dir", str(tmp_path), "--records", "3000"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S + 120,
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "exactly once" in out
+    catalog = load_catalog("demo", **{"type": "sql", "uri": f"sqlite:///{tmp_path / 'catalog.db'}"})
+    assert_exactly_once(catalog, "demo.events", range(3000))
+
+
+def test_hand_wired_sink_publishes_from_the_commit_worker(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """``writeStream.format("icefloe")`` without a Pipeline: the commit worker opens its own
+    writer client; a coordinator runs beside it."""
+    from icefloe.backends import open_backend
+    from icefloe.plugins import get_plugins
+    from icefloe_spark.pipeline import CoordinatorThread, register
+    from icefloe_spark.source import source_options
+
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    ckpt = tmp_path / "ckpt"
+    name = f"e2e-wired-{tmp_path.name[-12:]}".replace("_", "-")
+    config = config_from_dict(
+        pipeline_dict(name, kafka_broker, topic, catalog_properties, FAULT_BACKEND, ckpt)
+    )
+    produce_json(kafka_broker.bootstrap_servers, topic, range(300))
+    backend = open_backend(config)
+    coordinator = CoordinatorThread(config, backend, catalog, get_plugins()).start()
+    register(spark)
+    query = (
+        spark.readStream.format("icefloe-kafka")
+        .options(**source_options(config), **SOURCE_OPTIONS)
+        .load()
+        .writeStream.format("icefloe")
+        .option("config", config.model_dump_json())
+        .option("checkpointLocation", str(ckpt))
+        .trigger(processingTime="0.2 seconds")
+        .start()
+    )
+    try:
+        wait_until(lambda: committed_rows(catalog) >= 300, WAIT_S, "all 300 rows")
+    finally:
+        query.stop()
+        coordinator.stop()
+        backend.close()
+    assert_exactly_once(catalog, TABLE, range(300))

@@ -21,7 +21,6 @@ from types import TracebackType
 from typing import Any
 
 from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.exceptions import NoSuchTableError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
@@ -29,11 +28,11 @@ from icefloe.backends import open_backend
 from icefloe.channel import Backend
 from icefloe.config import PipelineConfig
 from icefloe.coordinator import Coordinator, CoordinatorSettings
-from icefloe.errors import ConfigError
 from icefloe.plugins import Plugins, get_plugins
 from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
 from icefloe_spark.sink import SINK_NAME, IcefloeSink, derive_writer_id, sink_options
 from icefloe_spark.source import SOURCE_NAME, register_sources, source_options
+from icefloe_spark.tables import ensure_tables
 
 log = logging.getLogger(__name__)
 
@@ -77,22 +76,6 @@ def register(spark: SparkSession) -> None:
 
 def open_catalog(config: PipelineConfig) -> Catalog:
     return load_catalog(config.catalog.name, **config.catalog.properties)
-
-
-def check_tables(catalog: Catalog, config: PipelineConfig) -> None:
-    """Every target table must exist before the query starts (a clear error beats failing
-    tasks)."""
-    for t in config.tables:
-        try:
-            catalog.load_table(t.name)
-        except NoSuchTableError:
-            hint = (
-                "auto_create is not supported yet: create the table first (pyiceberg, Spark SQL "
-                "or your catalog's tools)"
-                if t.auto_create
-                else "create the table first"
-            )
-            raise ConfigError("tables.name", f"table '{t.name}' does not exist", hint) from None
 
 
 class CoordinatorThread:
@@ -202,7 +185,7 @@ class Pipeline:
     def _start(self) -> None:
         config = self.config
         self.catalog = open_catalog(config)
-        check_tables(self.catalog, config)
+        ensure_tables(self.catalog, config, self.plugins)
         self.backend = open_backend(config, self.plugins)
         self.publisher = WriterPublisher(self.backend, config.name, self.writer_id).start()
         self.server = PublishServer(self.publisher)

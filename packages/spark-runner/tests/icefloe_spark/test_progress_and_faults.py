@@ -75,3 +75,15 @@ def test_fail_task_hits_only_the_first_attempt_of_the_chosen_task(tmp_path: Path
     assert faults.parse_fail_task(None) is None
     with pytest.raises(ValueError, match="marker_dir"):
         faults.parse_fail_task('{"partition": 0}')
+
+
+def test_source_options_from_the_command_line() -> None:
+    from icefloe.errors import ConfigError
+    from icefloe_spark.cli import parse_options
+
+    assert parse_options(["probeHighWatermark=true", "kafka.sasl.jaas=a=b"]) == {
+        "probeHighWatermark": "true",
+        "kafka.sasl.jaas": "a=b",
+    }
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_options(["novalue"])

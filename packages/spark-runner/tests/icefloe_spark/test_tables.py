@@ -1,0 +1,92 @@
+"""Target tables: existence checks and auto-creation from a format's record schema, against a
+real SqlCatalog."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyiceberg.catalog import Catalog
+from pyiceberg.transforms import BucketTransform, DayTransform, IdentityTransform
+
+from icefloe.config import PipelineConfig, config_from_dict
+from icefloe.errors import ConfigError
+from icefloe.testing.fixtures import make_sqlite_catalog
+from icefloe_spark.tables import ensure_tables, parse_partition
+
+AVRO = {
+    "type": "record",
+    "name": "Order",
+    "fields": [
+        {"name": "order_id", "type": "long"},
+        {"name": "region", "type": ["null", "string"]},
+        {"name": "created_at", "type": {"type": "long", "logicalType": "timestamp-micros"}},
+    ],
+}
+
+
+def config(tables: list[dict[str, Any]], fmt: str = "avro") -> PipelineConfig:
+    options = {"schema": json.dumps(AVRO)} if fmt == "avro" else {}
+    return config_from_dict(
+        {
+            "name": "orders",
+            "source": {"topics": ["orders"], "format": fmt, "format_options": options},
+            "tables": tables,
+        }
+    )
+
+
+@pytest.fixture
+def catalog(tmp_path: Path) -> Catalog:
+    return make_sqlite_catalog(tmp_path / "iceberg")
+
+
+def test_partition_entries() -> None:
+    assert parse_partition("region") == ("region", IdentityTransform())
+    assert parse_partition("day(created_at)") == ("created_at", DayTransform())
+    assert parse_partition(" bucket(16, order_id) ") == ("order_id", BucketTransform(16))
+    for bad in ("bucket(order_id)", "day(3, ts)", "frobnicate(ts)", "a b"):
+        with pytest.raises(ConfigError, match="partition_by"):
+            parse_partition(bad)
+
+
+def test_auto_create_builds_schema_spec_and_identifier_fields(catalog: Catalog) -> None:
+    cfg = config(
+        [
+            {
+                "name": "sales.orders",
+                "auto_create": True,
+                "partition_by": ["day(created_at)", "region"],
+                "id_columns": ["order_id"],
+            }
+        ]
+    )
+    assert ensure_tables(catalog, cfg) == ["sales.orders"]
+    table = catalog.load_table("sales.orders")
+    schema = table.schema()
+    assert [f.name for f in schema.fields] == ["order_id", "region", "created_at"]
+    assert schema.find_field("order_id").required
+    assert [schema.find_field(i).name for i in schema.identifier_field_ids] == ["order_id"]
+    spec = [(schema.find_field(f.source_id).name, f.transform) for f in table.spec().fields]
+    assert spec == [("created_at", DayTransform()), ("region", IdentityTransform())]
+    assert ensure_tables(catalog, cfg) == []  # exists now: left alone
+
+
+def test_missing_table_without_auto_create_is_a_config_error(catalog: Catalog) -> None:
+    with pytest.raises(ConfigError, match=r"sales\.orders.*does not exist"):
+        ensure_tables(catalog, config([{"name": "sales.orders"}]))
+
+
+def test_json_declares_no_schema_so_nothing_is_created(catalog: Catalog) -> None:
+    cfg = config([{"name": "sales.orders", "auto_create": True}], fmt="json")
+    with pytest.raises(ConfigError, match="declares no record schema"):
+        ensure_tables(catalog, cfg)
+    assert not catalog.table_exists("sales.orders")
+
+
+def test_unknown_id_column_is_named(catalog: Catalog) -> None:
+    cfg = config([{"name": "sales.orders", "auto_create": True, "id_columns": ["nope"]}])
+    with pytest.raises(ConfigError, match="nope"):
+        ensure_tables(catalog, cfg)
