@@ -6,7 +6,7 @@ files and return their metadata; they never touch the coordination backend. The 
 ``commit(messages, batchId)`` publishes the batch as one writer batch keyed by
 ``(writer_id, batchId)``, so a batch Spark replays after a crash publishes the same key again
 and is dropped. Spark calls ``commit`` only with the messages of successful task attempts, so
-files of failed attempts are never published; ``abort`` publishes nothing.
+files of failed attempts are never published; ``abort`` publishes and deletes nothing.
 """
 
 from __future__ import annotations
@@ -245,25 +245,24 @@ class IcefloeStreamWriter(DataSourceStreamArrowWriter):
         )
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 - Spark's name
-        """Publish nothing; remove the files the successful tasks of this batch wrote."""
-        by_table: dict[str, list[str]] = {}
-        for m in messages:
-            if isinstance(m, IcefloeCommitMessage):
-                for table, metas in m.output.files.items():
-                    by_table.setdefault(table, []).extend(x.path for x in metas)
-        log.warning(
-            "batch %s aborted; removing %d unpublished files",
-            batchId,
-            sum(map(len, by_table.values())),
+        """Publish nothing and delete nothing.
+
+        Spark also calls ``abort`` when ``commit`` raised, and a publish that raised may still
+        have landed (a Kafka commit that timed out, or a broker that shows aborted
+        transactions): the coordinator may then commit these very files, so deleting them
+        could lose rows. They are left for orphan-file cleanup instead.
+        """
+        files = sum(
+            len(metas)
+            for m in messages
+            if isinstance(m, IcefloeCommitMessage)
+            for metas in m.output.files.values()
         )
-        if not by_table:
-            return
-        try:
-            runtime = _ExecutorRuntime.get(self.options.config)
-            for name, paths in by_table.items():
-                _delete_quietly({name: runtime.catalog.load_table(name)}, paths)
-        except Exception:
-            log.warning("could not remove files of aborted batch %s", batchId, exc_info=True)
+        log.warning(
+            "batch %s aborted; %d written files left in place (orphans unless a publish landed)",
+            batchId,
+            files,
+        )
 
 
 def _delete_quietly(tables: Mapping[str, Table], paths: Sequence[str]) -> None:
