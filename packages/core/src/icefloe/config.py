@@ -49,6 +49,7 @@ class SourceConfig(_Model):
     )
     max_records_per_batch: int | None = Field(default=100_000, gt=0)
     kafka: dict[str, str] = Field(default_factory=dict)
+    reader_options: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("starting_offsets", mode="before")
     @classmethod

@@ -56,7 +56,8 @@ def watch(
 
     assert pipeline.query is not None
     assert pipeline.catalog is not None
-    probe = pipeline.source_extra_options.get("probeHighWatermark", "").lower() == "true"
+    reader = {**pipeline.config.source.reader_options, **pipeline.source_extra_options}
+    probe = reader.get("probeHighWatermark", "").lower() == "true"
     monitor = Monitor(pipeline.config, pipeline.catalog, probe_end=probe)
     tables = monitor.tables()
     last_tables = 0.0

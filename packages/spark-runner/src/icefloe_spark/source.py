@@ -307,6 +307,7 @@ def source_options(config: PipelineConfig) -> dict[str, str]:
         )
     if src.max_records_per_batch is not None:
         opts["maxOffsetsPerTrigger"] = str(src.max_records_per_batch)
+    opts.update(src.reader_options)
     return opts
 
 

@@ -87,3 +87,27 @@ def test_source_options_from_the_command_line() -> None:
     }
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_options(["novalue"])
+
+
+def test_reader_options_from_the_config_are_applied_last() -> None:
+    from icefloe.config import config_from_dict
+    from icefloe_spark.source import source_options
+
+    config = config_from_dict(
+        {
+            "name": "p",
+            "source": {
+                "topics": ["a", "b"],
+                "bootstrap_servers": "h:1",
+                "max_records_per_batch": 10,
+                "reader_options": {"probeHighWatermark": "true", "maxOffsetsPerTrigger": "5"},
+            },
+            "tables": [{"name": "db.t"}],
+        }
+    )
+    opts = source_options(config)
+    assert opts["subscribe"] == "a,b"
+    assert opts["kafka.bootstrap.servers"] == "h:1"
+    assert opts["probeHighWatermark"] == "true"
+    assert opts["maxOffsetsPerTrigger"] == "5"  # the explicit reader option wins
+    assert "icefloe.catalog.name" not in opts  # catalog properties only for "table"
