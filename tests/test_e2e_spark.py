@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -177,6 +178,35 @@ def test_every_record_lands_exactly_once(
     ends = end_offsets(bootstrap, topic)
     assert recorded == {topic: {str(p): o for p, o in ends.items()}}
     assert len(set(committed_paths(catalog))) == len(committed_paths(catalog))
+
+
+def test_fresh_checkpoint_at_the_same_place_resumes_from_the_table_and_loses_nothing(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """A checkpoint deleted and started afresh restarts Spark's batch ids at 0. Resuming from
+    the offsets recorded in the table must commit the new records, not drop them as replays
+    of the old checkpoint's batches (the writer id changes with the checkpoint)."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    name = f"e2e-reset-{tmp_path.name[-12:]}".replace("_", "-")
+    checkpoint = tmp_path / "ckpt"
+    data = pipeline_dict(name, kafka_broker, topic, catalog_properties, "kafka", checkpoint)
+    data["source"]["starting_offsets"] = "table"
+    config = config_from_dict(data)
+    produce_json(bootstrap, topic, range(300))
+    with Pipeline(config, spark=spark, source_extra_options=SOURCE_OPTIONS) as first:
+        wait_until(lambda: committed_rows(catalog) >= 300, WAIT_S, "the first 300 rows")
+        first_writer = first.writer_id
+    shutil.rmtree(checkpoint)
+    produce_json(bootstrap, topic, range(300, 500))
+    with Pipeline(config, spark=spark, source_extra_options=SOURCE_OPTIONS) as second:
+        assert second.writer_id != first_writer
+        wait_until(lambda: committed_rows(catalog) >= 500, WAIT_S, "the 200 rows after the reset")
+    assert_exactly_once(catalog, TABLE, range(500))
 
 
 def test_failed_task_attempt_commits_no_file_and_no_duplicate(

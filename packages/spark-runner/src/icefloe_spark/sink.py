@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,14 +59,49 @@ OPT_PUBLISHER_ADDRESS = "publisher.address"
 OPT_PUBLISHER_SECRET = "publisher.secret"
 
 
+INCARNATION_FILE = "icefloe-incarnation"
+
+
+def checkpoint_incarnation(checkpoint_location: str) -> str:
+    """An id kept inside the checkpoint: the same for every restart from this checkpoint, new
+    when the checkpoint is deleted and started afresh at the same location.
+
+    Why: a fresh checkpoint restarts Spark's batch ids at 0, and the coordinator drops batches
+    at or below a writer's committed watermark, so reusing the old writer id would silently
+    drop the new query's first batches. Any pyarrow filesystem URI works (local, s3, hdfs...).
+    """
+    from pyarrow import fs as pafs
+
+    uri = (
+        checkpoint_location
+        if "://" in checkpoint_location
+        else os.path.abspath(checkpoint_location)
+    )
+    filesystem, base = pafs.FileSystem.from_uri(uri)
+    marker = base.rstrip("/") + "/" + INCARNATION_FILE
+    try:
+        with filesystem.open_input_stream(marker) as f:
+            found = bytes(f.read()).decode().strip()
+        if found:
+            return found
+    except FileNotFoundError:
+        pass
+    filesystem.create_dir(base, recursive=True)
+    incarnation = uuid.uuid4().hex[:12]
+    with filesystem.open_output_stream(marker) as out:
+        out.write(incarnation.encode())
+    return incarnation
+
+
 def derive_writer_id(group_id: str, checkpoint_location: str) -> str:
-    """A writer id that stays the same across restarts of one query: the pipeline name plus a
-    digest of the checkpoint location (the query's identity in Spark)."""
+    """A writer id that stays the same across restarts of one query: the pipeline name, a
+    digest of the checkpoint location (the query's identity in Spark) and the checkpoint's
+    incarnation (see :func:`checkpoint_incarnation`)."""
     location = checkpoint_location
     if "://" not in location:
         location = os.path.abspath(location)
     digest = hashlib.sha256(location.rstrip("/").encode()).hexdigest()[:16]
-    return f"{group_id}-spark-{digest}"
+    return f"{group_id}-spark-{digest}-{checkpoint_incarnation(checkpoint_location)}"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,21 @@ def test_writer_id_is_stable_per_checkpoint(
     assert a == derive_writer_id("orders", "ckpt")  # relative paths resolve like Spark's
     assert a != derive_writer_id("orders", str(tmp_path / "other"))
     assert a != derive_writer_id("billing", str(tmp_path / "ckpt"))
-    assert derive_writer_id("orders", "s3://b/ckpt") == derive_writer_id("orders", "s3://b/ckpt/")
+    uri = (tmp_path / "ckpt").as_uri()
+    assert derive_writer_id("orders", uri) == derive_writer_id("orders", uri + "/")
     assert a.startswith("orders-spark-")
+
+
+def test_a_fresh_checkpoint_at_the_same_place_gets_a_new_writer_id(tmp_path: Path) -> None:
+    """Spark restarts batch ids at 0 in a fresh checkpoint; the old id's watermark would make
+    the coordinator drop those batches, so the id must change with the checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    first = derive_writer_id("orders", str(ckpt))
+    assert derive_writer_id("orders", str(ckpt)) == first  # a restart keeps it
+    shutil.rmtree(ckpt)
+    second = derive_writer_id("orders", str(ckpt))
+    assert second != first
+    assert second.rsplit("-", 1)[0] == first.rsplit("-", 1)[0]  # same pipeline and location
 
 
 def test_options_round_trip_and_leave_backend_secrets_out() -> None:
@@ -84,9 +98,10 @@ def test_options_without_a_publisher_keep_the_backend_section() -> None:
     assert "publisher.address" not in opts
 
 
-def test_writer_id_derived_from_the_checkpoint_option() -> None:
-    opts = {"config": config().model_dump_json(), "checkpointLocation": "/data/ckpt/orders"}
-    assert SinkOptions.parse(opts).writer_id == derive_writer_id("orders", "/data/ckpt/orders")
+def test_writer_id_derived_from_the_checkpoint_option(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt" / "orders")
+    opts = {"config": config().model_dump_json(), "checkpointLocation": ckpt}
+    assert SinkOptions.parse(opts).writer_id == derive_writer_id("orders", ckpt)
 
 
 def test_options_name_what_is_missing() -> None:
