@@ -47,7 +47,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -122,6 +122,11 @@ def make_batch(
     return WriterBatch(ref, seq, tuple(events), pos)
 
 
+def event_ids(batches: Sequence[WriterBatch]) -> set[str]:
+    """Every event id of the given batches."""
+    return {e.event_id for b in batches for e in b.events}
+
+
 class BackendConformance:
     """Base class of a backend's conformance tests; see the module docstring."""
 
@@ -180,6 +185,20 @@ class BackendConformance:
         ch = backend.writer(writer_id)
         channels.append(ch)
         return ch, WriterRef(writer_id, ch.open())
+
+    def publish_batches(
+        self,
+        backend: Backend,
+        group_id: str,
+        channels: list[WriterChannel | CoordinatorChannel],
+        n: int,
+    ) -> list[WriterBatch]:
+        """``n`` batches (seq 0..n-1) published by a fresh writer ``w``, each accepted."""
+        w, ref = self.writer(backend, channels, "w")
+        batches = [make_batch(group_id, ref, seq) for seq in range(n)]
+        for b in batches:
+            assert w.publish(b) is True
+        return batches
 
     def leader(
         self, backend: Backend, channels: list[WriterChannel | CoordinatorChannel], name: str
@@ -311,15 +330,11 @@ class BackendConformance:
     def test_positions_grow_and_seek_resumes_exactly_after_stored_position(
         self, backend: Backend, group_id: str, channels: list[WriterChannel | CoordinatorChannel]
     ) -> None:
-        w, ref = self.writer(backend, channels, "w")
-        batches = [make_batch(group_id, ref, seq) for seq in range(6)]
-        for b in batches:
-            assert w.publish(b) is True
+        batches = self.publish_batches(backend, group_id, channels, 6)
         coord, _ = self.leader(backend, channels, "c1")
         assert coord.stored_position() is None, "a new pipeline has no stored position"
         coord.seek(None)
-        all_ids = {e.event_id for b in batches for e in b.events}
-        recs = self.read_until(coord, group_id, self.has_events(all_ids))
+        recs = self.read_until(coord, group_id, self.has_events(event_ids(batches)))
         cut = len(recs) // 2
         pos = position_after(recs[:cut])
         coord.store_position(pos)
@@ -421,15 +436,10 @@ class BackendConformance:
     def test_prune_drops_only_events_before_the_position(
         self, backend: Backend, group_id: str, channels: list[WriterChannel | CoordinatorChannel]
     ) -> None:
-        w, ref = self.writer(backend, channels, "w")
-        batches = [make_batch(group_id, ref, seq) for seq in range(4)]
-        for b in batches:
-            assert w.publish(b) is True
+        batches = self.publish_batches(backend, group_id, channels, 4)
         coord, _ = self.leader(backend, channels, "c")
         coord.seek(None)
-        recs = self.read_until(
-            coord, group_id, self.has_events({e.event_id for b in batches for e in b.events})
-        )
+        recs = self.read_until(coord, group_id, self.has_events(event_ids(batches)))
         cut = len(recs) // 2
         pos: ChannelPosition = position_after(recs[:cut])
         coord.store_position(pos)
