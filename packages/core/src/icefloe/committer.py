@@ -59,7 +59,7 @@ from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
-from icefloe.datafiles import to_data_file
+from icefloe.datafiles import DataFileBuilder
 from icefloe.errors import (
     CommitError,
     CommitHistoryLostError,
@@ -410,10 +410,13 @@ class IcebergCommitter:
                 {fencing_token_property(self._group_id): plan.summary[FENCING_TOKEN_KEY]}
             )
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
+        # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
+        # read, which made the loop below quadratic-ish in files x table history
+        build = DataFileBuilder(tx.table_metadata).build
         with snapshot.fast_append() as append:
             for f in plan.files:
                 try:
-                    data_file = to_data_file(f.meta, tx.table_metadata)
+                    data_file = build(f.meta)
                 except (ValueError, KeyError, TypeError) as e:
                     raise CommitError(
                         f"table '{_name(table)}': cannot describe {f.meta.path}: {e}"
@@ -447,14 +450,20 @@ def _check_files(table: Table, files: Iterable[PendingFile]) -> None:
     roots = [metadata.location] + [
         metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
     ]
+    split_roots = [_split_root(root) for root in roots]  # once, not once per file
+    table_uuid = str(metadata.table_uuid)
     for f in files:
-        if f.table_uuid is not None and not _same_uuid(f.table_uuid, metadata.table_uuid):
+        if (
+            f.table_uuid is not None
+            and f.table_uuid != table_uuid
+            and not _same_uuid(f.table_uuid, metadata.table_uuid)
+        ):
             raise TableMismatchError(
                 f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {f.meta.path} was "
                 f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
                 "commit it"
             )
-        if not any(_inside(f.meta.path, root) for root in roots):
+        if not any(_inside(f.meta.path, root) for root in split_roots):
             raise FileOutsideTableError(
                 f"table '{_name(table)}': {f.meta.path} lies outside the table location "
                 f"{metadata.location}; refusing to commit it"
@@ -474,12 +483,22 @@ def _split(uri: str) -> tuple[str, str, str]:
     return _SCHEME_ALIASES.get(scheme, scheme), parts.netloc, posixpath.normpath(parts.path)
 
 
-def _inside(path: str, root: str) -> bool:
+_Root = tuple[str, str, str, str]  # raw prefix, then scheme, netloc, path (ending in "/")
+
+
+def _split_root(root: str) -> _Root:
+    """``root`` prepared for :func:`_inside`."""
+    scheme, netloc, path = _split(root)
+    return root.rstrip("/") + "/", scheme, netloc, path.rstrip("/") + "/"
+
+
+def _inside(path: str, root: _Root) -> bool:
     """Whether ``path`` lies under ``root``, normalising '..' so it cannot escape."""
+    raw = root[0]
+    if path.startswith(raw) and "/." not in path[len(raw) - 1 :] and "//" not in path[len(raw) :]:
+        return True  # the common case, decided without parsing: nothing to normalise
     scheme, netloc, file_path = _split(path)
-    root_scheme, root_netloc, root_path = _split(root)
-    prefix = root_path.rstrip("/") + "/"
-    return scheme == root_scheme and netloc == root_netloc and file_path.startswith(prefix)
+    return (scheme, netloc) == root[1:3] and file_path.startswith(root[3])
 
 
 def _find_state(
