@@ -34,6 +34,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -101,13 +102,34 @@ def _local_path(uri: str) -> str:
     return urlsplit(uri).path if uri.startswith("file:") else uri
 
 
+class Templates:
+    """Real Parquet files to hard-link from, a new one before a file system's link limit."""
+
+    LINKS_PER_FILE = 20_000  # ext4 allows 65,000 links to one inode
+
+    def __init__(self, table: Any) -> None:
+        self._table = table
+        self._lock = threading.Lock()
+        self._links = self.LINKS_PER_FILE
+
+    def link(self, name: str) -> DataFileMeta:
+        with self._lock:
+            if self._links >= self.LINKS_PER_FILE:
+                self._meta = write_rows(self._table, range(ROWS_PER_FILE), "template", 0)[0]
+                self._path = _local_path(self._meta.path)
+                self._links = 0
+            self._links += 1
+            meta, source = self._meta, self._path
+        path = os.path.join(os.path.dirname(source), name)
+        os.link(source, path)
+        return dataclasses.replace(meta, path=f"file://{path}")
+
+
 def worker_main(spec: WorkerSpec, commands: Any, replies: Any) -> None:
     """One writer process: its writers publish when told to; replies with CPU seconds used."""
     catalog = make_sqlite_catalog(Path(spec.catalog_dir))
     table = catalog.load_table(TABLE)
-    template = write_rows(table, range(ROWS_PER_FILE), "template", 0)[0]
-    template_path = _local_path(template.path)
-    data_dir = os.path.dirname(template_path)
+    templates = Templates(table)
     backend = open_backend(spec.backend, spec.options, spec.group)
     clients = [
         (index, WriterClient(backend.writer(wid), spec.group, wid)) for index, wid in spec.writers
@@ -118,9 +140,7 @@ def worker_main(spec: WorkerSpec, commands: Any, replies: Any) -> None:
     def publish(index: int, client: WriterClient, cycle: int, count: int) -> None:
         metas: list[DataFileMeta] = []
         for i in range(count):
-            path = os.path.join(data_dir, f"bench-{client.writer_id}-{cycle}-{i}.parquet")
-            os.link(template_path, path)
-            metas.append(dataclasses.replace(template, path=f"file://{path}"))
+            metas.append(templates.link(f"bench-{client.writer_id}-{cycle}-{i}.parquet"))
         position = SourcePosition("bench", index, cycle + 1, int(time.time() * 1000))
         client.publish(cycle, {TABLE: metas} if metas else {}, [position])
 

@@ -67,7 +67,8 @@ def backends() -> None:
 
 @app.command()
 def doctor(config: ConfigOption) -> None:
-    """Check the configuration and the backend's server setup; print warnings."""
+    """Check the configuration, the backend's server setup and the tables' metadata
+    settings; print warnings."""
     cfg = load_config(config)
     get_plugins().check_pending()
     backend = open_backend(cfg)
@@ -75,6 +76,9 @@ def doctor(config: ConfigOption) -> None:
         warnings = backend.doctor()
     finally:
         backend.close()
+    from icefloe.maintenance import pipeline_table_advice  # pulls in pyiceberg
+
+    warnings += pipeline_table_advice(cfg)
     for w in warnings:
         _say("warning: ", "yellow", w)
     typer.echo("ok" if not warnings else f"{len(warnings)} warning(s)")

@@ -413,7 +413,9 @@ class IcebergCommitter:
         # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
         # read, which made the loop below quadratic-ish in files x table history
         build = DataFileBuilder(tx.table_metadata).build
-        with snapshot.fast_append() as append:
+        # pyiceberg's merge append is a fast append unless the table enables manifest merging
+        # (commit.manifest-merge.enabled, set on tables icefloe creates): see icefloe.maintenance
+        with snapshot.merge_append() as append:
             for f in plan.files:
                 try:
                     data_file = build(f.meta)
