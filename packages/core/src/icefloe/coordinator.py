@@ -43,6 +43,7 @@ from icefloe.coordination.settings import (
 )
 from icefloe.errors import ChannelError, NotLeaderError
 from icefloe.plugins import Plugins
+from icefloe.quarantine import Quarantine
 
 __all__ = ["Coordinator", "CoordinatorHooks", "CoordinatorSettings", "CycleResult"]
 
@@ -78,7 +79,8 @@ class Coordinator:
             branch=self.settings.branch,
             before_commit=self._leadership.before_commit,
         )
-        self._reader = EventReader(group_id, channel, committer, self.settings)
+        quarantine = Quarantine(catalog, self.settings.quarantine_table)
+        self._reader = EventReader(group_id, channel, committer, self.settings, quarantine)
         self._cycle = CommitCycle(
             group_id,
             self.coordinator_id,
@@ -89,6 +91,7 @@ class Coordinator:
             self.settings,
             hooks,
             plugins,
+            quarantine,
         )
 
     # ------------------------------------------------------------------ views
@@ -116,6 +119,11 @@ class Coordinator:
     def known_writers(self) -> dict[str, int]:
         """Writer ids seen since this coordinator became leader, with their newest epoch."""
         return {w: s.epoch for w, s in self._reader.writers.items()}
+
+    @property
+    def quarantined_files(self) -> int:
+        """Files this coordinator quarantined since it started (a metric)."""
+        return self._cycle.quarantined_files
 
     @property
     def read_position(self) -> dict[str, int]:

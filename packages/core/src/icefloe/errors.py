@@ -84,12 +84,32 @@ class StaleFencingTokenError(CommitError):
     """The table records a newer coordinator's fencing token: this coordinator is a zombie."""
 
 
-class TableMismatchError(CommitError):
+class RefusedFileError(CommitError):
+    """One announced file can never be committed to its table. The coordinator quarantines
+    that file and commits the rest, instead of failing the whole table every cycle."""
+
+
+class PermanentTableError(CommitError):
+    """The table itself cannot take commits until an operator acts (missing, history lost).
+    After repeated attempts the coordinator quarantines its pending files, so the channel
+    position can advance for every other table."""
+
+
+class TableMissingError(PermanentTableError):
+    """The target table does not exist in the catalog."""
+
+
+class TableMismatchError(RefusedFileError):
     """The table is not the one the files were written for (dropped and recreated, or moved)."""
 
 
-class FileOutsideTableError(CommitError):
+class FileOutsideTableError(RefusedFileError):
     """A data file lies outside the table's location and is refused."""
+
+
+class InvalidDataFileError(RefusedFileError):
+    """A file's announced metadata cannot be described against the table (bad partition or
+    statistics for the table's schema)."""
 
 
 class RecordConversionError(IcefloeError):
@@ -107,14 +127,14 @@ class RecordConversionError(IcefloeError):
         super().__init__(f"record {where}{what}: {problem}")
 
 
-class RowDeltaNotSupportedError(CommitError):
+class RowDeltaNotSupportedError(RefusedFileError):
     """A commit request holds delete files; pyiceberg 0.12 cannot commit a row delta yet."""
 
 
-class PartitionSpecChangedError(CommitError):
+class PartitionSpecChangedError(RefusedFileError):
     """A data file was written with a partition spec that is no longer the table's default."""
 
 
-class CommitHistoryLostError(CommitError):
+class CommitHistoryLostError(PermanentTableError):
     """The group committed to the table before, but its snapshots were expired from the
     branch's history, so what is already committed can no longer be told."""
