@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from icefloe.channel import ChannelPosition, ChannelRecord, CoordinatorChannel
-from icefloe.errors import NotLeaderError
+from icefloe.errors import ChannelResetError, NotLeaderError
 from icefloe.events import Event, encode_event
 from icefloe_postgres.lease import LeaseHolder
 from icefloe_postgres.shared import PARTITION, Conn, decode_events, notify, wait_for_rows
@@ -122,6 +122,25 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
             return max(0, dropped)
 
         return b.db.run("prune", tx)
+
+    def channel_id(self) -> str:
+        """The schema's identity row (created by migration 3 with the schema)."""
+        b = self._b
+        row = b.db.run("read channel id", lambda c: c.execute(b.q.channel_id).fetchone())
+        if row is None:
+            raise ChannelResetError(
+                f"schema '{b.schema}' has lost its channel_identity row; it was tampered with "
+                "or partly restored. Recreate the schema (drop it; icefloe recreates it) and "
+                "see docs/operations.md (channel reset)"
+            )
+        return f"postgres:{row[0]}"
+
+    def end_position(self) -> ChannelPosition:
+        b = self._b
+        row = b.db.run(
+            "read end offset", lambda c: c.execute(b.q.end_offset, (b.group_id,)).fetchone()
+        )
+        return {PARTITION: 0 if row is None else int(row[0])}
 
     def close(self) -> None:
         self.release()

@@ -51,6 +51,8 @@ from icefloe_postgres.listener import Listener
 log = logging.getLogger(__name__)
 
 PARTITION = "0"
+# the database clock in milliseconds, the floor of every epoch and fencing token
+_CLOCK_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 T = TypeVar("T")
 Conn = psycopg.Connection[Any]
 
@@ -144,16 +146,21 @@ class Queries:
                 "leases",
                 "broadcasts",
                 "positions",
+                "channel_identity",
             )
             return sql.SQL(text).format(**{n: sql.Identifier(schema, n) for n in names})
 
         self.ensure_group = q(
             "INSERT INTO {groups} (group_id) VALUES (%s) ON CONFLICT (group_id) DO NOTHING"
         )
+        # epochs and tokens start from the clock (ms), as in the other backends, so a
+        # recreated schema cannot issue numbers that tables or writers already hold
         self.open_writer = q(
-            "INSERT INTO {writers} AS w (group_id, writer_id, epoch) VALUES (%s, %s, 1)"
+            "INSERT INTO {writers} AS w (group_id, writer_id, epoch)"
+            f" VALUES (%s, %s, {_CLOCK_MS})"
             " ON CONFLICT (group_id, writer_id)"
-            " DO UPDATE SET epoch = w.epoch + 1, opened_at = clock_timestamp()"
+            f" DO UPDATE SET epoch = greatest(w.epoch + 1, {_CLOCK_MS}),"
+            " opened_at = clock_timestamp()"
             " RETURNING epoch"
         )
         self.broadcast_head = q("SELECT broadcast_seq FROM {leases} WHERE group_id = %s")
@@ -222,14 +229,15 @@ class Queries:
         self.insert_lease = q(
             "INSERT INTO {leases} (group_id, holder, instance, token, expires_at, holder_pid,"
             " holder_session_start)"
-            " VALUES (%(g)s, %(holder)s, %(instance)s, 1,"
+            f" VALUES (%(g)s, %(holder)s, %(instance)s, {_CLOCK_MS},"
             " clock_timestamp() + make_interval(secs => %(ttl)s), %(pid)s, %(started)s)"
             " ON CONFLICT (group_id) DO NOTHING"
             " RETURNING token, extract(epoch FROM expires_at - clock_timestamp())::float8"
         )
         self.take_lease = q(
             "UPDATE {leases} SET holder = %(holder)s, instance = %(instance)s,"
-            " token = token + 1, expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),"
+            f" token = greatest(token + 1, {_CLOCK_MS}),"
+            " expires_at = clock_timestamp() + make_interval(secs => %(ttl)s),"
             " acquired_at = clock_timestamp(), holder_pid = %(pid)s,"
             " holder_session_start = %(started)s"
             " WHERE group_id = %(g)s"
@@ -266,6 +274,8 @@ class Queries:
             " next_offset = excluded.next_offset, token = excluded.token,"
             " stored_at = clock_timestamp()"
         )
+        self.channel_id = q("SELECT channel_id FROM {channel_identity}")
+        self.end_offset = q("SELECT next_offset FROM {groups} WHERE group_id = %s")
         self.read_positions = q(
             "SELECT channel_partition, next_offset FROM {positions} WHERE group_id = %s"
         )
