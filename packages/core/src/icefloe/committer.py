@@ -60,6 +60,9 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe.datafiles import to_data_file
+from icefloe.dedupe import POSITIONS_KEY as POSITIONS_KEY  # re-exported: summary keys
+from icefloe.dedupe import WATERMARKS_KEY as WATERMARKS_KEY
+from icefloe.dedupe import CommitBoundary, max_merge
 from icefloe.errors import (
     CommitError,
     CommitHistoryLostError,
@@ -75,8 +78,6 @@ logger = logging.getLogger(__name__)
 
 GROUP_ID_KEY = "icefloe.group-id"
 COMMIT_ID_KEY = "icefloe.commit-id"
-POSITIONS_KEY = "icefloe.channel-positions"
-WATERMARKS_KEY = "icefloe.writer-watermarks"
 SOURCE_OFFSETS_KEY = "icefloe.source-offsets"
 FENCING_TOKEN_KEY = "icefloe.fencing-token"
 VALID_THROUGH_KEY = "icefloe.valid-through-ms"
@@ -115,11 +116,18 @@ class CommitState:
 
     snapshot_id: int
     commit_id: str
-    positions: dict[str, int]
-    watermarks: dict[str, int]
+    boundary: CommitBoundary
     source_offsets: dict[str, dict[int, int]]
     fencing_token: int
     valid_through_ms: int | None
+
+    @property
+    def positions(self) -> dict[str, int]:
+        return dict(self.boundary.positions)
+
+    @property
+    def watermarks(self) -> dict[str, int]:
+        return dict(self.boundary.watermarks)
 
 
 @dataclass(frozen=True)
@@ -521,8 +529,7 @@ def _parse_state(snapshot: Snapshot) -> CommitState:
         return CommitState(
             snapshot_id=snapshot.snapshot_id,
             commit_id=str(summary[COMMIT_ID_KEY]),
-            positions=_int_map(json.loads(summary[POSITIONS_KEY] or "{}")),
-            watermarks=_int_map(json.loads(summary[WATERMARKS_KEY] or "{}")),
+            boundary=CommitBoundary.from_summary(summary),
             source_offsets={
                 str(topic): {int(p): int(o) for p, o in offsets.items()}
                 for topic, offsets in json.loads(summary[SOURCE_OFFSETS_KEY] or "{}").items()
@@ -535,10 +542,6 @@ def _parse_state(snapshot: Snapshot) -> CommitState:
         raise CommitError(
             f"snapshot {snapshot.snapshot_id} carries an unreadable icefloe summary: {e}"
         ) from e
-
-
-def _int_map(raw: Any) -> dict[str, int]:
-    return {str(k): int(v) for k, v in raw.items()}
 
 
 def _property_token(table: Table, group_id: str) -> int | None:
@@ -560,25 +563,16 @@ def _recorded_token(table: Table, group_id: str, state: CommitState | None) -> i
     return max((t for t in candidates if t is not None), default=None)
 
 
-def _covered(f: PendingFile, state: CommitState | None) -> bool:
-    """Whether the snapshot behind ``state`` already holds ``f``."""
-    if state is None:
-        return False
-    if f.offset < state.positions.get(f.partition, 0):
-        return True
-    watermark = state.watermarks.get(f.writer_id)
-    return watermark is not None and f.batch_seq <= watermark
-
-
 def _select(
     files: Iterable[PendingFile], state: CommitState | None
 ) -> tuple[tuple[PendingFile, ...], int]:
     """The files still to commit, and how many were dropped."""
+    boundary = CommitBoundary() if state is None else state.boundary
     seen: set[str] = set()
     keep: list[PendingFile] = []
     skipped = 0
     for f in files:
-        if f.meta.path in seen or f.meta.record_count <= 0 or _covered(f, state):
+        if f.meta.path in seen or f.meta.record_count <= 0 or boundary.covers(f):
             skipped += 1
         else:
             keep.append(f)
@@ -586,32 +580,22 @@ def _select(
     return tuple(keep), skipped
 
 
-def _max_merge(old: Mapping[Any, int], new: Mapping[Any, int]) -> dict[str, int]:
-    merged = {str(k): int(v) for k, v in old.items()}
-    for k, v in new.items():
-        merged[str(k)] = max(merged.get(str(k), v), int(v))
-    return merged
-
-
 def _summary(
     group_id: str, request: TableCommitRequest, state: CommitState | None
 ) -> dict[str, str]:
     """Summary properties of the new snapshot; positions and watermarks never regress."""
-    batches: dict[str, int] = {}
-    for f in request.files:
-        batches[f.writer_id] = max(batches.get(f.writer_id, f.batch_seq), f.batch_seq)
+    boundary = (CommitBoundary() if state is None else state.boundary).advanced(
+        request.positions, request.files
+    )
     old_offsets = {} if state is None else state.source_offsets
     offsets = {
-        topic: _max_merge(old_offsets.get(topic, {}), request.source_offsets.get(topic, {}))
+        topic: max_merge(old_offsets.get(topic, {}), request.source_offsets.get(topic, {}))
         for topic in sorted(set(old_offsets) | set(request.source_offsets))
     }
     summary = {
         GROUP_ID_KEY: group_id,
         COMMIT_ID_KEY: request.commit_id,
-        POSITIONS_KEY: _json(
-            _max_merge({} if state is None else state.positions, request.positions)
-        ),
-        WATERMARKS_KEY: _json(_max_merge({} if state is None else state.watermarks, batches)),
+        **boundary.to_summary(),
         SOURCE_OFFSETS_KEY: _json(offsets),
         FENCING_TOKEN_KEY: str(request.fencing_token),
     }

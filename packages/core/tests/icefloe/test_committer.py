@@ -38,6 +38,7 @@ from icefloe.committer import (
     fencing_token_property,
 )
 from icefloe.datafiles import write_data_files
+from icefloe.dedupe import CommitBoundary
 from icefloe.errors import (
     CommitError,
     CommitHistoryLostError,
@@ -191,8 +192,7 @@ def test_commit_appends_files_and_records_summary(catalog: SqlCatalog, table: Ta
     assert state == CommitState(
         snapshot_id=result.snapshot_id,
         commit_id=req.commit_id,
-        positions={"0": 1, "1": 4},
-        watermarks={"w1": 4, "w2": 7},
+        boundary=CommitBoundary({"0": 1, "1": 4}, {"w1": 4, "w2": 7}),
         source_offsets={"topic": {0: 100, 1: 50}},
         fencing_token=3,
         valid_through_ms=1_700_000_000_000,
