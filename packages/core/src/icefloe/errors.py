@@ -138,3 +138,18 @@ class PartitionSpecChangedError(RefusedFileError):
 class CommitHistoryLostError(PermanentTableError):
     """The group committed to the table before, but its snapshots were expired from the
     branch's history, so what is already committed can no longer be told."""
+
+
+class ChannelIdentityError(IcefloeError):
+    """The channel is not the one the tables' commits were recorded with, or it lost events
+    (recreated, restored from a backup, restarted without persistence, swapped without a
+    drain). Deliberately not a :class:`ChannelError`: retrying cannot fix it; the message
+    names the recovery."""
+
+
+class ChannelChangedError(ChannelIdentityError):
+    """A table's last commit came through another channel that was not drained."""
+
+
+class ChannelResetError(ChannelIdentityError):
+    """The channel holds fewer events than positions recorded earlier prove it had."""

@@ -68,6 +68,15 @@ class MemoryServer:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._groups: dict[str, _Group] = {}
+        # created with the storage: a new server is a new channel
+        self._identity = uuid.uuid4().hex
+
+    def identity(self) -> str:
+        return self._identity
+
+    def end(self, group_id: str) -> int:
+        with self._cond:
+            return self._group(group_id).end
 
     def _group(self, group_id: str) -> _Group:
         return self._groups.setdefault(group_id, _Group())
@@ -348,6 +357,12 @@ class MemoryCoordinatorChannel(CoordinatorChannel):
 
     def prune(self, before: ChannelPosition) -> int:
         return self._server.prune(self._group_id, int(before.get(PARTITION, 0)))
+
+    def channel_id(self) -> str:
+        return f"memory:{self._server.identity()}"
+
+    def end_position(self) -> ChannelPosition:
+        return {PARTITION: self._server.end(self._group_id)}
 
     def close(self) -> None:
         self.release()
