@@ -383,6 +383,32 @@ class PostgresBackend(Backend):
         self._channels.add(ch)
         return ch
 
+    def inject_undecodable(self, data: bytes, writer_id: str) -> None:
+        """Conformance-suite hook: one raw row at the next offset, under the same append lock
+        as a publish, as a foreign client writing to the table could leave it."""
+
+        def tx(conn: Conn) -> None:
+            with conn.transaction():
+                row = conn.execute(self.q.take_offsets, (1, self.group_id, 1)).fetchone()
+                if row is None:
+                    raise ChannelError(f"pipeline '{self.group_id}' is not registered")
+                conn.execute(
+                    self.q.insert_events,
+                    {
+                        "g": self.group_id,
+                        "first": int(row[0]),
+                        "w": writer_id,
+                        "epoch": None,
+                        "seq": None,
+                        "ids": [f"injected-{uuid.uuid4().hex}"],
+                        "types": ["UNDECODABLE"],
+                        "payloads": [data],
+                    },
+                )
+                _notify(conn, self.events_channel)
+
+        self.db.run("inject", tx)
+
     def doctor(self) -> list[str]:
         """Server settings that weaken the durability of acknowledged publishes."""
 
@@ -857,4 +883,9 @@ class PostgresCoordinatorChannel(CoordinatorChannel):
 
     def close(self) -> None:
         self.release()
+        self._listener.close()
+
+    def simulate_crash(self) -> None:
+        """A dead process: its connections vanish and it never releases; the lease row runs
+        out on the database clock."""
         self._listener.close()
