@@ -59,7 +59,36 @@ def test_exit_after_publish_fires_only_for_its_batch() -> None:
 def _base_env() -> dict[str, str]:
     import os
 
-    return {k: v for k, v in os.environ.items() if k != faults.EXIT_AFTER_PUBLISH_ENV}
+    ours = (faults.EXIT_AFTER_PUBLISH_ENV, faults.EXIT_AFTER_COMMIT_ENV)
+    return {k: v for k, v in os.environ.items() if k not in ours}
+
+
+def test_exit_after_commit_fires_after_the_nth_cycle_that_committed_a_table() -> None:
+    """Cycles that committed nothing do not count; the exit comes after the Iceberg commits,
+    inside the coordinator's own hook (before it stores the channel position)."""
+    code = (
+        "from icefloe.committer import TableCommitResult\n"
+        "from icefloe.coordinator import CycleResult\n"
+        "from icefloe_spark.faults import coordinator_hooks\n"
+        "def cycle(snapshot):\n"
+        "    r = TableCommitResult('t', 'c', snapshot, 1, 1, 0)\n"
+        "    return CycleResult('c', True, None, (r,), {})\n"
+        "hook = coordinator_hooks().after_iceberg_commits\n"
+        "hook(cycle(1)); print('survived 1', flush=True)\n"
+        "hook(cycle(None)); print('survived empty', flush=True)\n"
+        "hook(cycle(2)); print('survived 2', flush=True)\n"
+    )
+    env = {**_base_env(), faults.EXIT_AFTER_COMMIT_ENV: "2"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == faults.EXIT_CODE, proc.stderr
+    assert proc.stdout.splitlines() == ["survived 1", "survived empty"]
+
+
+def test_no_coordinator_hooks_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(faults.EXIT_AFTER_COMMIT_ENV, raising=False)
+    assert faults.coordinator_hooks() is None
 
 
 def test_fail_task_hits_only_the_first_attempt_of_the_chosen_task(tmp_path: Path) -> None:
