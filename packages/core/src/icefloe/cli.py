@@ -17,6 +17,7 @@ from icefloe.backends import backend_config, open_backend
 from icefloe.config import load_config, redact, redacted_dict
 from icefloe.errors import IcefloeError
 from icefloe.plugins import get_plugins
+from icefloe.quarantine_cli import app as quarantine_app
 
 app = typer.Typer(
     name="icefloe",
@@ -24,6 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+app.add_typer(quarantine_app)
 console = Console(stderr=True)
 
 

@@ -34,6 +34,8 @@ from icefloe.writer import merge_positions
 
 log = logging.getLogger("icefloe.coordinator")
 
+_HARD_CAP = 4  # times max_pending_*: the most files kept while some tables back off
+
 
 @dataclass
 class WriterState:
@@ -64,6 +66,7 @@ class EventReader:
         self._committer = committer
         self._settings = settings
         self._quarantine = quarantine
+        self.backing_off: Callable[[str], bool] = lambda table: False  # set by the cycle
         self.reset()
 
     def reset(self) -> None:
@@ -90,13 +93,23 @@ class EventReader:
         return sum(f.meta.file_size_in_bytes for fs in self.pending.values() for f in fs)
 
     def full(self) -> bool:
-        """Whether pending files reached ``max_pending_files/bytes`` (stop reading)."""
+        """Whether pending files reached ``max_pending_files/bytes`` (stop reading).
+
+        Files of tables backing off after a failure count only against a hard cap of
+        ``_HARD_CAP`` times the bound: below it the other tables keep being read and committed
+        while one table fails; at it memory wins and reading waits (a permanently failing
+        table's files are quarantined after its attempts, which frees it).
+        """
         s = self._settings
-        if s.max_pending_files is not None and (
-            sum(len(fs) for fs in self.pending.values()) >= s.max_pending_files
-        ):
-            return True
-        return s.max_pending_bytes is not None and self.pending_bytes() >= s.max_pending_bytes
+        files = [f for fs in self.pending.values() for f in fs]
+        ready = [f for t, fs in self.pending.items() if not self.backing_off(t) for f in fs]
+        for chosen, factor in ((ready, 1), (files, _HARD_CAP)):
+            if s.max_pending_files is not None and len(chosen) >= s.max_pending_files * factor:
+                return True
+            size = sum(f.meta.file_size_in_bytes for f in chosen)
+            if s.max_pending_bytes is not None and size >= s.max_pending_bytes * factor:
+                return True
+        return False
 
     def prune_writers(self) -> set[str]:
         """Drop writers not heard from within ``writer_timeout_s``; returns the live ones."""
