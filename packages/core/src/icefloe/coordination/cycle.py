@@ -96,14 +96,12 @@ class CommitCycle:
         if time.monotonic() - self.last_end >= s.commit_interval_s:
             return True
         # files of tables backing off do not count: they must not make cycles spin
-        ready = [f for t, fs in self._reader.pending.items() if not self.backing_off(t) for f in fs]
-        if s.max_pending_files is not None and ready and len(ready) >= s.max_pending_files:
-            return True
-        return (
-            s.max_pending_bytes is not None
-            and bool(ready)
-            and sum(f.meta.file_size_in_bytes for f in ready) >= s.max_pending_bytes
+        files, size = self._reader.pending_size(
+            t for t in self._reader.pending if not self.backing_off(t)
         )
+        if s.max_pending_files is not None and files and files >= s.max_pending_files:
+            return True
+        return s.max_pending_bytes is not None and files > 0 and size >= s.max_pending_bytes
 
     def run(self) -> CycleResult:
         commit_id = str(uuid.uuid4())

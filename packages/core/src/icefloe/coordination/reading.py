@@ -74,6 +74,7 @@ class EventReader:
         self.read_pos: dict[str, int] = {}
         self.stored: dict[str, int] | None = None
         self.pending: dict[str, list[PendingFile]] = {}
+        self._bytes: dict[str, int] = {}  # pending bytes per table, kept with ``pending``
         self._pending_keys: set[tuple[str, int, str]] = set()
         self.writers: dict[str, WriterState] = {}
         self._boundaries: dict[str, CommitBoundary] = {}
@@ -90,7 +91,12 @@ class EventReader:
         return {t: len(fs) for t, fs in self.pending.items() if fs}
 
     def pending_bytes(self) -> int:
-        return sum(f.meta.file_size_in_bytes for fs in self.pending.values() for f in fs)
+        return sum(self._bytes.values())
+
+    def pending_size(self, tables: Iterable[str]) -> tuple[int, int]:
+        """Pending files and bytes of ``tables`` (cheap: per-table counts)."""
+        chosen = [t for t in tables if t in self.pending]
+        return sum(len(self.pending[t]) for t in chosen), sum(self._bytes[t] for t in chosen)
 
     def full(self) -> bool:
         """Whether pending files reached ``max_pending_files/bytes`` (stop reading).
@@ -101,12 +107,13 @@ class EventReader:
         table's files are quarantined after its attempts, which frees it).
         """
         s = self._settings
-        files = [f for fs in self.pending.values() for f in fs]
-        ready = [f for t, fs in self.pending.items() if not self.backing_off(t) for f in fs]
-        for chosen, factor in ((ready, 1), (files, _HARD_CAP)):
-            if s.max_pending_files is not None and len(chosen) >= s.max_pending_files * factor:
+        if s.max_pending_files is None and s.max_pending_bytes is None:
+            return False
+        every = self.pending_size(self.pending)
+        ready = self.pending_size(t for t in self.pending if not self.backing_off(t))
+        for (files, size), factor in ((ready, 1), (every, _HARD_CAP)):
+            if s.max_pending_files is not None and files >= s.max_pending_files * factor:
                 return True
-            size = sum(f.meta.file_size_in_bytes for f in chosen)
             if s.max_pending_bytes is not None and size >= s.max_pending_bytes * factor:
                 return True
         return False
@@ -235,6 +242,9 @@ class EventReader:
             return  # the table already holds this batch (all its files share one place)
         self._pending_keys.add(key)
         self.pending.setdefault(dw.table, []).extend(files)
+        self._bytes[dw.table] = self._bytes.get(dw.table, 0) + sum(
+            f.meta.file_size_in_bytes for f in files
+        )
 
     def boundary(self, table: str) -> CommitBoundary:
         """What ``table`` holds already, read once per leadership from its snapshots."""
@@ -267,8 +277,10 @@ class EventReader:
         left = [f for f in self.pending.get(table, []) if id(f) not in gone]
         if left:
             self.pending[table] = left
+            self._bytes[table] = sum(f.meta.file_size_in_bytes for f in left)
         else:
             self.pending.pop(table, None)
+            self._bytes.pop(table, None)
         still = {(f.writer_id, f.batch_seq) for f in left}
         for f in files:
             if (f.writer_id, f.batch_seq) not in still:
