@@ -37,10 +37,8 @@ class _OutOfOrder(MemoryServer):
     ) -> bool:
         with self._cond:
             g = self._group(group_id)
-            self._check_epoch(g, writer_id, epoch)
-            if (writer_id, batch_seq) in g.published:
+            if not self._claim_key(g, writer_id, epoch, batch_seq):
                 return False
-            g.published.add((writer_id, batch_seq))
             at = len(g.log)
         time.sleep(0.03)  # another writer appends (and a reader reads) meanwhile
         with self._cond:
@@ -57,10 +55,8 @@ class _PartialBatch(MemoryServer):
     ) -> bool:
         with self._cond:
             g = self._group(group_id)
-            self._check_epoch(g, writer_id, epoch)
-            if (writer_id, batch_seq) in g.published:
+            if not self._claim_key(g, writer_id, epoch, batch_seq):
                 return False
-            g.published.add((writer_id, batch_seq))
             g.log.append(events[0])
             self._cond.notify_all()
         time.sleep(0.03)
