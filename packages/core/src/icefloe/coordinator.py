@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from pyiceberg.catalog import Catalog
 
+from icefloe import metrics
 from icefloe.channel import ChannelRecord, CoordinatorChannel, Lease
 from icefloe.committer import (
     CommitState,
@@ -276,6 +277,8 @@ class Coordinator:
         if lease is None:
             return False
         self._set_lease(lease)
+        metrics.LEADERSHIP_CHANGES.labels("acquired").inc()
+        metrics.IS_LEADER.set(1)
         log.info(
             "%s: leading pipeline %s with fencing token %d",
             self.coordinator_id,
@@ -313,8 +316,18 @@ class Coordinator:
             self._hooks.after_lease_check(self.coordinator_id)
 
     def _drop_leadership(self) -> None:
+        if self._lease is not None:
+            metrics.LEADERSHIP_CHANGES.labels("lost").inc()
+        metrics.IS_LEADER.set(0)
         self._lease = None
         self._reset()
+        self._update_pending_gauges()
+
+    def _update_pending_gauges(self) -> None:
+        metrics.PENDING_FILES.set(sum(len(fs) for fs in self._pending.values()))
+        metrics.PENDING_BYTES.set(
+            sum(f.meta.file_size_in_bytes for fs in self._pending.values() for f in fs)
+        )
 
     def _release(self) -> None:
         if self._lease is not None:
@@ -358,6 +371,8 @@ class Coordinator:
         records = self._channel.poll(timeout)
         for rec in records:
             self._handle(rec)
+        if records:
+            self._update_pending_gauges()
         return len(records)
 
     def _handle(self, rec: ChannelRecord) -> None:
@@ -456,6 +471,17 @@ class Coordinator:
         return min(t for t in stamps if t is not None)
 
     def _cycle(self) -> CycleResult:
+        with metrics.COMMIT_CYCLE_SECONDS.time():
+            cycle = self._run_cycle()
+        result = "failed" if cycle.failed else "complete" if cycle.complete else "partial"
+        metrics.COMMIT_CYCLES.labels(result).inc()
+        for r in cycle.tables:
+            if r.snapshot_id is not None:
+                metrics.TABLE_COMMITS.labels(r.table).inc()
+        self._update_pending_gauges()
+        return cycle
+
+    def _run_cycle(self) -> CycleResult:
         commit_id = str(uuid.uuid4())
         expected = self._live_writers()
         self._cycle_id, self._answered = commit_id, set()
@@ -477,7 +503,14 @@ class Coordinator:
     def _commit(self, commit_id: str, complete: bool, silent: list[str]) -> CycleResult:
         position = dict(self._read_pos)
         vtts = self._valid_through() if complete else None
-        if not complete:
+        if not complete and self._stop is not None and self._stop.is_set():
+            # a normal stop cuts the wait short: nothing is wrong with the silent writers
+            log.info(
+                "commit %s: stopping; committing what was read without waiting for %s",
+                commit_id,
+                silent,
+            )
+        elif not complete:
             log.warning(
                 "commit %s: no answer from %s within %.1fs; partial commit without VTTS",
                 commit_id,
