@@ -33,6 +33,9 @@ RECORDS_WRITTEN = Counter(
 RECORDS_DEAD_LETTERED = Counter(
     "icefloe_records_dead_lettered", "Records routed to the dead-letter destination."
 )
+RECORDS_SKIPPED = Counter(
+    "icefloe_records_skipped", "Bad records dropped under the [errors] policy 'skip'."
+)
 FILES_WRITTEN = Counter("icefloe_files_written", "Data files written and published.")
 BYTES_WRITTEN = Counter("icefloe_bytes_written", "Bytes of data files written and published.")
 COMMIT_CYCLES = Counter(

@@ -30,7 +30,7 @@ from icefloe.channel import Backend
 from icefloe.config import PipelineConfig
 from icefloe.coordinator import Coordinator, CoordinatorSettings
 from icefloe.plugins import Plugins, get_plugins
-from icefloe_spark import sparklog
+from icefloe_spark import faults, sparklog
 from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
 from icefloe_spark.sink import SINK_NAME, IcefloeSink, derive_writer_id, sink_options
 from icefloe_spark.source import SOURCE_NAME, register_sources, source_options
@@ -128,6 +128,7 @@ class CoordinatorThread:
         self.coordinator_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.stop_event = threading.Event()
         self.last_error: str | None = None
+        self._fault_hooks = faults.coordinator_hooks()  # one count across restarts
         self._thread = threading.Thread(target=self._run, name="icefloe-coordinator", daemon=True)
 
     def start(self) -> CoordinatorThread:
@@ -144,6 +145,7 @@ class CoordinatorThread:
                 settings,
                 coordinator_id=self.coordinator_id,
                 plugins=self.plugins,
+                hooks=self._fault_hooks,
             )
             try:
                 coordinator.run(self.stop_event)

@@ -167,6 +167,16 @@ def _ago(ms: int | None, now: float) -> str:
     return f"{max(0.0, now - ms / 1000):.0f}s ago"
 
 
+def _bad_records(stats: PublishStats) -> Text:
+    """Bad records set aside by the [errors] policy, in a colour that asks for a look."""
+    if not (stats.skipped or stats.dead_lettered):
+        return Text("")
+    return Text(
+        f"\nbad records: {stats.skipped:,} skipped, {stats.dead_lettered:,} dead-lettered",
+        style="yellow",
+    )
+
+
 def render(
     name: str,
     query: QueryProgress,
@@ -184,6 +194,7 @@ def render(
         f"  coordinator: {coordinator}\n",
         f"published {stats.batches} batches, {stats.records:,} records, {stats.files} files",
         f" ({stats.duplicates} replays ignored)" if stats.duplicates else "",
+        _bad_records(stats),
     )
     grid = RichTable(box=None, pad_edge=False)
     for col in ("table", "rows", "snapshot", "last commit", "lag"):
@@ -242,14 +253,15 @@ class ProgressLog:
     def summary(self, tables: list[TableProgress], stats: PublishStats) -> None:
         lags = [t.lag for t in tables if t.lag is not None]
         total_lag = sum(lags) if lags else None
-        dead = getattr(stats, "dead_lettered", None)
         self.log.info(
-            "progress: %d records in %d files published (%d batches), lag %s, dead-lettered %s",
+            "progress: %d records in %d files published (%d batches), lag %s, "
+            "dead-lettered %d, skipped %d",
             stats.records,
             stats.files,
             stats.batches,
             "?" if total_lag is None else total_lag,
-            "-" if dead is None else dead,
+            stats.dead_lettered,
+            stats.skipped,
             extra={
                 "event": "progress",
                 "pipeline": self.name,
@@ -257,6 +269,7 @@ class ProgressLog:
                 "files": stats.files,
                 "batches": stats.batches,
                 "lag": total_lag,
-                "dead_lettered": dead,
+                "dead_lettered": stats.dead_lettered,
+                "skipped": stats.skipped,
             },
         )
