@@ -74,7 +74,7 @@ def crash_at(run: Run, env_var: str, low: int, high: int, kind: str) -> None:
     ``[low, high]``; once the driver exits there, ``kill -9`` what it left (its JVM)."""
     target = run.rng.randint(low, high)
     tree = run.start_pipeline({env_var: str(target)})
-    code = run.wait_exit(tree, 300.0)
+    code = run.wait_exit(tree, 600.0)
     if code == faults.EXIT_CODE:
         run.kill(tree, kind)
         return

@@ -110,6 +110,14 @@ def parse_options(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def parse_log_level(name: str) -> int:
+    """``--log-level``'s value as a ``logging`` level."""
+    level = logging.getLevelName(name.upper())
+    if not isinstance(level, int):
+        raise ConfigError("--log-level", "is not a log level", "use DEBUG, INFO or WARNING", name)
+    return level
+
+
 def run(
     config: Annotated[Path, typer.Option("--config", "-c", help="Pipeline TOML file.")],
     no_coordinator: Annotated[
@@ -133,11 +141,21 @@ def run(
             "e.g. probeHighWatermark=true.",
         ),
     ] = None,
+    log_level: Annotated[
+        str,
+        typer.Option(
+            "--log-level",
+            help="Python log level of the driver: INFO shows each commit cycle (e.g. when "
+            "the output goes to a file with --quiet).",
+        ),
+    ] = "WARNING",
 ) -> None:
     """Run the pipeline's streaming query until SIGINT/SIGTERM, with live progress."""
     from icefloe_spark.pipeline import Pipeline
 
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(
+        level=parse_log_level(log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     cfg = load_config(config)
     stop = threading.Event()
     with stop_on_signals(stop):
