@@ -62,7 +62,10 @@ class Lease:
 
     token: int
     holder: str
-    expires_at: float = field(default=float("inf"))  # time.monotonic() deadline
+    #: when the lease runs out unless renewed, as a ``time.monotonic()`` reading of the process
+    #: that called ``acquire``/``renew``. A local hint for when to renew, never compared across
+    #: processes or hosts: the backend decides expiry on its own (server or per-process) clock.
+    expires_at: float = field(default=float("inf"))
 
 
 class WriterChannel(abc.ABC):
@@ -141,6 +144,33 @@ class CoordinatorChannel(abc.ABC):
     def close(self) -> None:
         """Release connections (and the lease, if held)."""
 
+    # -------------------------------------------------------- identity and reset detection
+    # Why: positions are only comparable within one channel. A swapped backend, or a channel
+    # whose storage was recreated or rolled back, numbers its events anew; comparing those
+    # numbers with positions a table recorded earlier would drop new files as "committed".
+
+    @abc.abstractmethod
+    def channel_id(self) -> str:
+        """The identity of this channel's storage, recorded with every table commit.
+
+        Contract: the same string for every process that reaches the same storage, for as long
+        as that storage lives (restarts, reconnects, fail-overs keep it); a different string
+        as soon as the storage is new (first use, topic/schema/keys deleted and recreated,
+        data lost). Create it together with the storage, never derive it from configuration
+        alone. Prefix it with the backend's name (``kafka:``, ``postgres:`` ...)."""
+
+    @abc.abstractmethod
+    def end_position(self) -> ChannelPosition:
+        """The position just past the newest event the channel holds, per partition (what a
+        reader that consumed everything would have as its position). Used to detect a channel
+        that was rolled back: a position recorded earlier that lies beyond it."""
+
+    def simulate_crash(self) -> None:  # noqa: B027 - optional test hook
+        """Test hook (the conformance suite's only crash simulation): make this channel look
+        like its process died - cut its connections, never release the lease, so another
+        coordinator takes over only after the lease expires. The default abandons the channel,
+        which is what a dead process does for backends without live connections."""
+
 
 class Backend(abc.ABC):
     """A configured coordination backend for one pipeline."""
@@ -159,3 +189,15 @@ class Backend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless pools exist
         """Release shared resources (pools)."""
+
+    def inject_undecodable(self, data: bytes, writer_id: str) -> None:
+        """Test hook used only by the conformance suite: append ``data`` - bytes that are not
+        an encoded event - to this pipeline's channel after everything published so far, where
+        ``writer_id``'s next event would go (its partition, where there are several),
+        bypassing every check, as a corrupt record or a foreign client would. The suite uses
+        it to check that ``poll`` stops at such a record (raises EventDecodeError) instead of
+        skipping it; a backend that does not implement it fails that test."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.inject_undecodable is not implemented: the conformance "
+            "suite needs it to check that poll stops at undecodable bytes"
+        )

@@ -53,6 +53,7 @@ from pyiceberg.exceptions import (
     CommitStateUnknownException,
     NoSuchTableError,
 )
+from pyiceberg.manifest import ManifestContent
 from pyiceberg.table import Table, TableProperties, Transaction
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
@@ -60,14 +61,20 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe.datafiles import to_data_file
+from icefloe.dedupe import POSITIONS_KEY as POSITIONS_KEY  # re-exported: summary keys
+from icefloe.dedupe import WATERMARKS_KEY as WATERMARKS_KEY
+from icefloe.dedupe import CommitBoundary, max_merge
 from icefloe.errors import (
     CommitError,
     CommitHistoryLostError,
     FileOutsideTableError,
+    InvalidDataFileError,
     PartitionSpecChangedError,
+    RefusedFileError,
     RowDeltaNotSupportedError,
     StaleFencingTokenError,
     TableMismatchError,
+    TableMissingError,
 )
 from icefloe.events import DataFileMeta, FileContent
 
@@ -75,8 +82,6 @@ logger = logging.getLogger(__name__)
 
 GROUP_ID_KEY = "icefloe.group-id"
 COMMIT_ID_KEY = "icefloe.commit-id"
-POSITIONS_KEY = "icefloe.channel-positions"
-WATERMARKS_KEY = "icefloe.writer-watermarks"
 SOURCE_OFFSETS_KEY = "icefloe.source-offsets"
 FENCING_TOKEN_KEY = "icefloe.fencing-token"
 VALID_THROUGH_KEY = "icefloe.valid-through-ms"
@@ -88,6 +93,8 @@ _DATA_PATH_PROPERTIES = (
     "write.object-storage.path",
     "write.folder-storage.path",
 )
+# Manifests whose live paths are kept in memory (oldest dropped first).
+_MANIFEST_CACHE_SIZE = 4096
 # URI schemes that name the same storage.
 _SCHEME_ALIASES = {"": "file", "s3a": "s3", "s3n": "s3"}
 
@@ -115,11 +122,18 @@ class CommitState:
 
     snapshot_id: int
     commit_id: str
-    positions: dict[str, int]
-    watermarks: dict[str, int]
+    boundary: CommitBoundary
     source_offsets: dict[str, dict[int, int]]
     fencing_token: int
     valid_through_ms: int | None
+
+    @property
+    def positions(self) -> dict[str, int]:
+        return dict(self.boundary.positions)
+
+    @property
+    def watermarks(self) -> dict[str, int]:
+        return dict(self.boundary.watermarks)
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,14 @@ class TableCommitResult:
     data_files: int
     records: int
     skipped_files: int
+
+
+@dataclass(frozen=True)
+class Screening:
+    """A table's verdict on pending files before any commit: which can never be committed."""
+
+    accepted: tuple[PendingFile, ...]
+    refused: tuple[tuple[PendingFile, RefusedFileError], ...]
 
 
 @dataclass(frozen=True)
@@ -192,6 +214,7 @@ class IcebergCommitter:
         self._before_commit = before_commit
         self._retry_wait_s = retry_wait_s
         self._max_retry_wait_s = max_retry_wait_s
+        self._manifest_paths: dict[str, frozenset[str]] = {}  # manifest location -> live paths
 
     @property
     def group_id(self) -> str:
@@ -207,6 +230,24 @@ class IcebergCommitter:
         head, _ = self._branch_head(loaded)
         return self._own_state(loaded, head)
 
+    def screen(self, table: str, files: Iterable[PendingFile]) -> Screening:
+        """Sort out the files ``table`` can never take (wrong table incarnation, outside its
+        location, old partition spec, delete files, undescribable), so the caller can
+        quarantine them and commit the rest. Covered files count as accepted (commit drops
+        them). Raises TableMissingError or CommitHistoryLostError for the whole table."""
+        loaded = self._load(table)
+        head, _ = self._branch_head(loaded)
+        boundary = _boundary(self._own_state(loaded, head))
+        accepted: list[PendingFile] = []
+        refused: list[tuple[PendingFile, RefusedFileError]] = []
+        for f in files:
+            error = None if boundary.covers(f) else _refusal(loaded, f)
+            if error is None:
+                accepted.append(f)
+            else:
+                refused.append((f, error))
+        return Screening(tuple(accepted), tuple(refused))
+
     def commit(self, request: TableCommitRequest) -> TableCommitResult:
         """Append the request's new files to its table in one snapshot (or none if nothing
         is new).
@@ -215,7 +256,6 @@ class IcebergCommitter:
         CommitError, and then committed nothing; only after a catalog reported an unknown
         outcome may that attempt still land, which a later replay of the request detects.
         """
-        _refuse_delete_files(request)
         # snapshots of attempts whose outcome is unknown: they may have landed after all
         unknown: list[tuple[int, _Plan]] = []
         last_error: Exception | None = None
@@ -299,7 +339,10 @@ class IcebergCommitter:
         try:
             table = self._catalog.load_table(name)
         except NoSuchTableError as e:
-            raise CommitError(f"table '{name}' does not exist in the catalog") from e
+            raise TableMissingError(
+                f"table '{name}' does not exist in the catalog; create it (or route its records "
+                "elsewhere): its pending files are quarantined after repeated attempts"
+            ) from e
         metadata = table.metadata
         properties = {**metadata.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}
         return Table(
@@ -370,8 +413,6 @@ class IcebergCommitter:
         return state
 
     def _plan(self, table: Table, request: TableCommitRequest) -> _Plan:
-        metadata = table.metadata
-        _check_files(table, request.files)
         head, fork_from = self._branch_head(table)
         state = self._own_state(table, head)
         recorded = _recorded_token(table, self._group_id, state)
@@ -383,13 +424,22 @@ class IcebergCommitter:
             )
         files, skipped = _select(request.files, state)
         for f in files:
-            if f.meta.spec_id != metadata.default_spec_id:
-                # pyiceberg 0.12's fast append writes one manifest with the default spec
-                raise PartitionSpecChangedError(
-                    f"table '{request.table}': {f.meta.path} was written with partition spec "
-                    f"{f.meta.spec_id}, but the table's default spec is now "
-                    f"{metadata.default_spec_id}; rewrite the file under the current spec"
-                )
+            error = _refusal(table, f)
+            if error is not None:
+                # screen() sorts these out first; reaching here means the table changed in
+                # between (e.g. recreated): refuse the whole request, the next cycle re-screens
+                raise error
+        live = self._live_paths(table, head, {f.meta.path for f in files})
+        if live:
+            logger.warning(
+                "%s: %d announced file(s) are already in the table (announced again, e.g. "
+                "under another writer id); not committing them again: %s",
+                request.table,
+                len(live),
+                sorted(live)[:3],
+            )
+            files = tuple(f for f in files if f.meta.path not in live)
+            skipped += len(live)
         prop = _property_token(table, self._group_id)
         return _Plan(
             files=files,
@@ -412,14 +462,32 @@ class IcebergCommitter:
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
         with snapshot.fast_append() as append:
             for f in plan.files:
-                try:
-                    data_file = to_data_file(f.meta, tx.table_metadata)
-                except (ValueError, KeyError, TypeError) as e:
-                    raise CommitError(
-                        f"table '{_name(table)}': cannot describe {f.meta.path}: {e}"
-                    ) from e
-                append.append_data_file(data_file)
+                append.append_data_file(to_data_file(f.meta, tx.table_metadata))
         return tx, append.snapshot_id
+
+    def _live_paths(self, table: Table, head: Snapshot | None, paths: set[str]) -> set[str]:
+        """Which of ``paths`` the branch head already references as live data files.
+
+        Reads the head's data manifests; manifest files never change once written, so each
+        one's paths are cached by its location and only new manifests are read per commit.
+        """
+        if head is None or not paths:
+            return set()
+        found: set[str] = set()
+        for manifest in head.manifests(table.io):
+            if manifest.content != ManifestContent.DATA:
+                continue
+            cached = self._manifest_paths.get(manifest.manifest_path)
+            if cached is None:
+                cached = frozenset(
+                    e.data_file.file_path
+                    for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
+                )
+                if len(self._manifest_paths) >= _MANIFEST_CACHE_SIZE:
+                    self._manifest_paths.pop(next(iter(self._manifest_paths)))
+                self._manifest_paths[manifest.manifest_path] = cached
+            found |= paths & cached
+        return found
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep
@@ -431,34 +499,42 @@ def _name(table: Table) -> str:
     return ".".join(table.name())
 
 
-def _refuse_delete_files(request: TableCommitRequest) -> None:
-    deletes = [f.meta.path for f in request.files if f.meta.content != FileContent.DATA]
-    if deletes:
-        raise RowDeltaNotSupportedError(
-            f"table '{request.table}': {len(deletes)} delete file(s) (e.g. {deletes[0]}) need a "
+def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
+    """Why ``table`` can never take ``f``, or None. Each reason concerns this file alone."""
+    metadata = table.metadata
+    path = f.meta.path
+    if f.meta.content != FileContent.DATA:
+        return RowDeltaNotSupportedError(
+            f"table '{_name(table)}': {path} is a delete file ({f.meta.content}) and needs a "
             "row delta commit, which icefloe does not support yet (pyiceberg 0.12 cannot add "
             "delete files); write data files only"
         )
-
-
-def _check_files(table: Table, files: Iterable[PendingFile]) -> None:
-    """Refuse the whole request if any file belongs to another table or place."""
-    metadata = table.metadata
+    if f.table_uuid is not None and not _same_uuid(f.table_uuid, metadata.table_uuid):
+        return TableMismatchError(
+            f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {path} was "
+            f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
+            "commit it"
+        )
     roots = [metadata.location] + [
         metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
     ]
-    for f in files:
-        if f.table_uuid is not None and not _same_uuid(f.table_uuid, metadata.table_uuid):
-            raise TableMismatchError(
-                f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {f.meta.path} was "
-                f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
-                "commit it"
-            )
-        if not any(_inside(f.meta.path, root) for root in roots):
-            raise FileOutsideTableError(
-                f"table '{_name(table)}': {f.meta.path} lies outside the table location "
-                f"{metadata.location}; refusing to commit it"
-            )
+    if not any(_inside(path, root) for root in roots):
+        return FileOutsideTableError(
+            f"table '{_name(table)}': {path} lies outside the table location "
+            f"{metadata.location}; refusing to commit it"
+        )
+    if f.meta.spec_id != metadata.default_spec_id:
+        # pyiceberg 0.12's fast append writes one manifest with the default spec
+        return PartitionSpecChangedError(
+            f"table '{_name(table)}': {path} was written with partition spec "
+            f"{f.meta.spec_id}, but the table's default spec is now "
+            f"{metadata.default_spec_id}; rewrite the file under the current spec"
+        )
+    try:
+        to_data_file(f.meta, metadata)
+    except (ValueError, KeyError, TypeError) as e:
+        return InvalidDataFileError(f"table '{_name(table)}': cannot describe {path}: {e}")
+    return None
 
 
 def _same_uuid(text: str, table_uuid: uuid.UUID) -> bool:
@@ -521,8 +597,7 @@ def _parse_state(snapshot: Snapshot) -> CommitState:
         return CommitState(
             snapshot_id=snapshot.snapshot_id,
             commit_id=str(summary[COMMIT_ID_KEY]),
-            positions=_int_map(json.loads(summary[POSITIONS_KEY] or "{}")),
-            watermarks=_int_map(json.loads(summary[WATERMARKS_KEY] or "{}")),
+            boundary=CommitBoundary.from_summary(summary),
             source_offsets={
                 str(topic): {int(p): int(o) for p, o in offsets.items()}
                 for topic, offsets in json.loads(summary[SOURCE_OFFSETS_KEY] or "{}").items()
@@ -535,10 +610,6 @@ def _parse_state(snapshot: Snapshot) -> CommitState:
         raise CommitError(
             f"snapshot {snapshot.snapshot_id} carries an unreadable icefloe summary: {e}"
         ) from e
-
-
-def _int_map(raw: Any) -> dict[str, int]:
-    return {str(k): int(v) for k, v in raw.items()}
 
 
 def _property_token(table: Table, group_id: str) -> int | None:
@@ -560,25 +631,20 @@ def _recorded_token(table: Table, group_id: str, state: CommitState | None) -> i
     return max((t for t in candidates if t is not None), default=None)
 
 
-def _covered(f: PendingFile, state: CommitState | None) -> bool:
-    """Whether the snapshot behind ``state`` already holds ``f``."""
-    if state is None:
-        return False
-    if f.offset < state.positions.get(f.partition, 0):
-        return True
-    watermark = state.watermarks.get(f.writer_id)
-    return watermark is not None and f.batch_seq <= watermark
+def _boundary(state: CommitState | None) -> CommitBoundary:
+    return CommitBoundary() if state is None else state.boundary
 
 
 def _select(
     files: Iterable[PendingFile], state: CommitState | None
 ) -> tuple[tuple[PendingFile, ...], int]:
     """The files still to commit, and how many were dropped."""
+    boundary = _boundary(state)
     seen: set[str] = set()
     keep: list[PendingFile] = []
     skipped = 0
     for f in files:
-        if f.meta.path in seen or f.meta.record_count <= 0 or _covered(f, state):
+        if f.meta.path in seen or f.meta.record_count <= 0 or boundary.covers(f):
             skipped += 1
         else:
             keep.append(f)
@@ -586,32 +652,20 @@ def _select(
     return tuple(keep), skipped
 
 
-def _max_merge(old: Mapping[Any, int], new: Mapping[Any, int]) -> dict[str, int]:
-    merged = {str(k): int(v) for k, v in old.items()}
-    for k, v in new.items():
-        merged[str(k)] = max(merged.get(str(k), v), int(v))
-    return merged
-
-
 def _summary(
     group_id: str, request: TableCommitRequest, state: CommitState | None
 ) -> dict[str, str]:
     """Summary properties of the new snapshot; positions and watermarks never regress."""
-    batches: dict[str, int] = {}
-    for f in request.files:
-        batches[f.writer_id] = max(batches.get(f.writer_id, f.batch_seq), f.batch_seq)
+    boundary = _boundary(state).advanced(request.positions, request.files)
     old_offsets = {} if state is None else state.source_offsets
     offsets = {
-        topic: _max_merge(old_offsets.get(topic, {}), request.source_offsets.get(topic, {}))
+        topic: max_merge(old_offsets.get(topic, {}), request.source_offsets.get(topic, {}))
         for topic in sorted(set(old_offsets) | set(request.source_offsets))
     }
     summary = {
         GROUP_ID_KEY: group_id,
         COMMIT_ID_KEY: request.commit_id,
-        POSITIONS_KEY: _json(
-            _max_merge({} if state is None else state.positions, request.positions)
-        ),
-        WATERMARKS_KEY: _json(_max_merge({} if state is None else state.watermarks, batches)),
+        **boundary.to_summary(),
         SOURCE_OFFSETS_KEY: _json(offsets),
         FENCING_TOKEN_KEY: str(request.fencing_token),
     }

@@ -19,7 +19,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from icefloe.errors import ConfigError
 
@@ -30,6 +37,7 @@ ENV_PREFIX = "ICEFLOE__"
 _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 # no dots: the backend's section is the TOML table [coordination.<name>]
 BACKEND_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
+TABLE_NAME_RE = r"^[^.\s]+(\.[^.\s]+)+$"
 
 
 class _Model(BaseModel):
@@ -66,7 +74,7 @@ class SourceConfig(_Model):
 class TableConfig(_Model):
     """A target table and which records go to it (all records when no route is given)."""
 
-    name: str = Field(pattern=r"^[^.\s]+(\.[^.\s]+)+$")
+    name: str = Field(pattern=TABLE_NAME_RE)
     route_field: str | None = None
     route_values: list[str] = Field(default_factory=list)
     auto_create: bool = False
@@ -114,6 +122,32 @@ class SparkConfig(_Model):
     conf: dict[str, str] = Field(default_factory=dict)
 
 
+ErrorPolicy = Literal["fail", "skip", "dead_letter"]
+
+
+class ErrorsConfig(_Model):
+    """What a writer task does with a record it cannot decode, route or convert: stop the
+    pipeline (``fail``), drop it and count it (``skip``), or write it to a dead-letter table
+    committed with the batch (``dead_letter``). Per record: the batch's good records are
+    written either way."""
+
+    policy: ErrorPolicy = "fail"
+    dead_letter_table: str | None = Field(
+        default=None, pattern=TABLE_NAME_RE, validate_default=True
+    )
+
+    @field_validator("dead_letter_table")
+    @classmethod
+    def _needed_for_dead_letter(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # a field validator (not a model one) so the error is located at this key
+        if value is None and info.data.get("policy") == "dead_letter":
+            raise ValueError(
+                'policy "dead_letter" needs a table: set dead_letter_table = "namespace.table" '
+                "(created when missing)"
+            )
+        return value
+
+
 class PipelineConfig(_Model):
     """Everything a pipeline needs. ``name`` is the group id shared by its writers and
     coordinator; several pipelines may share one channel."""
@@ -124,6 +158,18 @@ class PipelineConfig(_Model):
     catalog: CatalogConfig = Field(default_factory=CatalogConfig)
     coordination: CoordinationConfig = Field(default_factory=CoordinationConfig)
     spark: SparkConfig = Field(default_factory=SparkConfig)
+    errors: ErrorsConfig = Field(default_factory=ErrorsConfig)
+
+    @field_validator("errors")
+    @classmethod
+    def _dead_letter_not_a_target(cls, errors: ErrorsConfig, info: ValidationInfo) -> ErrorsConfig:
+        targets = {t.name for t in info.data.get("tables") or []}
+        if errors.dead_letter_table in targets:
+            raise ValueError(
+                f"errors.dead_letter_table '{errors.dead_letter_table}' is also a target table; "
+                "name a table of its own for bad records"
+            )
+        return errors
 
     @field_validator("tables")
     @classmethod

@@ -273,7 +273,9 @@ def test_partial_table_failure_is_finished_later_without_duplicating_the_others(
     assert set(first.failed) == {failing}
     assert "injected" in first.failed[failing]
     assert [r.table for r in first.tables] == [healthy]
-    assert make.backend.server.stored_position(group_id) is None, "stored with a table failed"
+    # the position may advance only up to the failing table's pending event, not past it
+    stored = make.backend.server.stored_position(group_id)
+    assert stored is None or stored["0"] < coord.read_position["0"], "stored past a failure"
     assert_exactly_once(make.catalog, healthy, source.expected[healthy])
     assert group_snapshots(make.catalog, failing, group_id) == []
     assert coord.pending_files() == {failing: len(b0.files[failing])}

@@ -154,6 +154,16 @@ def _ago(ms: int | None, now: float) -> str:
     return f"{max(0.0, now - ms / 1000):.0f}s ago"
 
 
+def _bad_records(stats: PublishStats) -> Text:
+    """Bad records set aside by the [errors] policy, in a colour that asks for a look."""
+    if not (stats.skipped or stats.dead_lettered):
+        return Text("")
+    return Text(
+        f"\nbad records: {stats.skipped:,} skipped, {stats.dead_lettered:,} dead-lettered",
+        style="yellow",
+    )
+
+
 def render(
     name: str,
     query: QueryProgress,
@@ -171,6 +181,7 @@ def render(
         f"  coordinator: {coordinator}\n",
         f"published {stats.batches} batches, {stats.records:,} records, {stats.files} files",
         f" ({stats.duplicates} replays ignored)" if stats.duplicates else "",
+        _bad_records(stats),
     )
     grid = RichTable(box=None, pad_edge=False)
     for col in ("table", "rows", "snapshot", "last commit", "lag"):

@@ -54,6 +54,8 @@ class PublishRequest:
     positions: tuple[SourcePosition, ...]
     table_uuids: Mapping[str, str]
     records: int = 0
+    skipped: int = 0  # bad records the tasks dropped ([errors] policy "skip")
+    dead_lettered: int = 0  # bad records written to the dead-letter table
 
     @property
     def file_count(self) -> int:
@@ -76,6 +78,8 @@ class PublishStats:
     duplicates: int = 0
     records: int = 0
     files: int = 0
+    skipped: int = 0
+    dead_lettered: int = 0
     last_batch_seq: int | None = None
     last_publish_at: float | None = None  # time.time()
 
@@ -117,6 +121,8 @@ class WriterPublisher:
             s.duplicates += 0 if added else 1
             s.records += request.records
             s.files += request.file_count
+            s.skipped += request.skipped
+            s.dead_lettered += request.dead_lettered
             s.last_batch_seq = request.batch_seq
             s.last_publish_at = time.time()
             return added

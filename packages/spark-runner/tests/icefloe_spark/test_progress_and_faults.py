@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from icefloe_spark import faults
-from icefloe_spark.progress import QueryProgress, lag
+from icefloe_spark.progress import QueryProgress, lag, render
+from icefloe_spark.publish import PublishStats
 
 
 def test_lag_counts_what_the_table_has_not_recorded_yet() -> None:
@@ -151,3 +153,16 @@ def test_reader_options_from_the_config_are_applied_last() -> None:
     assert opts["probeHighWatermark"] == "true"
     assert opts["maxOffsetsPerTrigger"] == "5"  # the explicit reader option wins
     assert "icefloe.catalog.name" not in opts  # catalog properties only for "table"
+
+
+def test_live_view_shows_bad_record_counts_only_when_there_are_some() -> None:
+    from rich.console import Console
+
+    def shown(stats: PublishStats) -> str:
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(render("p", QueryProgress(), stats, [], "leader"))
+        return console.export_text()
+
+    assert "bad records" not in shown(PublishStats(batches=1, records=10))
+    text = shown(PublishStats(batches=2, records=10, skipped=3, dead_lettered=1_500))
+    assert "bad records: 3 skipped, 1,500 dead-lettered" in text

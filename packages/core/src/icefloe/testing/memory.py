@@ -35,7 +35,7 @@ from icefloe.channel import (
     WriterBatch,
     WriterChannel,
 )
-from icefloe.errors import NotLeaderError, WriterFencedError
+from icefloe.errors import EventDecodeError, NotLeaderError, WriterFencedError
 from icefloe.events import Event, WriterRef, decode_event, encode_event
 from icefloe.hookspecs import BackendContext, BackendSpec, hookimpl
 
@@ -68,6 +68,15 @@ class MemoryServer:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._groups: dict[str, _Group] = {}
+        # created with the storage: a new server is a new channel
+        self._identity = uuid.uuid4().hex
+
+    def identity(self) -> str:
+        return self._identity
+
+    def end(self, group_id: str) -> int:
+        with self._cond:
+            return self._group(group_id).end
 
     def _group(self, group_id: str) -> _Group:
         return self._groups.setdefault(group_id, _Group())
@@ -325,10 +334,17 @@ class MemoryCoordinatorChannel(CoordinatorChannel):
 
     def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:
         first, raw = self._server.read(self._group_id, self._next, timeout, max_records)
-        # decode before moving on: corrupt bytes raise EventDecodeError on every poll and are
-        # never skipped
-        records = [ChannelRecord(PARTITION, first + i, decode_event(b)) for i, b in enumerate(raw)]
-        self._next = first + len(raw)
+        # decode before moving on: corrupt bytes raise EventDecodeError on every poll that
+        # reaches them and are never skipped; the events before them are returned first
+        records: list[ChannelRecord] = []
+        for i, b in enumerate(raw):
+            try:
+                records.append(ChannelRecord(PARTITION, first + i, decode_event(b)))
+            except EventDecodeError:
+                if not records:
+                    raise
+                break
+        self._next = first + len(records)
         return records
 
     def broadcast(self, event: Event) -> None:
@@ -348,6 +364,12 @@ class MemoryCoordinatorChannel(CoordinatorChannel):
 
     def prune(self, before: ChannelPosition) -> int:
         return self._server.prune(self._group_id, int(before.get(PARTITION, 0)))
+
+    def channel_id(self) -> str:
+        return f"memory:{self._server.identity()}"
+
+    def end_position(self) -> ChannelPosition:
+        return {PARTITION: self._server.end(self._group_id)}
 
     def close(self) -> None:
         self.release()
@@ -369,6 +391,9 @@ class MemoryBackend(Backend):
         return MemoryCoordinatorChannel(
             self.server, self.group_id, coordinator_id, self.lease_ttl_s
         )
+
+    def inject_undecodable(self, data: bytes, writer_id: str) -> None:
+        self.server.inject(self.group_id, data)
 
 
 # --------------------------------------------------------------------------- other processes
