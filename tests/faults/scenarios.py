@@ -142,7 +142,7 @@ def leader(coordinators: dict[str, Tree], run: Run) -> str | None:
     return best[1] if best else None
 
 
-@scenario("paused-leader", ci=("kafka",))
+@scenario("paused-leader")
 def paused_leader(run: Run) -> None:
     """SIGSTOP the leading standalone coordinator past its lease, then SIGCONT it (twice)."""
     coordinators = {n: run.start_coordinator(n) for n in ("coord-a", "coord-b")}
@@ -205,7 +205,7 @@ def quarantined_tally(run: Run, table_uuid: str) -> Tally:
     return tally
 
 
-@scenario("drop-recreate-table", ci=("kafka",))
+@scenario("drop-recreate-table")
 def drop_recreate_table(run: Run) -> None:
     """Drop and recreate the target table while batches are in flight; every key must be in
     the dropped table, the new one or a quarantined file, exactly once."""
@@ -316,7 +316,7 @@ def bad_records_skip(run: Run) -> None:
     run.finish()
 
 
-@scenario("bad-records-dead-letter", ci=("postgres",), needs="records", available=has_errors_policy)
+@scenario("bad-records-dead-letter", needs="records", available=has_errors_policy)
 def bad_records_dead_letter(run: Run) -> None:
     """`policy = "dead_letter"`: a kill -9 after a commit; dead letters exactly once."""
     with_errors(run, "dead_letter")
