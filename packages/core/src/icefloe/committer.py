@@ -288,7 +288,7 @@ class IcebergCommitter:
                 self._before_commit()
             tx, snapshot_id = self._stage(table, plan)
             try:
-                tx.commit_transaction()
+                committed = tx.commit_transaction()
             except CommitFailedException as e:
                 last_error = e
                 logger.warning(
@@ -318,6 +318,7 @@ class IcebergCommitter:
                 snapshot_id,
                 request.commit_id,
             )
+            self._remember_added(committed, snapshot_id, plan)
             return _result(request, plan, snapshot_id)
         # the last attempt may have landed even though its outcome was unknown
         if unknown:
@@ -491,11 +492,37 @@ class IcebergCommitter:
                     e.data_file.file_path
                     for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
                 )
-                if len(self._manifest_paths) >= _MANIFEST_CACHE_SIZE:
-                    self._manifest_paths.pop(next(iter(self._manifest_paths)))
-                self._manifest_paths[manifest.manifest_path] = cached
+                self._cache_manifest(manifest.manifest_path, cached)
             found |= paths & cached
         return found
+
+    def _cache_manifest(self, location: str, paths: frozenset[str]) -> None:
+        if len(self._manifest_paths) >= _MANIFEST_CACHE_SIZE:
+            self._manifest_paths.pop(next(iter(self._manifest_paths)))
+        self._manifest_paths[location] = paths
+
+    def _remember_added(self, table: Table, snapshot_id: int, plan: _Plan) -> None:
+        """Cache the paths of the manifest this commit wrote: it holds exactly the files just
+        appended, and otherwise the next commit's live-path check decodes it again (as costly
+        as writing it: the commit's cost doubled)."""
+        try:
+            snapshot = table.metadata.snapshot_by_id(snapshot_id)
+            manifests = [] if snapshot is None else snapshot.manifests(table.io)
+        except Exception as exc:  # the commit landed; the cache is only an optimisation
+            logger.debug("cannot list the manifests of snapshot %d: %s", snapshot_id, exc)
+            return
+        added = [
+            m
+            for m in manifests
+            if m.added_snapshot_id == snapshot_id and m.content == ManifestContent.DATA
+        ]
+        if (
+            len(added) == 1
+            and not added[0].existing_files_count  # a merged manifest holds older files too
+            and not added[0].deleted_files_count
+            and added[0].added_files_count == len(plan.files)
+        ):
+            self._cache_manifest(added[0].manifest_path, frozenset(f.meta.path for f in plan.files))
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep
