@@ -222,6 +222,7 @@ def drop_recreate_table(run: Run) -> None:
     dropped = Tally()
     dropped.add_table(StaticTable.from_metadata(last_metadata(old.location(), old_uuid)), "old")
     run.add_counted(dropped)
+    time.sleep(run.rng.uniform(5.0, 20.0))  # batches in flight meet the new table
     tree.stop()
     run.finish()
     run.add_counted(quarantined_tally(run, old_uuid))
