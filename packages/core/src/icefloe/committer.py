@@ -3,16 +3,17 @@
 For each :class:`TableCommitRequest` the committer, inside its retry loop and after reloading
 the table from the catalog on every attempt:
 
-1. refuses files written for another incarnation of the table (``table_uuid`` differs:
-   :class:`~icefloe.errors.TableMismatchError`) or lying outside the table's location
-   (:class:`~icefloe.errors.FileOutsideTableError`);
-2. finds the newest snapshot of this group (``icefloe.group-id``) in the branch's ancestry,
+1. finds the newest snapshot of this group (``icefloe.group-id``) in the branch's ancestry,
    skipping snapshots of foreign writers and other pipelines, and refuses a request whose
    fencing token is below the one the table records
    (:class:`~icefloe.errors.StaleFencingTokenError`: a zombie coordinator);
-3. drops files that snapshot already covers (channel offset before its
-   ``icefloe.channel-positions`` or batch at or below its ``icefloe.writer-watermarks``),
-   zero-record files and repeated paths;
+2. drops files that snapshot already covers (:class:`~icefloe.dedupe.CommitBoundary`:
+   channel offset before its ``icefloe.channel-positions`` or batch at or below its
+   ``icefloe.writer-watermarks``), zero-record files and repeated paths;
+3. refuses the request if a remaining file can never be committed (a
+   :class:`~icefloe.errors.RefusedFileError`; :meth:`IcebergCommitter.screen` sorts those out
+   per file beforehand, so this only catches a table changed in between), and drops files
+   the branch head already references as live data files;
 4. appends what is left in one fast append on the branch, with the summary properties of
    ``docs/architecture.md``, and raises the table property ``icefloe.fencing-token.<group>``
    in the same transaction.
@@ -30,8 +31,8 @@ first adds one empty, unreferenced root snapshot (summary ``icefloe.branch-root`
 branch from it.
 
 Delete files (row deltas) are not supported yet: pyiceberg 0.12 has no public API to add
-position or equality delete files to a snapshot. A request that carries any is refused with
-:class:`~icefloe.errors.RowDeltaNotSupportedError` instead of appending them as data.
+position or equality delete files to a snapshot. Such a file is refused with
+:class:`~icefloe.errors.RowDeltaNotSupportedError` instead of being appended as data.
 """
 
 from __future__ import annotations

@@ -38,6 +38,12 @@ _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 # no dots: the backend's section is the TOML table [coordination.<name>]
 BACKEND_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 TABLE_NAME_RE = r"^[^.\s]+(\.[^.\s]+)+$"
+# what each pattern means, for error messages (a regex is no help to a user)
+_PATTERN_HELP = {
+    _NAME_RE: "use letters, digits, '.', '_' and '-', starting with a letter or digit",
+    BACKEND_NAME_RE: "use letters, digits, '_' and '-', starting with a letter or digit",
+    TABLE_NAME_RE: 'use "namespace.table" (two or more dotted parts, no spaces)',
+}
 
 
 class _Model(BaseModel):
@@ -282,10 +288,17 @@ def _fix_for(err: ErrorDetails) -> str:
     if kind == "too_short":
         return f"give at least {ctx.get('min_length', 1)} item(s)"
     if kind == "string_pattern_mismatch":
-        return f"use a value matching {ctx.get('pattern')}"
+        pattern = str(ctx.get("pattern"))
+        return _PATTERN_HELP.get(pattern, f"use a value matching {pattern}")
     if kind == "value_error":
         return str(err["msg"]).removeprefix("Value error, ")
     return _FIXES.get(kind, "see docs/configuration.md")
+
+
+def _problem(err: ErrorDetails) -> str:
+    if err["type"] == "string_pattern_mismatch":
+        return "is not in the expected form"
+    return str(err["msg"])
 
 
 def _is_unknown_backend_key(err: ErrorDetails, prefix: str) -> bool:
@@ -303,7 +316,7 @@ def config_error_from(exc: ValidationError, prefix: str = "") -> ConfigError:
     """Turn pydantic's error list into one ConfigError naming the first bad key (all keys are
     listed in the message). Bad values under secret-looking keys are masked."""
     errs = exc.errors()
-    lines = [f"{_loc_key(e['loc'], prefix)}: {e['msg']}" for e in errs]
+    lines = [f"{_loc_key(e['loc'], prefix)}: {_problem(e)}" for e in errs]
     first = errs[0]
     key = _loc_key(first["loc"], prefix)
     value = None if first["type"] == "missing" else redact(first.get("input"), key)
@@ -311,7 +324,7 @@ def config_error_from(exc: ValidationError, prefix: str = "") -> ConfigError:
         problem = "unknown key"
         fix = f"{_UNKNOWN_KEY_FIX}; a backend's own settings go in a table [coordination.<backend>]"
     else:
-        problem, fix = str(first["msg"]), _fix_for(first)
+        problem, fix = _problem(first), _fix_for(first)
     err = ConfigError(key, problem, fix, value)
     if len(errs) > 1:
         err.args = (str(err) + "\nAll problems:\n  " + "\n  ".join(lines),)

@@ -121,10 +121,15 @@ def ensure_tables(
             continue
         except NoSuchTableError:
             if not t.auto_create:
+                schema = schema if schema is not None else record_schema(config, plugins)
                 raise ConfigError(
                     "tables.name",
                     f"table '{t.name}' does not exist",
-                    "create it first, or set auto_create = true",
+                    "create it first, or set auto_create = true"
+                    if schema is not None
+                    # auto_create needs a record schema, which this format does not declare
+                    else f"create it first (format '{config.source.format}' declares no "
+                    "record schema to create it from)",
                 ) from None
         schema = schema if schema is not None else record_schema(config, plugins)
         if schema is None:

@@ -120,17 +120,6 @@ def test_source_options_from_the_command_line() -> None:
         parse_options(["novalue"])
 
 
-def test_log_level_from_the_command_line() -> None:
-    import logging
-
-    from icefloe.errors import ConfigError
-    from icefloe_spark.cli import parse_log_level
-
-    assert parse_log_level("info") == logging.INFO
-    with pytest.raises(ConfigError, match="--log-level"):
-        parse_log_level("loud")
-
-
 def test_reader_options_from_the_config_are_applied_last() -> None:
     from icefloe.config import config_from_dict
     from icefloe_spark.source import source_options
