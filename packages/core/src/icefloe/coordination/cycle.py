@@ -14,7 +14,7 @@ from icefloe.committer import IcebergCommitter, TableCommitRequest, TableCommitR
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
-from icefloe.errors import NotLeaderError, StaleFencingTokenError
+from icefloe.errors import ChannelIdentityError, NotLeaderError, StaleFencingTokenError
 from icefloe.events import CommitComplete, CommitToTable, Event, StartCommit
 from icefloe.hookspecs import TableCommitted
 from icefloe.plugins import Plugins, get_plugins
@@ -117,11 +117,14 @@ class CommitCycle:
                         source_offsets=sources,
                         fencing_token=self._leadership.token(),
                         valid_through_ms=vtts,
+                        channel_id=reader.channel_id,
                     )
                 )
             except (NotLeaderError, StaleFencingTokenError) as exc:
                 # a newer leader exists: stop here, it re-reads and finishes our work
                 raise NotLeaderError(f"{self._coordinator_id}: {exc}") from exc
+            except ChannelIdentityError:
+                raise  # no retry can help: stop and let the operator act on the message
             except Exception as exc:  # tables commit independently; this one stays pending
                 log.error("commit %s: table %s failed: %s", commit_id, table, exc)
                 failed[table] = f"{type(exc).__name__}: {exc}"
