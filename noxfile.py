@@ -41,7 +41,9 @@ def tests(session: nox.Session, package: str) -> None:
     (so an undeclared import fails), or `e2e`: the cross-package tests in tests/."""
     if package == "e2e":
         # pip: tests/test_third_party_plugin.py installs a plugin distribution with it
-        session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "pip")
+        session.install(
+            *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "pip", "psutil>=5.9"
+        )
         session.run("pytest", "tests", *_pytest_args(session))
         return
     session.install(
@@ -78,6 +80,16 @@ def bench(session: nox.Session) -> None:
     ceiling on the same data; results go to docs/benchmarks.md by hand."""
     session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "orjson")
     session.run("python", "benchmarks/bench_e2e.py", *session.posargs)
+
+
+@nox.session(default=False)
+def faults(session: nox.Session) -> None:
+    """Randomized fault suite (not run by default): kill -9 of whole `icefloe run` trees at
+    random moments, after a publish and after a commit, paused leaders and operator actions,
+    per backend, each run counted key by key against the table. `nox -s faults -- --runs 3`;
+    `-- --help` lists the options (--backend, --seed, --scenario, --ci, --list)."""
+    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
+    session.run("python", "-m", "tests.faults", *session.posargs)
 
 
 @nox.session(default=False, python=False)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import ConfigResource  # type: ignore[attr-defined]  # not re-exported in the stubs
 
 from icefloe.channel import Backend, CoordinatorChannel, WriterChannel
 from icefloe.errors import ChannelError, ConfigError
-from icefloe_kafka.clients import KafkaClients
+from icefloe_kafka.clients import KafkaClients, group_headers, record_key
 from icefloe_kafka.config import SECTION, KafkaBackendConfig
 from icefloe_kafka.coordinator import KafkaCoordinatorChannel
 from icefloe_kafka.writer import KafkaWriterChannel
@@ -56,6 +56,28 @@ class KafkaBackend(Backend):
 
     def close(self) -> None:
         self.clients.close()
+
+    def inject_undecodable(self, data: bytes, writer_id: str) -> None:
+        """Conformance-suite hook: a plain (non-transactional) record with this pipeline's
+        header and ``writer_id``'s key, so it lands in that writer's partition after its
+        events, as a foreign client of the control topic could write it."""
+        self.clients.ensure_topics()
+        failed: list[KafkaError] = []
+
+        def delivered(err: KafkaError | None, _: Message) -> None:
+            if err is not None:
+                failed.append(err)
+
+        producer = Producer(self.clients._base("inject"))
+        producer.produce(
+            self.clients.control_topic,
+            value=data,
+            key=record_key(self.group_id, writer_id),
+            headers=group_headers(self.group_id),
+            on_delivery=delivered,
+        )
+        if producer.flush(self.clients.timeout) or failed:
+            raise ChannelError(f"injecting a record failed: {failed or 'not delivered'}")
 
     # ------------------------------------------------------------------ doctor
 

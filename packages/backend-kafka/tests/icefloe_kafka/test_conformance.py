@@ -9,6 +9,9 @@ from icefloe_kafka import KafkaBackend, KafkaBackendConfig
 
 
 class TestKafkaConformance(BackendConformance):
+    # pipelines share the control topic; the coordinator skips other groups' records
+    shared_log = True
+
     @pytest.fixture
     def backend_factory(self, kafka_config: KafkaBackendConfig) -> BackendFactory:
         return lambda group_id, ttl: KafkaBackend(kafka_config, group_id, ttl)

@@ -8,6 +8,7 @@ the ends live in :mod:`~icefloe_postgres.writer`, :mod:`~icefloe_postgres.coordi
 
 from __future__ import annotations
 
+import uuid
 import weakref
 
 from icefloe.channel import Backend
@@ -16,7 +17,7 @@ from icefloe_postgres.config import PostgresConfig
 from icefloe_postgres.coordinator import PostgresCoordinatorChannel
 from icefloe_postgres.listener import channel_name
 from icefloe_postgres.migrations import latest_version, migrate, schema_version
-from icefloe_postgres.shared import Conn, Database, Queries
+from icefloe_postgres.shared import Conn, Database, Queries, notify
 from icefloe_postgres.writer import PostgresWriterChannel
 
 __all__ = ["PostgresBackend", "PostgresCoordinatorChannel", "PostgresWriterChannel"]
@@ -63,6 +64,32 @@ class PostgresBackend(Backend):
         ch = PostgresCoordinatorChannel(self, coordinator_id)
         self._channels.add(ch)
         return ch
+
+    def inject_undecodable(self, data: bytes, writer_id: str) -> None:
+        """Conformance-suite hook: one raw row at the next offset, under the same append lock
+        as a publish, as a foreign client writing to the table could leave it."""
+
+        def tx(conn: Conn) -> None:
+            with conn.transaction():
+                row = conn.execute(self.q.take_offsets, (1, self.group_id, 1)).fetchone()
+                if row is None:
+                    raise ChannelError(f"pipeline '{self.group_id}' is not registered")
+                conn.execute(
+                    self.q.insert_events,
+                    {
+                        "g": self.group_id,
+                        "first": int(row[0]),
+                        "w": writer_id,
+                        "epoch": None,
+                        "seq": None,
+                        "ids": [f"injected-{uuid.uuid4().hex}"],
+                        "types": ["UNDECODABLE"],
+                        "payloads": [data],
+                    },
+                )
+                notify(conn, self.events_channel)
+
+        self.db.run("inject", tx)
 
     def doctor(self) -> list[str]:
         """Server settings that weaken the durability of acknowledged publishes."""

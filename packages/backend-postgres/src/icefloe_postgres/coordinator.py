@@ -145,3 +145,8 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
     def close(self) -> None:
         self.release()
         self._listener.close()
+
+    def simulate_crash(self) -> None:
+        """A dead process: its connections vanish and it never releases; the lease row runs
+        out on the database clock."""
+        self._listener.close()

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from icefloe.channel import Backend, CoordinatorChannel
+from icefloe.channel import Backend
 from icefloe.testing.conformance import BackendConformance, BackendFactory
-from icefloe_postgres import PostgresBackend, PostgresCoordinatorChannel
+from icefloe_postgres import PostgresBackend
 from icefloe_postgres.testing import make_test_config
 
 
@@ -18,16 +18,15 @@ class TestPostgresConformance(BackendConformance):
         made: list[Backend] = []
 
         def make(group_id: str, lease_ttl_s: float) -> Backend:
-            b = PostgresBackend(make_test_config(pg_dsn, session_schema), group_id, lease_ttl_s)
+            # production retention: the suite checks that batch keys and broadcasts outlive a
+            # prune, which holds for as long as these windows say
+            config = make_test_config(
+                pg_dsn, session_schema, retention_s=3600.0, broadcast_retention_s=600.0
+            )
+            b = PostgresBackend(config, group_id, lease_ttl_s)
             made.append(b)
             return b
 
         yield make
         for b in made:
             b.close()
-
-    def kill_coordinator_channel(self, channel: CoordinatorChannel) -> None:
-        """A dead process: its connections vanish and it never releases; the lease row runs
-        out on the database clock."""
-        assert isinstance(channel, PostgresCoordinatorChannel)
-        channel._listener.close()

@@ -155,6 +155,18 @@ class RedisBackend(Backend):
     def coordinator(self, coordinator_id: str) -> RedisCoordinatorChannel:
         return RedisCoordinatorChannel(self, coordinator_id)
 
+    def inject_undecodable(self, data: bytes, writer_id: str) -> None:
+        """Conformance-suite hook: one raw entry at the next offset of the events stream (the
+        same counter a publish takes), as a foreign client writing to the stream could."""
+        script = (
+            "if redis.call('EXISTS', KEYS[1]) == 0 then return redis.error_reply('no events') end\n"
+            "local n = redis.call('INCRBY', KEYS[1], 1)\n"
+            "redis.call('XADD', KEYS[2], '0-' .. string.format('%d', n), 'e', ARGV[1])\n"
+            "return n"
+        )
+        with _redis_errors("inject"):
+            self.client.eval(script, 2, self.keys.event_seq, self.keys.events, data)
+
     def doctor(self) -> list[str]:
         where = self.config.safe_url
         return safely(lambda: server_warnings(self.client, where), where)

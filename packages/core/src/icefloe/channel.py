@@ -62,7 +62,10 @@ class Lease:
 
     token: int
     holder: str
-    expires_at: float = field(default=float("inf"))  # time.monotonic() deadline
+    #: when the lease runs out unless renewed, as a ``time.monotonic()`` reading of the process
+    #: that called ``acquire``/``renew``. A local hint for when to renew, never compared across
+    #: processes or hosts: the backend decides expiry on its own (server or per-process) clock.
+    expires_at: float = field(default=float("inf"))
 
 
 class WriterChannel(abc.ABC):
@@ -162,6 +165,12 @@ class CoordinatorChannel(abc.ABC):
         reader that consumed everything would have as its position). Used to detect a channel
         that was rolled back: a position recorded earlier that lies beyond it."""
 
+    def simulate_crash(self) -> None:  # noqa: B027 - optional test hook
+        """Test hook (the conformance suite's only crash simulation): make this channel look
+        like its process died - cut its connections, never release the lease, so another
+        coordinator takes over only after the lease expires. The default abandons the channel,
+        which is what a dead process does for backends without live connections."""
+
 
 class Backend(abc.ABC):
     """A configured coordination backend for one pipeline."""
@@ -180,3 +189,15 @@ class Backend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless pools exist
         """Release shared resources (pools)."""
+
+    def inject_undecodable(self, data: bytes, writer_id: str) -> None:
+        """Test hook used only by the conformance suite: append ``data`` - bytes that are not
+        an encoded event - to this pipeline's channel after everything published so far, where
+        ``writer_id``'s next event would go (its partition, where there are several),
+        bypassing every check, as a corrupt record or a foreign client would. The suite uses
+        it to check that ``poll`` stops at such a record (raises EventDecodeError) instead of
+        skipping it; a backend that does not implement it fails that test."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.inject_undecodable is not implemented: the conformance "
+            "suite needs it to check that poll stops at undecodable bytes"
+        )

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
+import tomli_w
 import typer
+import typer.main
 from rich.console import Console
 from rich.text import Text
 
@@ -16,7 +18,11 @@ from icefloe import __version__
 from icefloe.backends import backend_config, open_backend
 from icefloe.config import load_config, redact, redacted_dict
 from icefloe.errors import IcefloeError
+from icefloe.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve_level
+from icefloe.logs import configure as configure_logging
+from icefloe.metrics import MetricsPortOption, start_metrics
 from icefloe.plugins import get_plugins
+from icefloe.quarantine_cli import app as quarantine_app
 
 app = typer.Typer(
     name="icefloe",
@@ -24,6 +30,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+app.add_typer(quarantine_app)
 console = Console(stderr=True)
 
 
@@ -35,6 +42,24 @@ def _say(label: str, style: str, message: str) -> None:
 ConfigOption = Annotated[Path, typer.Option("--config", "-c", help="Pipeline TOML file.")]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"icefloe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
+    """Exactly-once, centrally coordinated commits of streaming data into Apache Iceberg."""
+
+
 @app.command()
 def version() -> None:
     """Print the icefloe version."""
@@ -42,8 +67,12 @@ def version() -> None:
 
 
 @app.command("show-config")
-def show_config(config: ConfigOption) -> None:
-    """Print the effective configuration (file + environment) with secrets redacted."""
+def show_config(
+    config: ConfigOption,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of TOML.")] = False,
+) -> None:
+    """Print the effective configuration (file + environment) with secrets redacted, as TOML
+    (a file you can use) or JSON."""
     cfg = load_config(config)
     data = redacted_dict(cfg)
     try:
@@ -52,7 +81,19 @@ def show_config(config: ConfigOption) -> None:
         )
     except IcefloeError as exc:
         _say("warning: ", "yellow", f"backend section not validated: {exc}")
-    typer.echo(json.dumps(data, indent=2, default=str))
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, default=str))
+    else:
+        typer.echo(tomli_w.dumps(_toml_ready(data)), nl=False)
+
+
+def _toml_ready(value: Any) -> Any:
+    """TOML has no null: leave out unset keys (their defaults apply when read back)."""
+    if isinstance(value, dict):
+        return {k: _toml_ready(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_toml_ready(v) for v in value if v is not None]
+    return value
 
 
 @app.command()
@@ -87,13 +128,17 @@ def coordinator_command(
         str | None,
         typer.Option("--id", help="Name of this process in the lease (default: host-pid)."),
     ] = None,
+    verbose: VerboseOption = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Warnings and errors only.")] = False,
+    log_level: LogLevelOption = None,
+    log_format: LogFormatOption = "text",
+    metrics_port: MetricsPortOption = None,
 ) -> None:
     """Run the pipeline's commit coordinator standalone until SIGINT or SIGTERM.
 
     Several may run: one leads, the others wait to take over when it stops or dies.
     """
     # imported here: the command pulls in pyiceberg, the other commands stay quick
-    import logging
     import os
     import signal
     import socket
@@ -103,10 +148,9 @@ def coordinator_command(
 
     from icefloe.coordinator import Coordinator, CoordinatorSettings
 
+    configure_logging(resolve_level(log_level, verbose, quiet), log_format)
     cfg = load_config(config)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    start_metrics(metrics_port)
     name = coordinator_id or f"{socket.gethostname()}-{os.getpid()}"
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -185,11 +229,36 @@ def drain_command(
         )
 
 
+def build_command() -> Any:
+    """The click command behind ``icefloe``, plugin commands included. Flags (boolean
+    options) show no ``<bool>`` value placeholder in help: they take no value."""
+    get_plugins().extend_cli(app)
+    command = typer.main.get_command(app)
+    commands = [command, *getattr(command, "commands", {}).values()]
+    for cmd in commands:
+        for param in cmd.params:
+            if getattr(param, "is_flag", False):
+                param.metavar = ""
+        cmd.get_help_option = _flag_help_option(cmd.get_help_option)
+    return command
+
+
+def _flag_help_option(make: Any) -> Any:
+    """``--help`` is made per context: give it no placeholder either."""
+
+    def get_help_option(ctx: Any) -> Any:
+        option = make(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    return get_help_option
+
+
 def main() -> None:
     """Entry point: add plugin commands, run, and turn icefloe errors into one clean line."""
     try:
-        get_plugins().extend_cli(app)
-        app()
+        build_command().main(prog_name="icefloe")
     except IcefloeError as exc:
         _say("error: ", "red", str(exc))
         sys.exit(2)

@@ -3,16 +3,17 @@
 For each :class:`TableCommitRequest` the committer, inside its retry loop and after reloading
 the table from the catalog on every attempt:
 
-1. refuses files written for another incarnation of the table (``table_uuid`` differs:
-   :class:`~icefloe.errors.TableMismatchError`) or lying outside the table's location
-   (:class:`~icefloe.errors.FileOutsideTableError`);
-2. finds the newest snapshot of this group (``icefloe.group-id``) in the branch's ancestry,
+1. finds the newest snapshot of this group (``icefloe.group-id``) in the branch's ancestry,
    skipping snapshots of foreign writers and other pipelines, and refuses a request whose
    fencing token is below the one the table records
    (:class:`~icefloe.errors.StaleFencingTokenError`: a zombie coordinator);
-3. drops files that snapshot already covers (channel offset before its
-   ``icefloe.channel-positions`` or batch at or below its ``icefloe.writer-watermarks``),
-   zero-record files and repeated paths;
+2. drops files that snapshot already covers (:class:`~icefloe.dedupe.CommitBoundary`:
+   channel offset before its ``icefloe.channel-positions`` or batch at or below its
+   ``icefloe.writer-watermarks``), zero-record files and repeated paths;
+3. refuses the request if a remaining file can never be committed (a
+   :class:`~icefloe.errors.RefusedFileError`; :meth:`IcebergCommitter.screen` sorts those out
+   per file beforehand, so this only catches a table changed in between), and drops files
+   the branch head already references as live data files;
 4. appends what is left in one fast append on the branch, with the summary properties of
    ``docs/architecture.md``, and raises the table property ``icefloe.fencing-token.<group>``
    in the same transaction.
@@ -30,8 +31,8 @@ first adds one empty, unreferenced root snapshot (summary ``icefloe.branch-root`
 branch from it.
 
 Delete files (row deltas) are not supported yet: pyiceberg 0.12 has no public API to add
-position or equality delete files to a snapshot. A request that carries any is refused with
-:class:`~icefloe.errors.RowDeltaNotSupportedError` instead of appending them as data.
+position or equality delete files to a snapshot. Such a file is refused with
+:class:`~icefloe.errors.RowDeltaNotSupportedError` instead of being appended as data.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from pyiceberg.exceptions import (
     CommitStateUnknownException,
     NoSuchTableError,
 )
+from pyiceberg.manifest import ManifestContent
 from pyiceberg.table import Table, TableProperties, Transaction
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
@@ -68,10 +70,13 @@ from icefloe.errors import (
     CommitError,
     CommitHistoryLostError,
     FileOutsideTableError,
+    InvalidDataFileError,
     PartitionSpecChangedError,
+    RefusedFileError,
     RowDeltaNotSupportedError,
     StaleFencingTokenError,
     TableMismatchError,
+    TableMissingError,
 )
 from icefloe.events import DataFileMeta, FileContent
 
@@ -92,6 +97,8 @@ _DATA_PATH_PROPERTIES = (
     "write.object-storage.path",
     "write.folder-storage.path",
 )
+# Manifests whose live paths are kept in memory (oldest dropped first).
+_MANIFEST_CACHE_SIZE = 4096
 # URI schemes that name the same storage.
 _SCHEME_ALIASES = {"": "file", "s3a": "s3", "s3n": "s3"}
 
@@ -177,6 +184,14 @@ class TableCommitResult:
 
 
 @dataclass(frozen=True)
+class Screening:
+    """A table's verdict on pending files before any commit: which can never be committed."""
+
+    accepted: tuple[PendingFile, ...]
+    refused: tuple[tuple[PendingFile, RefusedFileError], ...]
+
+
+@dataclass(frozen=True)
 class _Plan:
     """What one commit attempt will do, decided against one loaded version of the table."""
 
@@ -217,6 +232,7 @@ class IcebergCommitter:
         self._before_commit = before_commit
         self._retry_wait_s = retry_wait_s
         self._max_retry_wait_s = max_retry_wait_s
+        self._manifest_paths: dict[str, frozenset[str]] = {}  # manifest location -> live paths
 
     @property
     def group_id(self) -> str:
@@ -268,6 +284,24 @@ class IcebergCommitter:
                 continue
         raise CommitError(f"table '{table}': could not record the drained channel")
 
+    def screen(self, table: str, files: Iterable[PendingFile]) -> Screening:
+        """Sort out the files ``table`` can never take (wrong table incarnation, outside its
+        location, old partition spec, delete files, undescribable), so the caller can
+        quarantine them and commit the rest. Covered files count as accepted (commit drops
+        them). Raises TableMissingError or CommitHistoryLostError for the whole table."""
+        loaded = self._load(table)
+        head, _ = self._branch_head(loaded)
+        boundary = _boundary(self._own_state(loaded, head))
+        accepted: list[PendingFile] = []
+        refused: list[tuple[PendingFile, RefusedFileError]] = []
+        for f in files:
+            error = None if boundary.covers(f) else _refusal(loaded, f)
+            if error is None:
+                accepted.append(f)
+            else:
+                refused.append((f, error))
+        return Screening(tuple(accepted), tuple(refused))
+
     def commit(self, request: TableCommitRequest) -> TableCommitResult:
         """Append the request's new files to its table in one snapshot (or none if nothing
         is new).
@@ -276,7 +310,6 @@ class IcebergCommitter:
         CommitError, and then committed nothing; only after a catalog reported an unknown
         outcome may that attempt still land, which a later replay of the request detects.
         """
-        _refuse_delete_files(request)
         # snapshots of attempts whose outcome is unknown: they may have landed after all
         unknown: list[tuple[int, _Plan]] = []
         last_error: Exception | None = None
@@ -360,7 +393,10 @@ class IcebergCommitter:
         try:
             table = self._catalog.load_table(name)
         except NoSuchTableError as e:
-            raise CommitError(f"table '{name}' does not exist in the catalog") from e
+            raise TableMissingError(
+                f"table '{name}' does not exist in the catalog; create it (or route its records "
+                "elsewhere): its pending files are quarantined after repeated attempts"
+            ) from e
         metadata = table.metadata
         properties = {**metadata.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}
         return Table(
@@ -481,8 +517,6 @@ class IcebergCommitter:
         return replace(state, boundary=state.boundary.for_channel(channel_id)), switched
 
     def _plan(self, table: Table, request: TableCommitRequest) -> _Plan:
-        metadata = table.metadata
-        _check_files(table, request.files)
         head, fork_from = self._branch_head(table)
         state, switched = self._switch(table, self._own_state(table, head), request.channel_id)
         # fencing tokens, like positions, are issued by one channel: after a switch from a
@@ -496,13 +530,22 @@ class IcebergCommitter:
             )
         files, skipped = _select(request.files, state)
         for f in files:
-            if f.meta.spec_id != metadata.default_spec_id:
-                # pyiceberg 0.12's fast append writes one manifest with the default spec
-                raise PartitionSpecChangedError(
-                    f"table '{request.table}': {f.meta.path} was written with partition spec "
-                    f"{f.meta.spec_id}, but the table's default spec is now "
-                    f"{metadata.default_spec_id}; rewrite the file under the current spec"
-                )
+            error = _refusal(table, f)
+            if error is not None:
+                # screen() sorts these out first; reaching here means the table changed in
+                # between (e.g. recreated): refuse the whole request, the next cycle re-screens
+                raise error
+        live = self._live_paths(table, head, {f.meta.path for f in files})
+        if live:
+            logger.warning(
+                "%s: %d announced file(s) are already in the table (announced again, e.g. "
+                "under another writer id); not committing them again: %s",
+                request.table,
+                len(live),
+                sorted(live)[:3],
+            )
+            files = tuple(f for f in files if f.meta.path not in live)
+            skipped += len(live)
         prop = _property_token(table, self._group_id)
         return _Plan(
             files=files,
@@ -525,16 +568,34 @@ class IcebergCommitter:
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
         with snapshot.fast_append() as append:
             for f in plan.files:
-                try:
-                    data_file = to_data_file(f.meta, tx.table_metadata)
-                except (ValueError, KeyError, TypeError) as e:
-                    raise CommitError(
-                        f"table '{_name(table)}': cannot describe {f.meta.path}: {e}"
-                    ) from e
-                append.append_data_file(data_file)
+                append.append_data_file(to_data_file(f.meta, tx.table_metadata))
         kept = {"snapshot-id": append.snapshot_id, "summary": plan.summary}
         tx.set_properties({state_property(self._group_id, self._branch): _json(kept)})
         return tx, append.snapshot_id
+
+    def _live_paths(self, table: Table, head: Snapshot | None, paths: set[str]) -> set[str]:
+        """Which of ``paths`` the branch head already references as live data files.
+
+        Reads the head's data manifests; manifest files never change once written, so each
+        one's paths are cached by its location and only new manifests are read per commit.
+        """
+        if head is None or not paths:
+            return set()
+        found: set[str] = set()
+        for manifest in head.manifests(table.io):
+            if manifest.content != ManifestContent.DATA:
+                continue
+            cached = self._manifest_paths.get(manifest.manifest_path)
+            if cached is None:
+                cached = frozenset(
+                    e.data_file.file_path
+                    for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
+                )
+                if len(self._manifest_paths) >= _MANIFEST_CACHE_SIZE:
+                    self._manifest_paths.pop(next(iter(self._manifest_paths)))
+                self._manifest_paths[manifest.manifest_path] = cached
+            found |= paths & cached
+        return found
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep
@@ -546,34 +607,42 @@ def _name(table: Table) -> str:
     return ".".join(table.name())
 
 
-def _refuse_delete_files(request: TableCommitRequest) -> None:
-    deletes = [f.meta.path for f in request.files if f.meta.content != FileContent.DATA]
-    if deletes:
-        raise RowDeltaNotSupportedError(
-            f"table '{request.table}': {len(deletes)} delete file(s) (e.g. {deletes[0]}) need a "
+def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
+    """Why ``table`` can never take ``f``, or None. Each reason concerns this file alone."""
+    metadata = table.metadata
+    path = f.meta.path
+    if f.meta.content != FileContent.DATA:
+        return RowDeltaNotSupportedError(
+            f"table '{_name(table)}': {path} is a delete file ({f.meta.content}) and needs a "
             "row delta commit, which icefloe does not support yet (pyiceberg 0.12 cannot add "
             "delete files); write data files only"
         )
-
-
-def _check_files(table: Table, files: Iterable[PendingFile]) -> None:
-    """Refuse the whole request if any file belongs to another table or place."""
-    metadata = table.metadata
+    if f.table_uuid is not None and not _same_uuid(f.table_uuid, metadata.table_uuid):
+        return TableMismatchError(
+            f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {path} was "
+            f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
+            "commit it"
+        )
     roots = [metadata.location] + [
         metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
     ]
-    for f in files:
-        if f.table_uuid is not None and not _same_uuid(f.table_uuid, metadata.table_uuid):
-            raise TableMismatchError(
-                f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {f.meta.path} was "
-                f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
-                "commit it"
-            )
-        if not any(_inside(f.meta.path, root) for root in roots):
-            raise FileOutsideTableError(
-                f"table '{_name(table)}': {f.meta.path} lies outside the table location "
-                f"{metadata.location}; refusing to commit it"
-            )
+    if not any(_inside(path, root) for root in roots):
+        return FileOutsideTableError(
+            f"table '{_name(table)}': {path} lies outside the table location "
+            f"{metadata.location}; refusing to commit it"
+        )
+    if f.meta.spec_id != metadata.default_spec_id:
+        # pyiceberg 0.12's fast append writes one manifest with the default spec
+        return PartitionSpecChangedError(
+            f"table '{_name(table)}': {path} was written with partition spec "
+            f"{f.meta.spec_id}, but the table's default spec is now "
+            f"{metadata.default_spec_id}; rewrite the file under the current spec"
+        )
+    try:
+        to_data_file(f.meta, metadata)
+    except (ValueError, KeyError, TypeError) as e:
+        return InvalidDataFileError(f"table '{_name(table)}': cannot describe {path}: {e}")
+    return None
 
 
 def _same_uuid(text: str, table_uuid: uuid.UUID) -> bool:
@@ -675,11 +744,15 @@ def _recorded_token(table: Table, group_id: str, state: CommitState | None) -> i
     return max((t for t in candidates if t is not None), default=None)
 
 
+def _boundary(state: CommitState | None) -> CommitBoundary:
+    return CommitBoundary() if state is None else state.boundary
+
+
 def _select(
     files: Iterable[PendingFile], state: CommitState | None
 ) -> tuple[tuple[PendingFile, ...], int]:
     """The files still to commit, and how many were dropped."""
-    boundary = CommitBoundary() if state is None else state.boundary
+    boundary = _boundary(state)
     seen: set[str] = set()
     keep: list[PendingFile] = []
     skipped = 0

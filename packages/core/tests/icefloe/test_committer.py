@@ -49,6 +49,7 @@ from icefloe.errors import (
     RowDeltaNotSupportedError,
     StaleFencingTokenError,
     TableMismatchError,
+    TableMissingError,
 )
 from icefloe.events import DataFileMeta, FileContent
 
@@ -591,6 +592,56 @@ def test_file_of_an_old_partition_spec_is_refused(catalog: SqlCatalog, table: Ta
     with pytest.raises(PartitionSpecChangedError):
         IcebergCommitter(catalog, GROUP).commit(request(files, {"0": 1}))
     assert snapshot_count(catalog) == 0
+
+
+def test_screen_refuses_only_the_bad_files(catalog: SqlCatalog, table: Table) -> None:
+    """Each refusal concerns one file: the good ones of the same request stay accepted."""
+    other = catalog.create_table("db.other", schema=SCHEMA)
+    good = pending(write(table, [1]), table)
+    outside = [PendingFile(m, "w1", 0, "0", 0) for m in write(other, [2])]
+    stale_uuid = pending(write(table, [3]), table)
+    stale_uuid = [dataclasses.replace(f, table_uuid=str(uuid.uuid4())) for f in stale_uuid]
+    [meta] = write(table, [4])
+    delete = pending([dataclasses.replace(meta, content=FileContent.POSITION_DELETES)], table)
+
+    screening = IcebergCommitter(catalog, GROUP).screen(
+        "db.events", good + outside + stale_uuid + delete
+    )
+    assert screening.accepted == tuple(good)
+    refused = {f.meta.path: type(e) for f, e in screening.refused}
+    assert refused == {
+        outside[0].meta.path: FileOutsideTableError,
+        stale_uuid[0].meta.path: TableMismatchError,
+        delete[0].meta.path: RowDeltaNotSupportedError,
+    }
+    assert snapshot_count(catalog) == 0
+
+
+def test_screen_of_a_missing_table_is_a_permanent_table_error(catalog: SqlCatalog) -> None:
+    with pytest.raises(TableMissingError):
+        IcebergCommitter(catalog, GROUP).screen("db.nope", [])
+
+
+def test_file_the_table_already_holds_is_not_committed_again(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """The same DataFileMeta announced again under another writer id (not covered by the
+    positions or watermarks) must not be appended a second time."""
+    committer = IcebergCommitter(catalog, GROUP)
+    metas = write(table, [1, 2])
+    committer.commit(request(pending(metas, table, writer="w1", offset=0), {"0": 1}))
+    again = pending(metas, table, writer="w2", offset=5) + pending(
+        write(table, [3]), table, writer="w2", offset=5
+    )
+    result = committer.commit(request(again, {"0": 6}))
+    assert (result.data_files, result.skipped_files) == (1, len(metas))
+    assert ids_in(catalog) == [1, 2, 3]
+    # a fresh committer (no cached manifests) sees it too
+    result = IcebergCommitter(catalog, GROUP).commit(
+        request(pending(metas, table, writer="w3", offset=7), {"0": 8})
+    )
+    assert result.snapshot_id is None
+    assert ids_in(catalog) == [1, 2, 3]
 
 
 # --- monotonic state ----------------------------------------------------------------------

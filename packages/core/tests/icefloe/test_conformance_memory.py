@@ -5,17 +5,25 @@ backend from a wrong one."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 
 import pytest
 
 from icefloe.testing.conformance import BackendConformance, BackendFactory
-from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.testing.memory import MemoryBackend, MemoryServer, serve_memory_server
+
+
+@pytest.fixture(scope="module")
+def served_server() -> Iterator[MemoryServer]:
+    """One reference server in its own process: forked publisher processes reach it too."""
+    with serve_memory_server() as (proxy, _):
+        yield proxy
 
 
 class TestMemoryBackendConformance(BackendConformance):
     @pytest.fixture
-    def backend_factory(self, memory_server: MemoryServer) -> BackendFactory:
-        return lambda group_id, ttl: MemoryBackend(memory_server, group_id, ttl)
+    def backend_factory(self, served_server: MemoryServer) -> BackendFactory:
+        return lambda group_id, ttl: MemoryBackend(served_server, group_id, ttl)
 
 
 class _NoWriterFencing(MemoryServer):

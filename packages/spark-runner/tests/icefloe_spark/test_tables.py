@@ -79,6 +79,16 @@ def test_missing_table_without_auto_create_is_a_config_error(catalog: Catalog) -
         ensure_tables(catalog, config([{"name": "sales.orders"}]))
 
 
+def test_missing_json_table_does_not_suggest_auto_create(catalog: Catalog) -> None:
+    """auto_create cannot work for a format without a record schema: do not suggest it."""
+    with pytest.raises(ConfigError) as info:
+        ensure_tables(catalog, config([{"name": "sales.orders"}], fmt="json"))
+    assert "auto_create" not in str(info.value)
+    assert "create it first" in str(info.value)
+    with pytest.raises(ConfigError, match="set auto_create = true"):  # avro can
+        ensure_tables(catalog, config([{"name": "sales.orders"}]))
+
+
 def test_json_declares_no_schema_so_nothing_is_created(catalog: Catalog) -> None:
     cfg = config([{"name": "sales.orders", "auto_create": True}], fmt="json")
     with pytest.raises(ConfigError, match="declares no record schema"):

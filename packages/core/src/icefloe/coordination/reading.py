@@ -6,13 +6,22 @@ table, what each table holds already) and rebuilds it on recovery.
   look live and stall the first cycle until the commit timeout).
 * The same (writer, batch, table) may arrive twice where a backend cannot dedupe at publish
   (Kafka shows records of aborted transactions on some brokers): the first copy is kept.
+* Files already quarantined (see :mod:`icefloe.quarantine`) are not taken up again when a new
+  leader re-reads their events.
+* Memory is bounded by ``max_pending_files/bytes``: once pending files reach the bound, the
+  reader stops handling events (the rest of a polled chunk is held back, in order) until a
+  cycle has committed, also while recovering and while a cycle waits for answers.
+* Writers not heard from within ``writer_timeout_s`` are dropped at each cycle, so their
+  state does not pile up; the valid-through timestamp needs every source partition ever seen
+  to be covered by a writer that answered the cycle.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from icefloe.channel import ChannelRecord, CoordinatorChannel
@@ -21,9 +30,12 @@ from icefloe.coordination.settings import POLL_S, CoordinatorSettings
 from icefloe.dedupe import CommitBoundary
 from icefloe.errors import ChannelIdentityError, ChannelResetError
 from icefloe.events import DataComplete, DataWritten, SourcePosition
+from icefloe.quarantine import Quarantine
 from icefloe.writer import merge_positions
 
 log = logging.getLogger("icefloe.coordinator")
+
+_HARD_CAP = 4  # times max_pending_*: the most files kept while some tables back off
 
 
 @dataclass
@@ -48,11 +60,14 @@ class EventReader:
         channel: CoordinatorChannel,
         committer: IcebergCommitter,
         settings: CoordinatorSettings,
+        quarantine: Quarantine,
     ) -> None:
         self._group_id = group_id
         self._channel = channel
         self._committer = committer
         self._settings = settings
+        self._quarantine = quarantine
+        self.backing_off: Callable[[str], bool] = lambda table: False  # set by the cycle
         self.reset()
 
     def reset(self) -> None:
@@ -60,9 +75,13 @@ class EventReader:
         self.read_pos: dict[str, int] = {}
         self.stored: dict[str, int] | None = None
         self.pending: dict[str, list[PendingFile]] = {}
+        self._bytes: dict[str, int] = {}  # pending bytes per table, kept with ``pending``
         self._pending_keys: set[tuple[str, int, str]] = set()
         self.writers: dict[str, WriterState] = {}
         self._boundaries: dict[str, CommitBoundary] = {}
+        self.quarantined: dict[str, set[str]] = {}  # table -> quarantined paths
+        self._source_partitions: set[tuple[str, int]] = set()
+        self._held: deque[ChannelRecord] = deque()  # polled, not handled: memory bound hit
         self._recovering = False
         self.cycle_id: str | None = None
         self.answered: set[str] = set()
@@ -74,22 +93,60 @@ class EventReader:
         return {t: len(fs) for t, fs in self.pending.items() if fs}
 
     def pending_bytes(self) -> int:
-        return sum(f.meta.file_size_in_bytes for fs in self.pending.values() for f in fs)
+        return sum(self._bytes.values())
 
-    def live_writers(self) -> set[str]:
+    def pending_size(self, tables: Iterable[str]) -> tuple[int, int]:
+        """Pending files and bytes of ``tables`` (cheap: per-table counts)."""
+        chosen = [t for t in tables if t in self.pending]
+        return sum(len(self.pending[t]) for t in chosen), sum(self._bytes[t] for t in chosen)
+
+    def full(self) -> bool:
+        """Whether pending files reached ``max_pending_files/bytes`` (stop reading).
+
+        Files of tables backing off after a failure count only against a hard cap of
+        ``_HARD_CAP`` times the bound: below it the other tables keep being read and committed
+        while one table fails; at it memory wins and reading waits (a permanently failing
+        table's files are quarantined after its attempts, which frees it).
+        """
+        s = self._settings
+        if s.max_pending_files is None and s.max_pending_bytes is None:
+            return False
+        every = self.pending_size(self.pending)
+        ready = self.pending_size(t for t in self.pending if not self.backing_off(t))
+        for (files, size), factor in ((ready, 1), (every, _HARD_CAP)):
+            if s.max_pending_files is not None and files >= s.max_pending_files * factor:
+                return True
+            if s.max_pending_bytes is not None and size >= s.max_pending_bytes * factor:
+                return True
+        return False
+
+    def prune_writers(self) -> set[str]:
+        """Drop writers not heard from within ``writer_timeout_s``; returns the live ones."""
         limit = now_ms() - self._settings.writer_timeout_s * 1000.0
-        return {w for w, s in self.writers.items() if s.last_seen_ms >= limit}
+        for w in [w for w, s in self.writers.items() if s.last_seen_ms < limit]:
+            del self.writers[w]
+        return set(self.writers)
 
-    def source_positions(self) -> dict[tuple[str, int], SourcePosition]:
+    def source_positions(
+        self, writers: Iterable[str] | None = None
+    ) -> dict[tuple[str, int], SourcePosition]:
+        """Newest source positions, over ``writers`` (default: every known writer)."""
         merged: dict[tuple[str, int], SourcePosition] = {}
-        for w in self.writers.values():
-            merge_positions(merged, tuple(w.positions.values()))
+        for w in self.writers if writers is None else writers:
+            state = self.writers.get(w)
+            if state is not None:
+                merge_positions(merged, tuple(state.positions.values()))
         return merged
 
-    def valid_through(self) -> int | None:
-        """Min over source partitions of their newest record time; None if any is unknown."""
-        stamps = [p.max_timestamp_ms for p in self.source_positions().values()]
-        if not stamps or any(t is None for t in stamps):
+    def valid_through(self, answered: Iterable[str]) -> int | None:
+        """Min over source partitions of their newest record time, as reported by the writers
+        that ``answered``; None if any source partition ever seen is not covered by them or
+        has no record time (the design's rule: no VTTS unless every partition is covered)."""
+        covered = self.source_positions(answered)
+        if not covered or self._source_partitions - set(covered):
+            return None
+        stamps = [p.max_timestamp_ms for p in covered.values()]
+        if any(t is None for t in stamps):
             return None
         return min(t for t in stamps if t is not None)
 
@@ -115,17 +172,25 @@ class EventReader:
                 n = self.poll(POLL_S)
                 read += n
                 renew_if_due()
-                if n == 0 or time.monotonic() >= deadline:
+                if n == 0 or self.full() or time.monotonic() >= deadline:
                     break
         finally:
             self._recovering = False
         return read
 
     def poll(self, timeout: float) -> int:
-        records = self._channel.poll(timeout)
-        for rec in records:
-            self._handle(rec)
-        return len(records)
+        """Handle held-back records, then newly polled ones, until the memory bound is hit.
+        Returns how many records were handled."""
+        if self.full():
+            time.sleep(timeout)  # a cycle must commit first; do not spin
+            return 0
+        if not self._held:
+            self._held.extend(self._channel.poll(timeout))
+        handled = 0
+        while self._held and not self.full():
+            self._handle(self._held.popleft())
+            handled += 1
+        return handled
 
     def _handle(self, rec: ChannelRecord) -> None:
         self.read_pos[rec.partition] = max(self.read_pos.get(rec.partition, 0), rec.offset + 1)
@@ -159,6 +224,7 @@ class EventReader:
         writer.last_seen_ms = max(writer.last_seen_ms, seen)
         if isinstance(payload, DataComplete):
             merge_positions(writer.positions, payload.positions)
+            self._source_partitions.update((p.topic, p.partition) for p in payload.positions)
             if payload.commit_id is not None and payload.commit_id == self.cycle_id:
                 self.answered.add(ref.writer_id)
         elif event.batch_seq is None:
@@ -170,15 +236,19 @@ class EventReader:
         key = (writer_id, seq, dw.table)
         if key in self._pending_keys:
             return  # a second copy of a batch (replay the backend could not refuse)
+        quarantined = self.quarantined_paths(dw.table)
         files = [
             PendingFile(f, writer_id, seq, rec.partition, rec.offset, dw.table_uuid)
             for f in dw.files
+            if f.path not in quarantined
         ]
-        boundary = self.boundary(dw.table)
-        if files and all(boundary.covers(f) for f in files):
-            return  # the table already holds this batch
+        if not files or self.boundary(dw.table).covers(files[0]):
+            return  # the table already holds this batch (all its files share one place)
         self._pending_keys.add(key)
         self.pending.setdefault(dw.table, []).extend(files)
+        self._bytes[dw.table] = self._bytes.get(dw.table, 0) + sum(
+            f.meta.file_size_in_bytes for f in files
+        )
 
     def boundary(self, table: str) -> CommitBoundary:
         """What ``table`` holds already, read once per leadership from its snapshots.
@@ -214,11 +284,47 @@ class EventReader:
                 "committed. Do not restart as is: see docs/operations.md (channel reset)"
             )
 
+    def quarantined_paths(self, table: str) -> set[str]:
+        """Paths of ``table`` quarantined by this pipeline, read once per leadership."""
+        if table not in self.quarantined:
+            try:
+                paths = self._quarantine.paths(self._group_id, table)
+            except Exception as exc:
+                # worst case a file is screened again; its record is not duplicated
+                log.warning("cannot read the quarantine for %s: %s", table, exc)
+                paths = set()
+            self.quarantined[table] = paths
+        return self.quarantined[table]
+
+    def remove(self, table: str, files: Iterable[PendingFile]) -> None:
+        """Forget ``files`` of ``table`` (committed or quarantined)."""
+        files = list(files)
+        gone = {id(f) for f in files}
+        left = [f for f in self.pending.get(table, []) if id(f) not in gone]
+        if left:
+            self.pending[table] = left
+            self._bytes[table] = sum(f.meta.file_size_in_bytes for f in left)
+        else:
+            self.pending.pop(table, None)
+            self._bytes.pop(table, None)
+        still = {(f.writer_id, f.batch_seq) for f in left}
+        for f in files:
+            if (f.writer_id, f.batch_seq) not in still:
+                self._pending_keys.discard((f.writer_id, f.batch_seq, table))
+
     def committed(
         self, table: str, files: tuple[PendingFile, ...], position: dict[str, int]
     ) -> None:
         """Forget committed files; remember what the table holds now, for dedupe."""
-        self.pending[table] = self.pending[table][len(files) :]
-        for f in files:
-            self._pending_keys.discard((f.writer_id, f.batch_seq, table))
+        self.remove(table, files)
         self._boundaries[table] = self.boundary(table).advanced(position, files)
+
+    def safe_position(self, position: dict[str, int]) -> dict[str, int]:
+        """``position`` lowered to the oldest file still pending: everything before the result
+        is committed or quarantined, so it may be stored even while some table fails."""
+        safe = dict(position)
+        for fs in self.pending.values():
+            for f in fs:
+                if f.offset < safe.get(f.partition, 0):
+                    safe[f.partition] = f.offset
+        return safe

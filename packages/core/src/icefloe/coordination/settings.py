@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from icefloe.committer import TableCommitResult
 from icefloe.config import CoordinationConfig
+from icefloe.quarantine import DEFAULT_QUARANTINE_TABLE
 
 POLL_S = 0.2  # longest single wait inside a cycle, so lease renewal keeps its pace
 
@@ -21,6 +22,14 @@ class CoordinatorSettings:
     max_pending_files: int | None = None
     writer_timeout_s: float = 120.0
     branch: str = "main"
+    quarantine_table: str = DEFAULT_QUARANTINE_TABLE
+    """Iceberg table (in the pipeline's catalog) recording quarantined files."""
+    quarantine_after_failures: int = 10
+    """Attempts of a table failing with a PermanentTableError before its pending files are
+    quarantined (so the channel position advances for the others)."""
+    table_retry_base_s: float = 1.0
+    """First wait before retrying a failed table; doubles per failure up to the max."""
+    table_retry_max_s: float = 300.0
 
     @classmethod
     def from_config(cls, c: CoordinationConfig) -> CoordinatorSettings:
@@ -42,7 +51,9 @@ class CycleResult:
     complete: bool  # every live writer answered -> VTTS recorded
     valid_through_ms: int | None
     tables: tuple[TableCommitResult, ...]
-    failed: Mapping[str, str]  # table -> error text (left pending for the next cycle)
+    failed: Mapping[str, str]  # table -> error text (left pending, retried after a backoff)
+    quarantined: Mapping[str, int] = field(default_factory=dict)  # table -> files quarantined
+    deferred: tuple[str, ...] = ()  # tables skipped: still backing off after a failure
 
 
 @dataclass(frozen=True)
@@ -59,4 +70,4 @@ class CoordinatorHooks:
     """After the lease was renewed right before a catalog commit attempt (a zombie pausing
     here is the race invariant 3 is about)."""
     after_iceberg_commits: Callable[[CycleResult], None] | None = None
-    """After every table commit of the cycle, before ``store_position``."""
+    """After every table commit of the cycle, before the broadcasts and ``store_position``."""

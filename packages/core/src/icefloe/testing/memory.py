@@ -35,7 +35,7 @@ from icefloe.channel import (
     WriterBatch,
     WriterChannel,
 )
-from icefloe.errors import NotLeaderError, WriterFencedError
+from icefloe.errors import EventDecodeError, NotLeaderError, WriterFencedError
 from icefloe.events import Event, WriterRef, decode_event, encode_event
 from icefloe.hookspecs import BackendContext, BackendSpec, hookimpl
 
@@ -109,14 +109,20 @@ class MemoryServer:
         """Append a batch atomically; False if its key was published before."""
         with self._cond:
             g = self._group(group_id)
-            self._check_epoch(g, writer_id, epoch)
-            key = (writer_id, batch_seq)
-            if key in g.published:
+            if not self._claim_key(g, writer_id, epoch, batch_seq):
                 return False
-            g.published.add(key)
             g.log.extend(events)
             self._cond.notify_all()
             return True
+
+    def _claim_key(self, g: _Group, writer_id: str, epoch: int, batch_seq: int) -> bool:
+        """Under the lock: check the epoch and record the batch key; False if it was seen."""
+        self._check_epoch(g, writer_id, epoch)
+        key = (writer_id, batch_seq)
+        if key in g.published:
+            return False
+        g.published.add(key)
+        return True
 
     def append(self, group_id: str, writer_id: str, epoch: int, event: bytes) -> None:
         """Append one writer event that is not a batch (a DataComplete answer)."""
@@ -335,10 +341,17 @@ class MemoryCoordinatorChannel(CoordinatorChannel):
 
     def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:
         first, raw = self._server.read(self._group_id, self._next, timeout, max_records)
-        # decode before moving on: corrupt bytes raise EventDecodeError on every poll and are
-        # never skipped
-        records = [ChannelRecord(PARTITION, first + i, decode_event(b)) for i, b in enumerate(raw)]
-        self._next = first + len(raw)
+        # decode before moving on: corrupt bytes raise EventDecodeError on every poll that
+        # reaches them and are never skipped; the events before them are returned first
+        records: list[ChannelRecord] = []
+        for i, b in enumerate(raw):
+            try:
+                records.append(ChannelRecord(PARTITION, first + i, decode_event(b)))
+            except EventDecodeError:
+                if not records:
+                    raise
+                break
+        self._next = first + len(records)
         return records
 
     def broadcast(self, event: Event) -> None:
@@ -385,6 +398,9 @@ class MemoryBackend(Backend):
         return MemoryCoordinatorChannel(
             self.server, self.group_id, coordinator_id, self.lease_ttl_s
         )
+
+    def inject_undecodable(self, data: bytes, writer_id: str) -> None:
+        self.server.inject(self.group_id, data)
 
 
 # --------------------------------------------------------------------------- other processes
