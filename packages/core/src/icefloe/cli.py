@@ -207,6 +207,61 @@ def coordinator_command(
     _say("", "", f"coordinator {name} stopped")
 
 
+@app.command("drain")
+def drain_command(
+    config: ConfigOption,
+    timeout_s: Annotated[
+        float, typer.Option("--timeout", help="Give up after this many seconds.")
+    ] = 600.0,
+) -> None:
+    """Commit everything the configured channel still holds, then mark the pipeline's tables
+    as drained of it, so the pipeline may continue on another backend. Stop the pipeline
+    (`icefloe run`) first. Exits 0 once drained."""
+    import logging
+    import os
+    import socket
+
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe.committer import IcebergCommitter
+    from icefloe.coordinator import Coordinator, CoordinatorSettings
+    from icefloe.drain import drain
+
+    cfg = load_config(config)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    name = f"drain-{socket.gethostname()}-{os.getpid()}"
+    catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
+    backend = open_backend(cfg)
+    try:
+        coordinator = Coordinator(
+            cfg.name,
+            backend.coordinator(name),
+            catalog,
+            CoordinatorSettings.from_config(cfg.coordination),
+            coordinator_id=name,
+        )
+        try:
+            result = drain(
+                coordinator,
+                IcebergCommitter(catalog, cfg.name, branch=cfg.coordination.branch),
+                [t.name for t in cfg.tables],
+                timeout_s=timeout_s,
+            )
+        finally:
+            coordinator.close()
+    finally:
+        backend.close()
+    _say("", "", f"drained channel {result.channel_id} of pipeline {cfg.name}")
+    for table in result.skipped:
+        _say(
+            "note: ",
+            "yellow",
+            f"{table}: not marked (absent, or committed through another channel)",
+        )
+
+
 def build_command() -> Any:
     """The click command behind ``icefloe``, plugin commands included. Flags (boolean
     options) show no ``<bool>`` value placeholder in help: they take no value."""

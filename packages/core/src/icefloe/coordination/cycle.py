@@ -33,7 +33,12 @@ from icefloe.committer import (
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
-from icefloe.errors import NotLeaderError, PermanentTableError, StaleFencingTokenError
+from icefloe.errors import (
+    ChannelIdentityError,
+    NotLeaderError,
+    PermanentTableError,
+    StaleFencingTokenError,
+)
 from icefloe.events import CommitComplete, CommitToTable, Event, StartCommit
 from icefloe.hookspecs import TableCommitted
 from icefloe.plugins import Plugins, get_plugins
@@ -180,6 +185,7 @@ class CommitCycle:
                                 source_offsets=sources,
                                 fencing_token=self._leadership.token(),
                                 valid_through_ms=vtts,
+                                channel_id=reader.channel_id,
                             )
                         )
                     )
@@ -187,6 +193,8 @@ class CommitCycle:
             except (NotLeaderError, StaleFencingTokenError) as exc:
                 # a newer leader exists: stop here, it re-reads and finishes our work
                 raise NotLeaderError(f"{self._coordinator_id}: {exc}") from exc
+            except ChannelIdentityError:
+                raise  # no retry can help: stop and let the operator act on the message
             except Exception as exc:  # tables commit independently; this one stays pending
                 failed[table] = f"{type(exc).__name__}: {exc}"
                 n = self._failed(commit_id, table, exc)
