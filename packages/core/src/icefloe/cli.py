@@ -108,7 +108,8 @@ def backends() -> None:
 
 @app.command()
 def doctor(config: ConfigOption) -> None:
-    """Check the configuration and the backend's server setup; print warnings."""
+    """Check the configuration, the backend's server setup and the tables' metadata
+    settings; print warnings."""
     cfg = load_config(config)
     get_plugins().check_pending()
     backend = open_backend(cfg)
@@ -116,9 +117,41 @@ def doctor(config: ConfigOption) -> None:
         warnings = backend.doctor()
     finally:
         backend.close()
+    from icefloe.maintenance import pipeline_table_advice  # pulls in pyiceberg
+
+    warnings += pipeline_table_advice(cfg)
     for w in warnings:
         _say("warning: ", "yellow", w)
     typer.echo("ok" if not warnings else f"{len(warnings)} warning(s)")
+
+
+@app.command()
+def maintain(
+    config: ConfigOption,
+    table: Annotated[
+        list[str] | None, typer.Option("--table", help="Only this table (repeatable).")
+    ] = None,
+    expire_older_than: Annotated[
+        str, typer.Option(help="Expire snapshots older than this (e.g. 7d, 12h).")
+    ] = "7d",
+    retain_last: Annotated[int, typer.Option(help="Always keep this many newest.")] = 1,
+    orphans_older_than: Annotated[
+        str, typer.Option(help="Delete unreferenced files only when older than this.")
+    ] = "3d",
+    dry_run: Annotated[bool, typer.Option(help="Report, change nothing.")] = False,
+) -> None:
+    """Expire old snapshots and delete orphan files; safe next to a running pipeline."""
+    from icefloe import maintenance  # pulls in pyiceberg
+
+    for line in maintenance.maintain(
+        load_config(config),
+        table or (),
+        maintenance.parse_age(expire_older_than),
+        retain_last,
+        maintenance.parse_age(orphans_older_than),
+        dry_run,
+    ):
+        typer.echo(line)
 
 
 @app.command("coordinator")

@@ -547,7 +547,7 @@ def test_standalone_coordinator_command_commits_and_stops_on_sigterm(tmp_path: P
         try:
             source.publish(writer, 0)
             source.publish(writer, 1)
-            drive_until_rows(catalog, source)
+            drive_until_rows(catalog, source, timeout=120.0)  # a cold subprocess start
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
         finally:
