@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ValidationError
 
 from icefloe.channel import Backend
@@ -27,5 +29,9 @@ def backend_config(config: PipelineConfig, plugins: Plugins | None = None) -> Ba
 def open_backend(config: PipelineConfig, plugins: Plugins | None = None) -> Backend:
     """Build the backend named by ``coordination.backend`` for this pipeline."""
     spec = (plugins or get_plugins()).backend(config.coordination.backend)
-    context = BackendContext(group_id=config.name, lease_ttl_s=config.coordination.lease_ttl_s)
+    context = BackendContext(
+        group_id=config.name,
+        lease_ttl_s=config.coordination.lease_ttl_s,
+        config_dir=Path(config.config_dir) if config.config_dir else None,
+    )
     return spec.factory(_validated(spec, config), context)

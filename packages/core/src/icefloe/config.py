@@ -124,6 +124,9 @@ class PipelineConfig(_Model):
     catalog: CatalogConfig = Field(default_factory=CatalogConfig)
     coordination: CoordinationConfig = Field(default_factory=CoordinationConfig)
     spark: SparkConfig = Field(default_factory=SparkConfig)
+    # an absolute path travels with the config to every process (Spark executors get it as
+    # JSON), so a backend's relative paths mean the same everywhere; set by load_config
+    config_dir: str | None = None
 
     @field_validator("tables")
     @classmethod
@@ -299,6 +302,8 @@ def load_config(
             raise ConfigError(
                 "--config", f"not valid TOML ({exc})", "fix the syntax", str(p)
             ) from None
+        # the file's own directory, unless the file names one (relative to the file)
+        data["config_dir"] = str((p.resolve().parent / data.get("config_dir", ".")).resolve())
     env = os.environ if environ is None else environ
     data = apply_env(data, env)
     if overrides:
