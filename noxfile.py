@@ -41,7 +41,10 @@ def tests(session: nox.Session, package: str) -> None:
     (so an undeclared import fails), or `e2e`: the cross-package tests in tests/."""
     if package == "e2e":
         # pip: tests/test_third_party_plugin.py installs a plugin distribution with it
-        session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "pip")
+        # ruff and mypy: tests/test_new_backend.py checks the generated package is clean
+        session.install(
+            *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "pip", "ruff>=0.6", "mypy>=1.11"
+        )
         session.run("pytest", "tests", *_pytest_args(session))
         return
     session.install(

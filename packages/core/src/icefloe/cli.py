@@ -16,6 +16,7 @@ from icefloe import __version__
 from icefloe.backends import backend_config, open_backend
 from icefloe.config import load_config, redact, redacted_dict
 from icefloe.errors import IcefloeError
+from icefloe.new_backend import new_backend_command
 from icefloe.plugins import get_plugins
 
 app = typer.Typer(
@@ -128,6 +129,9 @@ def coordinator_command(
     finally:
         backend.close()
     _say("", "", f"coordinator {name} stopped")
+
+
+app.command("new-backend")(new_backend_command)
 
 
 def main() -> None:
