@@ -21,6 +21,7 @@ from icefloe.errors import IcefloeError
 from icefloe.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve_level
 from icefloe.logs import configure as configure_logging
 from icefloe.metrics import MetricsPortOption, start_metrics
+from icefloe.new_backend import new_backend_command
 from icefloe.plugins import get_plugins
 from icefloe.quarantine_cli import app as quarantine_app
 
@@ -286,6 +287,9 @@ def _flag_help_option(make: Any) -> Any:
         return option
 
     return get_help_option
+
+
+app.command("new-backend")(new_backend_command)
 
 
 def main() -> None:

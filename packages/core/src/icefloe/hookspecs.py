@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
@@ -30,6 +31,15 @@ class BackendContext:
 
     group_id: str
     lease_ttl_s: float = 10.0
+    #: absolute directory of the pipeline file (``config_dir``), None for a config built in
+    #: code; resolve relative paths of the backend's section with :meth:`resolve`
+    config_dir: Path | None = None
+
+    def resolve(self, path: str | Path) -> Path:
+        """``path`` made absolute against :attr:`config_dir` (the working directory when
+        there is none), so it names the same file in the driver, executors and coordinator."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (self.config_dir or Path.cwd()) / p
 
 
 @dataclass(frozen=True)
