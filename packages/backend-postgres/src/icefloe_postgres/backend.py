@@ -11,6 +11,8 @@ from __future__ import annotations
 import uuid
 import weakref
 
+import psycopg
+
 from icefloe.channel import Backend
 from icefloe.errors import ChannelError
 from icefloe_postgres.config import PostgresConfig
@@ -49,6 +51,9 @@ class PostgresBackend(Backend):
             weakref.WeakSet()
         )
         try:
+            # one direct connection first: a down server then reads "connection refused"
+            # instead of the pool's retries ending in PoolTimeout
+            self.probe()
             self.db.run("schema migration", lambda c: migrate(c, self.schema))
             self.db.run("group registration", lambda c: c.execute(self.q.ensure_group, (group_id,)))
         except BaseException:
@@ -125,6 +130,17 @@ class PostgresBackend(Backend):
             return self.db.run("doctor", check, timeout=self.config.connect_timeout_s)
         except ChannelError as exc:
             return [f"cannot check PostgreSQL settings: {exc}"]
+
+    def probe(self) -> None:
+        """Open one connection outside the pool (raises ChannelError with libpq's reason)."""
+        try:
+            with psycopg.connect(self.db.dsn, **self.db.connect_kwargs):
+                pass
+        except psycopg.Error as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ChannelError(
+                f"cannot connect to PostgreSQL at {self.db.where}: {reason}"
+            ) from None
 
     def close(self) -> None:
         for ch in list(self._channels):

@@ -167,6 +167,15 @@ class RedisBackend(Backend):
         with _redis_errors("inject"):
             self.client.eval(script, 2, self.keys.event_seq, self.keys.events, data)
 
+    def probe(self) -> None:
+        """PING the server (raises ChannelError naming the URL and the cause)."""
+        try:
+            self.client.ping()
+        except RedisError as exc:
+            raise ChannelError(
+                f"cannot reach Redis at {self.config.safe_url}: {type(exc).__name__}: {exc}"
+            ) from None
+
     def doctor(self) -> list[str]:
         where = self.config.safe_url
         return safely(lambda: server_warnings(self.client, where), where)

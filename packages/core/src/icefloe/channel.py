@@ -183,6 +183,13 @@ class Backend(abc.ABC):
     def coordinator(self, coordinator_id: str) -> CoordinatorChannel:
         """A coordinator end; ``coordinator_id`` names this process in the lease."""
 
+    def probe(self) -> None:
+        """Raise :class:`~icefloe.errors.ChannelError` naming the server and the cause (e.g.
+        "connection refused") when it cannot be reached. Read-only, fences nothing; used by
+        `icefloe doctor` and `icefloe status`. Backends that cannot tell raise
+        NotImplementedError (the default): doctor then says the check was skipped."""
+        raise NotImplementedError
+
     def doctor(self) -> list[str]:
         """Warnings about the server's setup that weaken guarantees (shown by `icefloe doctor`)."""
         return []

@@ -105,18 +105,31 @@ def backends() -> None:
 
 
 @app.command()
-def doctor(config: ConfigOption) -> None:
-    """Check the configuration and the backend's server setup; print warnings."""
+def doctor(
+    config: ConfigOption,
+    verbose: VerboseOption = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per check.")] = False,
+) -> None:
+    """Check everything `icefloe run` needs, one line each: plugins, the backend's server and
+    its durability settings, the catalog and every table, the Kafka source and its topics,
+    Java. Exits 1 when anything would make `run` fail."""
+    from icefloe.doctor import run_checks
+
+    configure_logging(resolve_level(None, verbose, quiet=not verbose))
     cfg = load_config(config)
-    get_plugins().check_pending()
-    backend = open_backend(cfg)
-    try:
-        warnings = backend.doctor()
-    finally:
-        backend.close()
-    for w in warnings:
-        _say("warning: ", "yellow", w)
-    typer.echo("ok" if not warnings else f"{len(warnings)} warning(s)")
+    checks = run_checks(cfg, verbose=verbose)
+    styles = {"ok": "green", "warn": "yellow", "fail": "red"}
+    for c in checks:
+        if as_json:
+            typer.echo(json.dumps({"check": c.name, "status": c.status, "detail": c.detail}))
+        else:
+            _say(f"{c.status:4s} ", styles[c.status], f"{c.name}: {c.detail}")
+    failed = sum(c.status == "fail" for c in checks)
+    warned = sum(c.status == "warn" for c in checks)
+    summary = f"{failed} failed, {warned} warning(s), {len(checks) - failed - warned} ok"
+    _say("", "", summary if failed else f"ok ({summary})")
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command("coordinator")

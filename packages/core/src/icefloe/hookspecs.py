@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from icefloe.channel import Backend
+    from icefloe.config import PipelineConfig
+    from icefloe.doctor import Check
 
 PROJECT = "icefloe"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -100,6 +102,11 @@ class IcefloeHookSpecs:
     def icefloe_after_table_commit(self, event: TableCommitted) -> None:
         """Called after each successful table commit, for metrics, lineage or alerts.
         Exceptions are logged and never fail the commit that already happened."""
+
+    @hookspec
+    def icefloe_doctor(self, config: PipelineConfig) -> Sequence[Check]:
+        """Checks `icefloe doctor` runs for this plugin's part of the pipeline (the Spark
+        runner: the Kafka source and its topics, Java). Return ``icefloe.doctor.Check``s."""
 
     @hookspec
     def icefloe_cli(self, app: Any) -> None:
