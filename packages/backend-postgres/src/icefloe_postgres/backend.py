@@ -13,7 +13,7 @@ import weakref
 
 import psycopg
 
-from icefloe.channel import Backend
+from icefloe.channel import Backend, BackendStatus
 from icefloe.errors import ChannelError
 from icefloe_postgres.config import PostgresConfig
 from icefloe_postgres.coordinator import PostgresCoordinatorChannel
@@ -130,6 +130,32 @@ class PostgresBackend(Backend):
             return self.db.run("doctor", check, timeout=self.config.connect_timeout_s)
         except ChannelError as exc:
             return [f"cannot check PostgreSQL settings: {exc}"]
+
+    def describe(self) -> BackendStatus:
+        """Lease row and registered writers, read in one short transaction."""
+
+        def read(conn: Conn) -> BackendStatus:
+            lease = conn.execute(
+                f"SELECT holder, token, extract(epoch FROM clock_timestamp() - acquired_at),"
+                f" extract(epoch FROM expires_at - clock_timestamp())"
+                f" FROM {self.schema}.leases WHERE group_id = %s",
+                (self.group_id,),
+            ).fetchone()
+            writers = conn.execute(
+                f"SELECT writer_id FROM {self.schema}.writers WHERE group_id = %s"
+                " ORDER BY writer_id",
+                (self.group_id,),
+            ).fetchall()
+            holder, token, age, expires = lease if lease else (None, None, None, None)
+            return BackendStatus(
+                leader=holder,
+                token=None if token is None else int(token),
+                lease_age_s=None if age is None else float(age),
+                lease_expires_in_s=None if expires is None else float(expires),
+                writers=tuple(str(w[0]) for w in writers),
+            )
+
+        return self.db.run("status", read, timeout=self.config.connect_timeout_s)
 
     def probe(self) -> None:
         """Open one connection outside the pool (raises ChannelError with libpq's reason)."""

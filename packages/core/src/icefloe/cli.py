@@ -132,6 +132,28 @@ def doctor(
         raise typer.Exit(1)
 
 
+@app.command()
+def status(
+    config: ConfigOption,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+) -> None:
+    """The pipeline's state from the backend and the catalog (no Spark): leader, token, lease
+    age, writers, and per table the last commit, rows, lag, quarantined files. Exits 1 when a
+    table is stuck or the backend is unreachable."""
+    from icefloe.status import collect, render_lines
+
+    configure_logging(resolve_level(None, quiet=True))
+    cfg = load_config(config)
+    state = collect(cfg)
+    if as_json:
+        typer.echo(json.dumps(state.to_json(), default=str))
+    else:
+        for line in render_lines(state):
+            typer.echo(line)
+    if state.stuck:
+        raise typer.Exit(1)
+
+
 @app.command("coordinator")
 def coordinator_command(
     config: ConfigOption,

@@ -158,6 +158,16 @@ class Plugins:
             except Exception:
                 log.exception("plugin %s failed in %s", impl.plugin_name, name)
 
+    def source_lag(self, config: PipelineConfig) -> dict[str, int | None]:
+        """Per-table source lag from the plugins that know the source (empty: unknown)."""
+        out: dict[str, int | None] = {}
+        try:
+            for result in self.pm.hook.icefloe_source_lag(config=config):
+                out.update(result or {})
+        except Exception:
+            log.warning("source lag unavailable", exc_info=True)
+        return out
+
     def doctor_checks(self, config: PipelineConfig) -> list[Check]:
         """The plugins' `icefloe doctor` checks (a plugin that fails is a failed check)."""
         try:

@@ -20,6 +20,23 @@ def icefloe_cli(app: Any) -> None:
 
 
 @hookimpl
+def icefloe_source_lag(config: PipelineConfig) -> dict[str, int | None]:
+    """`icefloe status`: Kafka partition ends against each table's committed source offsets."""
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe_spark.progress import Monitor
+    from icefloe_spark.source import source_options
+
+    catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+    probe = source_options(config).get("probeHighWatermark", "").lower() == "true"
+    monitor = Monitor(config, catalog, probe_end=probe)
+    try:
+        return {t.name: t.lag for t in monitor.tables()}
+    finally:
+        monitor.close()
+
+
+@hookimpl
 def icefloe_doctor(config: PipelineConfig) -> list[Check]:
     """`icefloe doctor`: the Kafka source and its topics, and Java for Spark."""
     from icefloe_spark.checks import java_check, source_checks

@@ -3,6 +3,7 @@ topic, Kafka down (in one line, without librdkafka's retry log)."""
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -81,3 +82,27 @@ def test_doctor_passes_a_setup_run_accepts(
     assert out.returncode == 0, text
     assert "fail " not in text
     assert "ok   java:" in text
+
+
+def test_status_shows_lag_and_exits_1_when_the_table_is_behind(
+    tmp_path: Path,
+    kafka_broker: EmbeddedKafkaBroker,
+    new_topic: Callable[..., str],
+    produce: Callable[..., Any],
+) -> None:
+    _create_table(tmp_path)
+    topic = new_topic(partitions=2)
+    config = _config(tmp_path, kafka_broker.bootstrap_servers, topic)
+    idle = run_icefloe("status", "--config", str(config), "--json")
+    assert idle.returncode == 0, idle.stdout + idle.stderr
+    assert json.loads(idle.stdout)["tables"][0]["source_lag"] == 0
+    produce(topic, [b'{"id": 1}'] * 5, partitions=2)
+    behind = run_icefloe("status", "--config", str(config), "--json")
+    assert behind.returncode == 1, behind.stdout + behind.stderr
+    table = json.loads(behind.stdout)["tables"][0]
+    assert table["source_lag"] == 5
+    assert table["stuck"] is True
+    assert "no commit yet" in table["reason"]
+    text = run_icefloe("status", "--config", str(config))
+    assert "table db.t: last commit never" in text.stdout
+    assert "lag 5" in text.stdout
