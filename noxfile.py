@@ -42,7 +42,12 @@ def tests(session: nox.Session, package: str) -> None:
     if package == "e2e":
         # pip: tests/test_third_party_plugin.py installs a plugin distribution with it
         session.install(
-            *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "pip", "psutil>=5.9"
+            *ALL_WITH_TEST_EXTRAS,
+            "./packages/spark-runner[demo]",
+            "pip",
+            "psutil>=5.9",
+            "ruff>=0.6",
+            "mypy>=1.11",
         )
         session.run("pytest", "tests", *_pytest_args(session))
         return
