@@ -7,6 +7,7 @@ Every test counts the table's rows against the records produced: each id exactly
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -272,6 +273,31 @@ def driver(config_file: Path, log: Path, env: dict[str, str]) -> Iterator[subpro
             os.killpg(proc.pid, signal.SIGKILL)  # a JVM left behind by the dead driver
 
 
+def crash_after_publishing_batch_1(
+    config_file: Path, log: Path, ckpt: Path, timeout: float
+) -> None:
+    """Run ``icefloe run`` until it exits right after publishing batch 1, before Spark
+    recorded that batch in the checkpoint."""
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, faults.EXIT_AFTER_PUBLISH_ENV: "1"}
+    with driver(config_file, log, env) as first:
+        code = first.wait(timeout)
+    assert code == faults.EXIT_CODE, f"driver exited {code}; log:\n{log.read_text()[-3000:]}"
+    assert (ckpt / "offsets" / "1").exists(), "Spark never planned batch 1"
+    assert not (ckpt / "commits" / "1").exists(), "Spark recorded batch 1: the crash came late"
+
+
+def run_driver_until(
+    config_file: Path, log: Path, done: Callable[[], bool], timeout: float, what: str
+) -> None:
+    """Run ``icefloe run`` until ``done()``, then stop it with SIGTERM: it must exit 0."""
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    with driver(config_file, log, env) as proc:
+        wait_until(lambda: done() or proc.poll() is not None, timeout, what)
+        assert proc.poll() is None, f"the driver died; log:\n{log.read_text()[-3000:]}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "the driver did not stop cleanly on SIGTERM"
+
+
 def test_driver_killed_after_publish_before_spark_recorded_the_batch(
     kafka_broker: EmbeddedKafkaBroker, catalog_properties: dict[str, str], tmp_path: Path
 ) -> None:
@@ -294,25 +320,12 @@ def test_driver_killed_after_publish_before_spark_recorded_the_batch(
     config_file = tmp_path / "pipeline.toml"
     config_file.write_text(tomli_w.dumps(data))
     produce_json(bootstrap, topic, range(1000))
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
     log = tmp_path / "driver.log"
-
-    with driver(config_file, log, {**env, faults.EXIT_AFTER_PUBLISH_ENV: "1"}) as first:
-        code = first.wait(WAIT_S)
-    assert code == faults.EXIT_CODE, f"driver exited {code}; log:\n{log.read_text()[-3000:]}"
-    assert (ckpt / "offsets" / "1").exists(), "Spark never planned batch 1"
-    assert not (ckpt / "commits" / "1").exists(), "Spark recorded batch 1: the crash came late"
+    crash_after_publishing_batch_1(config_file, log, ckpt, WAIT_S)
     assert committed_rows(catalog) <= 400
-
-    with driver(config_file, log, env) as second:
-        wait_until(
-            lambda: committed_rows(catalog) >= 1000 or second.poll() is not None,
-            WAIT_S,
-            "all 1000 rows after the restart",
-        )
-        assert second.poll() is None, f"restarted driver died; log:\n{log.read_text()[-3000:]}"
-        second.send_signal(signal.SIGTERM)
-        assert second.wait(60) == 0, "the driver did not stop cleanly on SIGTERM"
+    run_driver_until(
+        config_file, log, lambda: committed_rows(catalog) >= 1000, WAIT_S, "all 1000 rows"
+    )
     assert (ckpt / "commits" / "1").exists()
     assert_exactly_once(catalog, TABLE, range(1000))
     paths = committed_paths(catalog)
@@ -427,21 +440,37 @@ def produce_with_bad(
     return bad
 
 
-def bad_records_config(
-    name: str,
+@dataclasses.dataclass
+class BadRecordsRun:
+    """A topic of good records with bad ones mixed in, its table and a pipeline config."""
+
+    topic: str
+    catalog: Catalog
+    name: str
+    data: dict[str, Any]
+    bad: dict[tuple[int, int], str]  # (partition, offset) -> error type
+
+
+def bad_records_run(
     broker: EmbeddedKafkaBroker,
-    topic: str,
     catalog_properties: dict[str, str],
-    checkpoint: Path,
+    tmp_path: Path,
     policy: str,
+    good: int,
     batch: int = 100,
-) -> dict[str, Any]:
-    data = pipeline_dict(name, broker, topic, catalog_properties, FAULT_BACKEND, checkpoint, batch)
+    **mix: int,
+) -> BadRecordsRun:
+    topic = new_topic(broker)
+    catalog = make_table(catalog_properties)
+    name = f"e2e-{policy}-{tmp_path.name[-12:]}".replace("_", "-")
+    ckpt = tmp_path / "ckpt"
+    data = pipeline_dict(name, broker, topic, catalog_properties, FAULT_BACKEND, ckpt, batch)
     data["tables"] = [ROUTED_TABLE]
     data["errors"] = {"policy": policy}
     if policy == "dead_letter":
         data["errors"]["dead_letter_table"] = DEAD
-    return data
+    bad = produce_with_bad(broker.bootstrap_servers, topic, good, **mix)
+    return BadRecordsRun(topic, catalog, name, data, bad)
 
 
 def dead_letter_rows(catalog: Catalog) -> list[dict[str, Any]]:
@@ -473,15 +502,15 @@ def test_policy_fail_stops_naming_the_bad_record_and_the_fix(
     catalog_properties: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    bootstrap = kafka_broker.bootstrap_servers
-    topic = new_topic(kafka_broker)
-    catalog = make_table(catalog_properties)
-    name = f"e2e-fail-{tmp_path.name[-12:]}".replace("_", "-")
-    data = bad_records_config(name, kafka_broker, topic, catalog_properties, tmp_path / "c", "fail")
     # one bad record: "abc" for a long column
-    bad = produce_with_bad(bootstrap, topic, 60, every=40, first_kind=1)
+    run = bad_records_run(
+        kafka_broker, catalog_properties, tmp_path, "fail", 60, every=40, first_kind=1
+    )
+    catalog, topic, bad = run.catalog, run.topic, run.bad
     ((partition, offset),) = bad
-    with Pipeline(config_from_dict(data), spark=spark, source_extra_options=SOURCE_OPTIONS) as p:
+    with Pipeline(
+        config_from_dict(run.data), spark=spark, source_extra_options=SOURCE_OPTIONS
+    ) as p:
         query = p.query
         assert query is not None
         wait_until(lambda: not query.isActive, WAIT_S, "the query to stop on the bad record")
@@ -498,16 +527,14 @@ def test_policy_skip_commits_exactly_the_good_records_and_counts_the_bad(
     catalog_properties: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    bootstrap = kafka_broker.bootstrap_servers
-    topic = new_topic(kafka_broker)
-    catalog = make_table(catalog_properties)
-    name = f"e2e-skip-{tmp_path.name[-12:]}".replace("_", "-")
-    data = bad_records_config(name, kafka_broker, topic, catalog_properties, tmp_path / "c", "skip")
-    bad = produce_with_bad(bootstrap, topic, 400)
-    with Pipeline(config_from_dict(data), spark=spark, source_extra_options=SOURCE_OPTIONS) as p:
+    run = bad_records_run(kafka_broker, catalog_properties, tmp_path, "skip", 400)
+    catalog, bad = run.catalog, run.bad
+    with Pipeline(
+        config_from_dict(run.data), spark=spark, source_extra_options=SOURCE_OPTIONS
+    ) as p:
         wait_until(
             lambda: committed_rows(catalog) >= 400 and p.stats.skipped >= len(bad),
-            WAIT_S,
+            2 * WAIT_S,  # first batches are slow on a loaded machine
             "the 400 good records and every bad one skipped",
         )
         assert p.stats.batches >= 3  # bad records in several batches
@@ -522,24 +549,20 @@ def test_policy_dead_letter_commits_the_good_records_and_exactly_the_bad_ones_as
     catalog_properties: dict[str, str],
     tmp_path: Path,
 ) -> None:
-    bootstrap = kafka_broker.bootstrap_servers
-    topic = new_topic(kafka_broker)
-    catalog = make_table(catalog_properties)
-    name = f"e2e-dlq-{tmp_path.name[-12:]}".replace("_", "-")
-    data = bad_records_config(
-        name, kafka_broker, topic, catalog_properties, tmp_path / "c", "dead_letter"
-    )
-    bad = produce_with_bad(bootstrap, topic, 400)
-    with Pipeline(config_from_dict(data), spark=spark, source_extra_options=SOURCE_OPTIONS) as p:
+    run = bad_records_run(kafka_broker, catalog_properties, tmp_path, "dead_letter", 400)
+    catalog, bad = run.catalog, run.bad
+    with Pipeline(
+        config_from_dict(run.data), spark=spark, source_extra_options=SOURCE_OPTIONS
+    ) as p:
         wait_until(
             lambda: committed_rows(catalog) >= 400 and table_records(catalog, DEAD) >= len(bad),
-            WAIT_S,
+            2 * WAIT_S,  # first batches are slow on a loaded machine
             "the 400 good records and every bad one dead-lettered",
         )
         assert p.stats.dead_lettered == len(bad)
         assert p.stats.skipped == 0
     assert_exactly_once(catalog, TABLE, range(400))
-    assert_dead_letters_exact(catalog, topic, bad, name)
+    assert_dead_letters_exact(catalog, run.topic, bad, run.name)
 
 
 def test_dead_letters_survive_a_driver_crash_after_publish_without_duplicates(
@@ -548,39 +571,23 @@ def test_dead_letters_survive_a_driver_crash_after_publish_without_duplicates(
     """Batch 1 (with bad records) is published, then the driver dies before Spark records it.
     The restarted driver re-runs batch 1 and writes its dead-letter rows again: the replay must
     not commit them a second time, and nothing may be lost."""
-    bootstrap = kafka_broker.bootstrap_servers
-    topic = new_topic(kafka_broker)
-    catalog = make_table(catalog_properties)
-    ckpt = tmp_path / "ckpt"
-    name = f"e2e-dlq-crash-{tmp_path.name[-12:]}".replace("_", "-")
-    data = bad_records_config(
-        name, kafka_broker, topic, catalog_properties, ckpt, "dead_letter", batch=200
+    run = bad_records_run(
+        kafka_broker, catalog_properties, tmp_path, "dead_letter", 800, batch=200, every=19
     )
+    catalog, bad = run.catalog, run.bad
     config_file = tmp_path / "pipeline.toml"
-    config_file.write_text(tomli_w.dumps(data))
-    bad = produce_with_bad(bootstrap, topic, 800, every=19)
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    config_file.write_text(tomli_w.dumps(run.data))
     log = tmp_path / "driver.log"
-
-    with driver(config_file, log, {**env, faults.EXIT_AFTER_PUBLISH_ENV: "1"}) as first:
-        code = first.wait(2 * WAIT_S)  # a fresh JVM on a busy machine
-    assert code == faults.EXIT_CODE, f"driver exited {code}; log:\n{log.read_text()[-3000:]}"
-    assert not (ckpt / "commits" / "1").exists(), "Spark recorded batch 1: the crash came late"
-
-    with driver(config_file, log, env) as second:
-        wait_until(
-            lambda: (
-                (committed_rows(catalog) >= 800 and table_records(catalog, DEAD) >= len(bad))
-                or second.poll() is not None
-            ),
-            2 * WAIT_S,
-            "every record after the restart",
-        )
-        assert second.poll() is None, f"restarted driver died; log:\n{log.read_text()[-3000:]}"
-        second.send_signal(signal.SIGTERM)
-        assert second.wait(60) == 0, "the driver did not stop cleanly on SIGTERM"
+    crash_after_publishing_batch_1(config_file, log, tmp_path / "ckpt", 2 * WAIT_S)
+    run_driver_until(
+        config_file,
+        log,
+        lambda: committed_rows(catalog) >= 800 and table_records(catalog, DEAD) >= len(bad),
+        2 * WAIT_S,  # a fresh JVM on a busy machine
+        "every record after the restart",
+    )
     assert_exactly_once(catalog, TABLE, range(800))
-    assert_dead_letters_exact(catalog, topic, bad, name)
+    assert_dead_letters_exact(catalog, run.topic, bad, run.name)
     dead = catalog.load_table(DEAD)
     committed = {t.file.file_path for t in dead.scan().plan_files()}
     on_disk = {
