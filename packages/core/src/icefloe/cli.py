@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
+import tomli_w
 import typer
+import typer.main
 from rich.console import Console
 from rich.text import Text
 
@@ -16,7 +18,12 @@ from icefloe import __version__
 from icefloe.backends import backend_config, open_backend
 from icefloe.config import load_config, redact, redacted_dict
 from icefloe.errors import IcefloeError
+from icefloe.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve_level
+from icefloe.logs import configure as configure_logging
+from icefloe.metrics import MetricsPortOption, start_metrics
+from icefloe.new_backend import new_backend_command
 from icefloe.plugins import get_plugins
+from icefloe.quarantine_cli import app as quarantine_app
 
 app = typer.Typer(
     name="icefloe",
@@ -24,6 +31,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+app.add_typer(quarantine_app)
 console = Console(stderr=True)
 
 
@@ -35,6 +43,24 @@ def _say(label: str, style: str, message: str) -> None:
 ConfigOption = Annotated[Path, typer.Option("--config", "-c", help="Pipeline TOML file.")]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"icefloe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
+    """Exactly-once, centrally coordinated commits of streaming data into Apache Iceberg."""
+
+
 @app.command()
 def version() -> None:
     """Print the icefloe version."""
@@ -42,8 +68,12 @@ def version() -> None:
 
 
 @app.command("show-config")
-def show_config(config: ConfigOption) -> None:
-    """Print the effective configuration (file + environment) with secrets redacted."""
+def show_config(
+    config: ConfigOption,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of TOML.")] = False,
+) -> None:
+    """Print the effective configuration (file + environment) with secrets redacted, as TOML
+    (a file you can use) or JSON."""
     cfg = load_config(config)
     data = redacted_dict(cfg)
     try:
@@ -52,7 +82,19 @@ def show_config(config: ConfigOption) -> None:
         )
     except IcefloeError as exc:
         _say("warning: ", "yellow", f"backend section not validated: {exc}")
-    typer.echo(json.dumps(data, indent=2, default=str))
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, default=str))
+    else:
+        typer.echo(tomli_w.dumps(_toml_ready(data)), nl=False)
+
+
+def _toml_ready(value: Any) -> Any:
+    """TOML has no null: leave out unset keys (their defaults apply when read back)."""
+    if isinstance(value, dict):
+        return {k: _toml_ready(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_toml_ready(v) for v in value if v is not None]
+    return value
 
 
 @app.command()
@@ -66,18 +108,82 @@ def backends() -> None:
 
 
 @app.command()
-def doctor(config: ConfigOption) -> None:
-    """Check the configuration and the backend's server setup; print warnings."""
+def doctor(
+    config: ConfigOption,
+    verbose: VerboseOption = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per check.")] = False,
+) -> None:
+    """Check everything `icefloe run` needs, one line each: plugins, the backend's server and
+    its durability settings, the catalog and every table, the Kafka source and its topics,
+    Java. Exits 1 when anything would make `run` fail."""
+    from icefloe.doctor import run_checks
+
+    configure_logging(resolve_level(None, verbose, quiet=not verbose))
     cfg = load_config(config)
-    get_plugins().check_pending()
-    backend = open_backend(cfg)
-    try:
-        warnings = backend.doctor()
-    finally:
-        backend.close()
-    for w in warnings:
-        _say("warning: ", "yellow", w)
-    typer.echo("ok" if not warnings else f"{len(warnings)} warning(s)")
+    checks = run_checks(cfg, verbose=verbose)
+    styles = {"ok": "green", "warn": "yellow", "fail": "red"}
+    for c in checks:
+        if as_json:
+            typer.echo(json.dumps({"check": c.name, "status": c.status, "detail": c.detail}))
+        else:
+            _say(f"{c.status:4s} ", styles[c.status], f"{c.name}: {c.detail}")
+    failed = sum(c.status == "fail" for c in checks)
+    warned = sum(c.status == "warn" for c in checks)
+    summary = f"{failed} failed, {warned} warning(s), {len(checks) - failed - warned} ok"
+    _say("", "", summary if failed else f"ok ({summary})")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def status(
+    config: ConfigOption,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+) -> None:
+    """The pipeline's state from the backend and the catalog (no Spark): leader, token, lease
+    age, writers, and per table the last commit, rows, lag, quarantined files. Exits 1 when a
+    table is stuck or the backend is unreachable."""
+    from icefloe.status import collect, render_lines
+
+    configure_logging(resolve_level(None, quiet=True))
+    cfg = load_config(config)
+    state = collect(cfg)
+    if as_json:
+        typer.echo(json.dumps(state.to_json(), default=str))
+    else:
+        for line in render_lines(state):
+            typer.echo(line)
+    if state.stuck:
+        raise typer.Exit(1)
+
+
+@app.command()
+def maintain(
+    config: ConfigOption,
+    table: Annotated[
+        list[str] | None, typer.Option("--table", help="Only this table (repeatable).")
+    ] = None,
+    expire_older_than: Annotated[
+        str, typer.Option(help="Expire snapshots older than this (e.g. 7d, 12h).")
+    ] = "7d",
+    retain_last: Annotated[int, typer.Option(help="Always keep this many newest.")] = 1,
+    orphans_older_than: Annotated[
+        str, typer.Option(help="Delete unreferenced files only when older than this.")
+    ] = "3d",
+    dry_run: Annotated[bool, typer.Option(help="Report, change nothing.")] = False,
+) -> None:
+    """Expire old snapshots and delete orphan files; safe next to a running pipeline."""
+    from icefloe import maintenance  # pulls in pyiceberg
+
+    for line in maintenance.maintain(
+        load_config(config),
+        table or (),
+        maintenance.parse_age(expire_older_than),
+        retain_last,
+        maintenance.parse_age(orphans_older_than),
+        dry_run,
+    ):
+        typer.echo(line)
 
 
 @app.command("coordinator")
@@ -87,13 +193,17 @@ def coordinator_command(
         str | None,
         typer.Option("--id", help="Name of this process in the lease (default: host-pid)."),
     ] = None,
+    verbose: VerboseOption = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Warnings and errors only.")] = False,
+    log_level: LogLevelOption = None,
+    log_format: LogFormatOption = "text",
+    metrics_port: MetricsPortOption = None,
 ) -> None:
     """Run the pipeline's commit coordinator standalone until SIGINT or SIGTERM.
 
     Several may run: one leads, the others wait to take over when it stops or dies.
     """
     # imported here: the command pulls in pyiceberg, the other commands stay quick
-    import logging
     import os
     import signal
     import socket
@@ -103,10 +213,9 @@ def coordinator_command(
 
     from icefloe.coordinator import Coordinator, CoordinatorSettings
 
+    configure_logging(resolve_level(log_level, verbose, quiet), log_format)
     cfg = load_config(config)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    start_metrics(metrics_port)
     name = coordinator_id or f"{socket.gethostname()}-{os.getpid()}"
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -130,11 +239,94 @@ def coordinator_command(
     _say("", "", f"coordinator {name} stopped")
 
 
+@app.command("drain")
+def drain_command(
+    config: ConfigOption,
+    timeout_s: Annotated[
+        float, typer.Option("--timeout", help="Give up after this many seconds.")
+    ] = 600.0,
+) -> None:
+    """Commit everything the configured channel still holds, then mark the pipeline's tables
+    as drained of it, so the pipeline may continue on another backend. Stop the pipeline
+    (`icefloe run`) first. Exits 0 once drained."""
+    import logging
+    import os
+    import socket
+
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe.committer import IcebergCommitter
+    from icefloe.coordinator import Coordinator, CoordinatorSettings
+    from icefloe.drain import drain
+
+    cfg = load_config(config)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    name = f"drain-{socket.gethostname()}-{os.getpid()}"
+    catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
+    backend = open_backend(cfg)
+    try:
+        coordinator = Coordinator(
+            cfg.name,
+            backend.coordinator(name),
+            catalog,
+            CoordinatorSettings.from_config(cfg.coordination),
+            coordinator_id=name,
+        )
+        try:
+            result = drain(
+                coordinator,
+                IcebergCommitter(catalog, cfg.name, branch=cfg.coordination.branch),
+                [t.name for t in cfg.tables],
+                timeout_s=timeout_s,
+            )
+        finally:
+            coordinator.close()
+    finally:
+        backend.close()
+    _say("", "", f"drained channel {result.channel_id} of pipeline {cfg.name}")
+    for table in result.skipped:
+        _say(
+            "note: ",
+            "yellow",
+            f"{table}: not marked (absent, or committed through another channel)",
+        )
+
+
+def build_command() -> Any:
+    """The click command behind ``icefloe``, plugin commands included. Flags (boolean
+    options) show no ``<bool>`` value placeholder in help: they take no value."""
+    get_plugins().extend_cli(app)
+    command = typer.main.get_command(app)
+    commands = [command, *getattr(command, "commands", {}).values()]
+    for cmd in commands:
+        for param in cmd.params:
+            if getattr(param, "is_flag", False):
+                param.metavar = ""
+        cmd.get_help_option = _flag_help_option(cmd.get_help_option)
+    return command
+
+
+def _flag_help_option(make: Any) -> Any:
+    """``--help`` is made per context: give it no placeholder either."""
+
+    def get_help_option(ctx: Any) -> Any:
+        option = make(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    return get_help_option
+
+
+app.command("new-backend")(new_backend_command)
+
+
 def main() -> None:
     """Entry point: add plugin commands, run, and turn icefloe errors into one clean line."""
     try:
-        get_plugins().extend_cli(app)
-        app()
+        build_command().main(prog_name="icefloe")
     except IcefloeError as exc:
         _say("error: ", "red", str(exc))
         sys.exit(2)

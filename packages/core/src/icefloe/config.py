@@ -38,6 +38,12 @@ _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 # no dots: the backend's section is the TOML table [coordination.<name>]
 BACKEND_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 TABLE_NAME_RE = r"^[^.\s]+(\.[^.\s]+)+$"
+# what each pattern means, for error messages (a regex is no help to a user)
+_PATTERN_HELP = {
+    _NAME_RE: "use letters, digits, '.', '_' and '-', starting with a letter or digit",
+    BACKEND_NAME_RE: "use letters, digits, '_' and '-', starting with a letter or digit",
+    TABLE_NAME_RE: 'use "namespace.table" (two or more dotted parts, no spaces)',
+}
 
 
 class _Model(BaseModel):
@@ -80,6 +86,7 @@ class TableConfig(_Model):
     auto_create: bool = False
     partition_by: list[str] = Field(default_factory=list)
     id_columns: list[str] = Field(default_factory=list)
+    properties: dict[str, str] = Field(default_factory=dict)
 
 
 class CatalogConfig(_Model):
@@ -105,6 +112,12 @@ class CoordinationConfig(BaseModel):
     writer_timeout_s: float = Field(default=120.0, gt=0)
     lease_ttl_s: float = Field(default=10.0, gt=0)
     branch: str = "main"
+    # where refused files are recorded (an Iceberg table of the pipeline's catalog) and when a
+    # permanently failing table's pending files join them (see docs/reliability.md)
+    quarantine_table: str = Field(default="icefloe.quarantine", pattern=TABLE_NAME_RE)
+    quarantine_after_failures: int = Field(default=10, ge=1)
+    table_retry_base_s: float = Field(default=1.0, gt=0)
+    table_retry_max_s: float = Field(default=300.0, gt=0)
 
     def backend_options(self) -> dict[str, Any]:
         """The raw section of the selected backend (empty when absent)."""
@@ -158,6 +171,9 @@ class PipelineConfig(_Model):
     catalog: CatalogConfig = Field(default_factory=CatalogConfig)
     coordination: CoordinationConfig = Field(default_factory=CoordinationConfig)
     spark: SparkConfig = Field(default_factory=SparkConfig)
+    # an absolute path travels with the config to every process (Spark executors get it as
+    # JSON), so a backend's relative paths mean the same everywhere; set by load_config
+    config_dir: str | None = None
     errors: ErrorsConfig = Field(default_factory=ErrorsConfig)
 
     @field_validator("errors")
@@ -282,10 +298,17 @@ def _fix_for(err: ErrorDetails) -> str:
     if kind == "too_short":
         return f"give at least {ctx.get('min_length', 1)} item(s)"
     if kind == "string_pattern_mismatch":
-        return f"use a value matching {ctx.get('pattern')}"
+        pattern = str(ctx.get("pattern"))
+        return _PATTERN_HELP.get(pattern, f"use a value matching {pattern}")
     if kind == "value_error":
         return str(err["msg"]).removeprefix("Value error, ")
     return _FIXES.get(kind, "see docs/configuration.md")
+
+
+def _problem(err: ErrorDetails) -> str:
+    if err["type"] == "string_pattern_mismatch":
+        return "is not in the expected form"
+    return str(err["msg"])
 
 
 def _is_unknown_backend_key(err: ErrorDetails, prefix: str) -> bool:
@@ -303,7 +326,7 @@ def config_error_from(exc: ValidationError, prefix: str = "") -> ConfigError:
     """Turn pydantic's error list into one ConfigError naming the first bad key (all keys are
     listed in the message). Bad values under secret-looking keys are masked."""
     errs = exc.errors()
-    lines = [f"{_loc_key(e['loc'], prefix)}: {e['msg']}" for e in errs]
+    lines = [f"{_loc_key(e['loc'], prefix)}: {_problem(e)}" for e in errs]
     first = errs[0]
     key = _loc_key(first["loc"], prefix)
     value = None if first["type"] == "missing" else redact(first.get("input"), key)
@@ -311,7 +334,7 @@ def config_error_from(exc: ValidationError, prefix: str = "") -> ConfigError:
         problem = "unknown key"
         fix = f"{_UNKNOWN_KEY_FIX}; a backend's own settings go in a table [coordination.<backend>]"
     else:
-        problem, fix = str(first["msg"]), _fix_for(first)
+        problem, fix = _problem(first), _fix_for(first)
     err = ConfigError(key, problem, fix, value)
     if len(errs) > 1:
         err.args = (str(err) + "\nAll problems:\n  " + "\n  ".join(lines),)
@@ -345,6 +368,8 @@ def load_config(
             raise ConfigError(
                 "--config", f"not valid TOML ({exc})", "fix the syntax", str(p)
             ) from None
+        # the file's own directory, unless the file names one (relative to the file)
+        data["config_dir"] = str((p.resolve().parent / data.get("config_dir", ".")).resolve())
     env = os.environ if environ is None else environ
     data = apply_env(data, env)
     if overrides:

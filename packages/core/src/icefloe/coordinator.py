@@ -30,6 +30,7 @@ import uuid
 
 from pyiceberg.catalog import Catalog
 
+from icefloe import metrics
 from icefloe.channel import CoordinatorChannel, Lease
 from icefloe.committer import IcebergCommitter
 from icefloe.coordination.cycle import CommitCycle
@@ -159,10 +160,11 @@ class Coordinator:
             self._try_lead(timeout)
             return None
         try:
-            self._reader.poll(timeout)
+            if self._reader.poll(timeout):
+                self._update_pending_gauges()
             self._leadership.renew_if_due()
             if self._cycle.due():
-                return self._cycle.run()
+                return self._run_cycle()
         except NotLeaderError:
             log.warning("%s: lost leadership; dropping state", self.coordinator_id)
             self._drop_leadership()
@@ -173,10 +175,28 @@ class Coordinator:
         if self._leadership.lease is None:
             raise NotLeaderError(f"{self.coordinator_id} is not the leader")
         try:
-            return self._cycle.run()
+            return self._run_cycle()
         except NotLeaderError:
             self._drop_leadership()
             raise
+
+    def _run_cycle(self) -> CycleResult:
+        """A commit cycle, measured (``icefloe.metrics``)."""
+        with metrics.COMMIT_CYCLE_SECONDS.time():
+            cycle = self._cycle.run()
+        result = "failed" if cycle.failed else "complete" if cycle.complete else "partial"
+        metrics.COMMIT_CYCLES.labels(result).inc()
+        for r in cycle.tables:
+            if r.snapshot_id is not None:
+                metrics.TABLE_COMMITS.labels(r.table).inc()
+        for table, n in cycle.quarantined.items():
+            metrics.FILES_QUARANTINED.labels(table).inc(n)
+        self._update_pending_gauges()
+        return cycle
+
+    def _update_pending_gauges(self) -> None:
+        metrics.PENDING_FILES.set(sum(self._reader.pending_files().values()))
+        metrics.PENDING_BYTES.set(self._reader.pending_bytes())
 
     def close(self) -> None:
         """Release the lease (another coordinator takes over at once) and the channel."""
@@ -189,6 +209,8 @@ class Coordinator:
         lease = self._leadership.acquire(timeout)
         if lease is None:
             return False
+        metrics.LEADERSHIP_CHANGES.labels("acquired").inc()
+        metrics.IS_LEADER.set(1)
         log.info(
             "%s: leading pipeline %s with fencing token %d",
             self.coordinator_id,
@@ -212,11 +234,15 @@ class Coordinator:
         return True
 
     def _drop_leadership(self) -> None:
+        if self._leadership.lease is not None:
+            metrics.LEADERSHIP_CHANGES.labels("lost").inc()
+        metrics.IS_LEADER.set(0)
         self._leadership.drop()
         self._reader.reset()
         self._cycle.restart_clock()
 
     def _release(self) -> None:
+        metrics.IS_LEADER.set(0)
         try:
             self._leadership.release()
         finally:

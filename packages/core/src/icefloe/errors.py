@@ -24,17 +24,39 @@ class PluginError(IcefloeError):
     """A plugin could not be found, loaded or registered."""
 
 
+# backends published from this repository: the only package names icefloe ever suggests
+# (suggesting `icefloe-backend-<whatever was typed>` would invite typosquatting)
+KNOWN_BACKEND_PACKAGES = {
+    "kafka": "icefloe-backend-kafka",
+    "postgres": "icefloe-backend-postgres",
+    "redis": "icefloe-backend-redis",
+}
+
+
 class UnknownBackendError(PluginError):
     """The configured coordination backend is not installed."""
 
-    def __init__(self, name: str, installed: list[str]) -> None:
+    def __init__(self, name: str, installed: list[str], source: str | None = None) -> None:
+        import difflib
+
         self.name = name
         self.installed = installed
+        self.source = source
         listing = ", ".join(sorted(installed)) or "none"
+        candidates = sorted(set(installed) | set(KNOWN_BACKEND_PACKAGES))
+        close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+        where = f" (set by {source})" if source else ""
+        hints: list[str] = []
+        if close and close[0] != name:
+            hints.append(f"did you mean '{close[0]}'?")
+        target = name if name in KNOWN_BACKEND_PACKAGES else (close[0] if close else None)
+        if target in KNOWN_BACKEND_PACKAGES and target not in installed:
+            hints.append(f"install it with `pip install {KNOWN_BACKEND_PACKAGES[target]}`")
+        hints.append("or set coordination.backend to one of the installed backends")
         super().__init__(
-            f"coordination backend '{name}' is not installed (installed: {listing}). "
-            f"Install it, e.g. `pip install icefloe-backend-{name}`, or set "
-            f"coordination.backend to one of the installed backends."
+            f"coordination backend '{name}'{where} is not installed (installed: {listing}). "
+            + "; ".join(hints)
+            + "."
         )
 
 

@@ -33,7 +33,12 @@ from icefloe.committer import (
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
-from icefloe.errors import NotLeaderError, PermanentTableError, StaleFencingTokenError
+from icefloe.errors import (
+    ChannelIdentityError,
+    NotLeaderError,
+    PermanentTableError,
+    StaleFencingTokenError,
+)
 from icefloe.events import CommitComplete, CommitToTable, Event, StartCommit
 from icefloe.hookspecs import TableCommitted
 from icefloe.plugins import Plugins, get_plugins
@@ -78,6 +83,7 @@ class CommitCycle:
         self._quarantine = quarantine
         self._trouble: dict[str, _Trouble] = {}
         self.quarantined_files = 0  # since this coordinator started (a metric)
+        reader.backing_off = self.backing_off
         self.stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
         self.last_end = time.monotonic()
 
@@ -85,7 +91,8 @@ class CommitCycle:
         """The interval counts from now (after recovery, or after losing leadership)."""
         self.last_end = time.monotonic()
 
-    def _backing_off(self, table: str) -> bool:
+    def backing_off(self, table: str) -> bool:
+        """Whether ``table`` failed recently and waits for its next attempt."""
         trouble = self._trouble.get(table)
         return trouble is not None and time.monotonic() < trouble.retry_at
 
@@ -94,16 +101,12 @@ class CommitCycle:
         if time.monotonic() - self.last_end >= s.commit_interval_s:
             return True
         # files of tables backing off do not count: they must not make cycles spin
-        ready = [
-            f for t, fs in self._reader.pending.items() if not self._backing_off(t) for f in fs
-        ]
-        if s.max_pending_files is not None and ready and len(ready) >= s.max_pending_files:
-            return True
-        return (
-            s.max_pending_bytes is not None
-            and bool(ready)
-            and sum(f.meta.file_size_in_bytes for f in ready) >= s.max_pending_bytes
+        files, size = self._reader.pending_size(
+            t for t in self._reader.pending if not self.backing_off(t)
         )
+        if s.max_pending_files is not None and files and files >= s.max_pending_files:
+            return True
+        return s.max_pending_bytes is not None and files > 0 and size >= s.max_pending_bytes
 
     def run(self) -> CycleResult:
         commit_id = str(uuid.uuid4())
@@ -115,7 +118,8 @@ class CommitCycle:
             self._channel.broadcast(Event(self._group_id, StartCommit(commit_id)))
             deadline = time.monotonic() + self._settings.commit_timeout_s
             while not expected <= reader.answered:
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()  # > 0 when polled: 0 or less may block
+                if left <= 0:
                     cut_short = "timeout"
                 elif self.stop is not None and self.stop.is_set():
                     cut_short = "stop"
@@ -123,7 +127,7 @@ class CommitCycle:
                     cut_short = "full"
                 if cut_short:
                     break  # commit what was read, as a partial cycle
-                reader.poll(min(deadline - time.monotonic(), POLL_S))
+                reader.poll(min(left, POLL_S))
                 self._leadership.renew_if_due()
             answered = set(reader.answered)
         finally:
@@ -160,7 +164,7 @@ class CommitCycle:
         quarantined: dict[str, int] = {}
         deferred: list[str] = []
         for table in sorted(reader.pending):
-            if self._backing_off(table):
+            if self.backing_off(table):
                 deferred.append(table)
                 continue
             files = tuple(reader.pending[table])
@@ -182,6 +186,7 @@ class CommitCycle:
                                 source_offsets=sources,
                                 fencing_token=self._leadership.token(),
                                 valid_through_ms=vtts,
+                                channel_id=reader.channel_id,
                             )
                         )
                     )
@@ -189,6 +194,8 @@ class CommitCycle:
             except (NotLeaderError, StaleFencingTokenError) as exc:
                 # a newer leader exists: stop here, it re-reads and finishes our work
                 raise NotLeaderError(f"{self._coordinator_id}: {exc}") from exc
+            except ChannelIdentityError:
+                raise  # no retry can help: stop and let the operator act on the message
             except Exception as exc:  # tables commit independently; this one stays pending
                 failed[table] = f"{type(exc).__name__}: {exc}"
                 n = self._failed(commit_id, table, exc)

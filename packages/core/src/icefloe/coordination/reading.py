@@ -21,18 +21,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from icefloe.channel import ChannelRecord, CoordinatorChannel
-from icefloe.committer import CommitState, IcebergCommitter, PendingFile
+from icefloe.committer import IcebergCommitter, PendingFile
 from icefloe.coordination.settings import POLL_S, CoordinatorSettings
 from icefloe.dedupe import CommitBoundary
+from icefloe.errors import ChannelIdentityError, ChannelResetError
 from icefloe.events import DataComplete, DataWritten, SourcePosition
 from icefloe.quarantine import Quarantine
 from icefloe.writer import merge_positions
 
 log = logging.getLogger("icefloe.coordinator")
+
+_HARD_CAP = 4  # times max_pending_*: the most files kept while some tables back off
 
 
 @dataclass
@@ -64,6 +67,7 @@ class EventReader:
         self._committer = committer
         self._settings = settings
         self._quarantine = quarantine
+        self.backing_off: Callable[[str], bool] = lambda table: False  # set by the cycle
         self.reset()
 
     def reset(self) -> None:
@@ -71,6 +75,7 @@ class EventReader:
         self.read_pos: dict[str, int] = {}
         self.stored: dict[str, int] | None = None
         self.pending: dict[str, list[PendingFile]] = {}
+        self._bytes: dict[str, int] = {}  # pending bytes per table, kept with ``pending``
         self._pending_keys: set[tuple[str, int, str]] = set()
         self.writers: dict[str, WriterState] = {}
         self._boundaries: dict[str, CommitBoundary] = {}
@@ -80,6 +85,7 @@ class EventReader:
         self._recovering = False
         self.cycle_id: str | None = None
         self.answered: set[str] = set()
+        self.channel_id: str | None = None  # known once recover() ran
 
     # ------------------------------------------------------------------ views
 
@@ -87,16 +93,32 @@ class EventReader:
         return {t: len(fs) for t, fs in self.pending.items() if fs}
 
     def pending_bytes(self) -> int:
-        return sum(f.meta.file_size_in_bytes for fs in self.pending.values() for f in fs)
+        return sum(self._bytes.values())
+
+    def pending_size(self, tables: Iterable[str]) -> tuple[int, int]:
+        """Pending files and bytes of ``tables`` (cheap: per-table counts)."""
+        chosen = [t for t in tables if t in self.pending]
+        return sum(len(self.pending[t]) for t in chosen), sum(self._bytes[t] for t in chosen)
 
     def full(self) -> bool:
-        """Whether pending files reached ``max_pending_files/bytes`` (stop reading)."""
+        """Whether pending files reached ``max_pending_files/bytes`` (stop reading).
+
+        Files of tables backing off after a failure count only against a hard cap of
+        ``_HARD_CAP`` times the bound: below it the other tables keep being read and committed
+        while one table fails; at it memory wins and reading waits (a permanently failing
+        table's files are quarantined after its attempts, which frees it).
+        """
         s = self._settings
-        if s.max_pending_files is not None and (
-            sum(len(fs) for fs in self.pending.values()) >= s.max_pending_files
-        ):
-            return True
-        return s.max_pending_bytes is not None and self.pending_bytes() >= s.max_pending_bytes
+        if s.max_pending_files is None and s.max_pending_bytes is None:
+            return False
+        every = self.pending_size(self.pending)
+        ready = self.pending_size(t for t in self.pending if not self.backing_off(t))
+        for (files, size), factor in ((ready, 1), (every, _HARD_CAP)):
+            if s.max_pending_files is not None and files >= s.max_pending_files * factor:
+                return True
+            if s.max_pending_bytes is not None and size >= s.max_pending_bytes * factor:
+                return True
+        return False
 
     def prune_writers(self) -> set[str]:
         """Drop writers not heard from within ``writer_timeout_s``; returns the live ones."""
@@ -134,7 +156,9 @@ class EventReader:
         """Re-read everything since the stored position; the backlog rebuilds pending files.
         Returns how many events were read."""
         self.reset()
+        self.channel_id = self._channel.channel_id()
         stored = self._channel.stored_position()
+        self._check_within_log("the position stored in the channel", stored or {})
         self.stored = None if stored is None else dict(stored)
         self.read_pos = dict(self.stored or {})
         self._channel.seek(stored)
@@ -222,18 +246,43 @@ class EventReader:
             return  # the table already holds this batch (all its files share one place)
         self._pending_keys.add(key)
         self.pending.setdefault(dw.table, []).extend(files)
+        self._bytes[dw.table] = self._bytes.get(dw.table, 0) + sum(
+            f.meta.file_size_in_bytes for f in files
+        )
 
     def boundary(self, table: str) -> CommitBoundary:
-        """What ``table`` holds already, read once per leadership from its snapshots."""
+        """What ``table`` holds already, read once per leadership from its snapshots.
+
+        Raises a :class:`~icefloe.errors.ChannelIdentityError` when the table's commits came
+        through another, undrained channel, or record positions this channel does not reach
+        (it was reset or rolled back): going on would drop new files as already committed."""
         if table not in self._boundaries:
             try:
-                state: CommitState | None = self._committer.state(table)
+                boundary = self._committer.boundary(table, self.channel_id)
+            except ChannelIdentityError:
+                raise
             except Exception as exc:
                 # skip nothing early; the commit itself reports the problem loudly
                 log.warning("cannot read icefloe state of %s: %s", table, exc)
-                state = None
-            self._boundaries[table] = CommitBoundary() if state is None else state.boundary
+                boundary = CommitBoundary(channel_id=self.channel_id)
+            self._check_within_log(f"table '{table}'", boundary.positions)
+            self._boundaries[table] = boundary
         return self._boundaries[table]
+
+    def _check_within_log(self, what: str, positions: Mapping[str, int]) -> None:
+        """Positions recorded through this channel can never lie past its end; if they do,
+        the channel lost events (restored from a backup, counters rolled back)."""
+        if not positions:
+            return
+        end = self._channel.end_position()
+        beyond = {p: o for p, o in positions.items() if o > end.get(p, 0)}
+        if beyond:
+            raise ChannelResetError(
+                f"{what} records channel positions {beyond} past the end of channel "
+                f"{self.channel_id} ({dict(end)}): the channel was reset or rolled back (e.g. "
+                "restored from a backup) and would number new events below what is already "
+                "committed. Do not restart as is: see docs/operations.md (channel reset)"
+            )
 
     def quarantined_paths(self, table: str) -> set[str]:
         """Paths of ``table`` quarantined by this pipeline, read once per leadership."""
@@ -254,8 +303,10 @@ class EventReader:
         left = [f for f in self.pending.get(table, []) if id(f) not in gone]
         if left:
             self.pending[table] = left
+            self._bytes[table] = sum(f.meta.file_size_in_bytes for f in left)
         else:
             self.pending.pop(table, None)
+            self._bytes.pop(table, None)
         still = {(f.writer_id, f.batch_seq) for f in left}
         for f in files:
             if (f.writer_id, f.batch_seq) not in still:

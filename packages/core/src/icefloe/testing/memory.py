@@ -65,11 +65,12 @@ class MemoryServer:
     """Shared state of the reference channel. Thread-safe; every method takes and returns only
     picklable plain values so a :class:`multiprocessing.managers.BaseManager` can proxy it."""
 
-    def __init__(self) -> None:
+    def __init__(self, identity: str | None = None) -> None:
         self._cond = threading.Condition()
         self._groups: dict[str, _Group] = {}
-        # created with the storage: a new server is a new channel
-        self._identity = uuid.uuid4().hex
+        # created with the storage: a new server is a new channel. ``identity`` makes this
+        # server a restored copy of another one's storage (tests of rollback detection)
+        self._identity = identity or uuid.uuid4().hex
 
     def identity(self) -> str:
         return self._identity
@@ -108,14 +109,20 @@ class MemoryServer:
         """Append a batch atomically; False if its key was published before."""
         with self._cond:
             g = self._group(group_id)
-            self._check_epoch(g, writer_id, epoch)
-            key = (writer_id, batch_seq)
-            if key in g.published:
+            if not self._claim_key(g, writer_id, epoch, batch_seq):
                 return False
-            g.published.add(key)
             g.log.extend(events)
             self._cond.notify_all()
             return True
+
+    def _claim_key(self, g: _Group, writer_id: str, epoch: int, batch_seq: int) -> bool:
+        """Under the lock: check the epoch and record the batch key; False if it was seen."""
+        self._check_epoch(g, writer_id, epoch)
+        key = (writer_id, batch_seq)
+        if key in g.published:
+            return False
+        g.published.add(key)
+        return True
 
     def append(self, group_id: str, writer_id: str, epoch: int, event: bytes) -> None:
         """Append one writer event that is not a batch (a DataComplete answer)."""
