@@ -247,6 +247,19 @@ class Run:
                 raise RunError(f"timed out after {timeout:.0f}s waiting for {what}")
             time.sleep(1.0)
 
+    def wait_query_started(self, tree: Tree, timeout: float = 600.0) -> None:
+        """Until this tree's driver logged that its streaming query runs."""
+        mark = f"pipeline {self.config['name']} started"
+
+        def started() -> bool:
+            if not tree.alive():
+                raise RunError(f"the pipeline exited early:\n{self.log_tail()}")
+            with open(tree.log, "rb") as log:
+                log.seek(tree.log_offset)
+                return mark.encode() in log.read()
+
+        self.wait_for(started, timeout, "the streaming query to start")
+
     def wait_first_commit(self, tree: Tree, timeout: float = 600.0) -> None:
         def committed() -> bool:
             if not tree.alive():

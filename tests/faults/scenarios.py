@@ -83,12 +83,12 @@ def crash_at(run: Run, env_var: str, low: int, high: int, kind: str) -> None:
     run.kill(tree, "kill -9 random")
 
 
-def kill_at_random(run: Run, low: float = 4.0, high: float = 40.0) -> None:
-    """Start the pipeline and ``kill -9`` its whole tree after a random delay (startup, a
-    batch in flight, a commit in flight: wherever it lands)."""
+def kill_at_random(run: Run, low: float = 0.0, high: float = 30.0) -> None:
+    """Start the pipeline and ``kill -9`` its whole tree a random delay after its query
+    started (a batch being read, written, published or committed: wherever it lands)."""
     tree = run.start_pipeline()
-    delay = run.rng.uniform(low, high)
-    if run.wait_exit(tree, delay) is not None:
+    run.wait_query_started(tree)
+    if run.wait_exit(tree, run.rng.uniform(low, high)) is not None:
         raise RunError(f"the pipeline exited by itself:\n{run.log_tail()}")
     run.kill(tree, "kill -9 random")
 
@@ -124,7 +124,7 @@ def crash_mix(run: Run) -> None:
     run.start_producer()
     crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 3, "kill -9 after publish")
     crash_at(run, faults.EXIT_AFTER_COMMIT_ENV, 1, 2, "kill -9 after commit")
-    kill_at_random(run, 5.0, 25.0)
+    kill_at_random(run, 0.0, 20.0)
     run.finish()
 
 
@@ -222,6 +222,7 @@ def drop_recreate_table(run: Run) -> None:
     dropped = Tally()
     dropped.add_table(StaticTable.from_metadata(last_metadata(old.location(), old_uuid)), "old")
     run.add_counted(dropped)
+    time.sleep(run.rng.uniform(5.0, 20.0))  # batches in flight meet the new table
     tree.stop()
     run.finish()
     run.add_counted(quarantined_tally(run, old_uuid))

@@ -61,7 +61,7 @@ from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
-from icefloe.datafiles import to_data_file
+from icefloe.datafiles import DataFileBuilder
 from icefloe.dedupe import POSITIONS_KEY as POSITIONS_KEY  # re-exported: summary keys
 from icefloe.dedupe import WATERMARKS_KEY as WATERMARKS_KEY
 from icefloe.dedupe import CommitBoundary, max_merge
@@ -295,8 +295,9 @@ class IcebergCommitter:
         boundary = _boundary(self._own_state(loaded, head))
         accepted: list[PendingFile] = []
         refused: list[tuple[PendingFile, RefusedFileError]] = []
+        rules = _FileRules.of(loaded)
         for f in files:
-            error = None if boundary.covers(f) else _refusal(loaded, f)
+            error = None if boundary.covers(f) else _refusal(loaded, f, rules)
             if error is None:
                 accepted.append(f)
             else:
@@ -530,8 +531,9 @@ class IcebergCommitter:
                 "a newer coordinator has taken over"
             )
         files, skipped = _select(request.files, state)
+        rules = _FileRules.of(table)
         for f in files:
-            error = _refusal(table, f)
+            error = _refusal(table, f, rules)
             if error is not None:
                 # screen() sorts these out first; reaching here means the table changed in
                 # between (e.g. recreated): refuse the whole request, the next cycle re-screens
@@ -574,9 +576,14 @@ class IcebergCommitter:
             # later switch away from it needs a new drain
             tx.remove_properties(drained_property(self._group_id))
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
-        with snapshot.fast_append() as append:
+        # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
+        # read, which made this loop cost seconds per 10,000 files, growing with history
+        build = DataFileBuilder(tx.table_metadata).build
+        # pyiceberg's merge append is a fast append unless the table enables manifest merging
+        # (commit.manifest-merge.enabled, set on tables icefloe creates): see icefloe.maintenance
+        with snapshot.merge_append() as append:
             for f in plan.files:
-                append.append_data_file(to_data_file(f.meta, tx.table_metadata))
+                append.append_data_file(build(f.meta))
         kept = {"snapshot-id": append.snapshot_id, "summary": plan.summary}
         tx.set_properties({state_property(self._group_id, self._branch): _json(kept)})
         return tx, append.snapshot_id
@@ -615,7 +622,29 @@ def _name(table: Table) -> str:
     return ".".join(table.name())
 
 
-def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
+@dataclass(frozen=True)
+class _FileRules:
+    """What every file's check against one loaded table shares, prepared once: a commit
+    carries up to 100,000s of files, and per-file setup cost as much as the checks."""
+
+    roots: tuple[_Root, ...]
+    table_uuid: str
+    build: Callable[[DataFileMeta], object]
+
+    @classmethod
+    def of(cls, table: Table) -> _FileRules:
+        metadata = table.metadata
+        roots = [metadata.location] + [
+            metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
+        ]
+        return cls(
+            tuple(_split_root(r) for r in roots),
+            str(metadata.table_uuid),
+            DataFileBuilder(metadata).build,
+        )
+
+
+def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileError | None:
     """Why ``table`` can never take ``f``, or None. Each reason concerns this file alone."""
     metadata = table.metadata
     path = f.meta.path
@@ -625,16 +654,17 @@ def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
             "row delta commit, which icefloe does not support yet (pyiceberg 0.12 cannot add "
             "delete files); write data files only"
         )
-    if f.table_uuid is not None and not _same_uuid(f.table_uuid, metadata.table_uuid):
+    if (
+        f.table_uuid is not None
+        and f.table_uuid != rules.table_uuid
+        and not _same_uuid(f.table_uuid, metadata.table_uuid)
+    ):
         return TableMismatchError(
             f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {path} was "
             f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
             "commit it"
         )
-    roots = [metadata.location] + [
-        metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
-    ]
-    if not any(_inside(path, root) for root in roots):
+    if not any(_inside(path, root) for root in rules.roots):
         return FileOutsideTableError(
             f"table '{_name(table)}': {path} lies outside the table location "
             f"{metadata.location}; refusing to commit it"
@@ -647,7 +677,7 @@ def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
             f"{metadata.default_spec_id}; rewrite the file under the current spec"
         )
     try:
-        to_data_file(f.meta, metadata)
+        rules.build(f.meta)
     except (ValueError, KeyError, TypeError) as e:
         return InvalidDataFileError(f"table '{_name(table)}': cannot describe {path}: {e}")
     return None
@@ -666,12 +696,22 @@ def _split(uri: str) -> tuple[str, str, str]:
     return _SCHEME_ALIASES.get(scheme, scheme), parts.netloc, posixpath.normpath(parts.path)
 
 
-def _inside(path: str, root: str) -> bool:
+_Root = tuple[str, str, str, str]  # raw prefix, then scheme, netloc, path (ending in "/")
+
+
+def _split_root(root: str) -> _Root:
+    """``root`` prepared for :func:`_inside`."""
+    scheme, netloc, path = _split(root)
+    return root.rstrip("/") + "/", scheme, netloc, path.rstrip("/") + "/"
+
+
+def _inside(path: str, root: _Root) -> bool:
     """Whether ``path`` lies under ``root``, normalising '..' so it cannot escape."""
+    raw = root[0]
+    if path.startswith(raw) and "/." not in path[len(raw) - 1 :] and "//" not in path[len(raw) :]:
+        return True  # the common case, decided without parsing: nothing to normalise
     scheme, netloc, file_path = _split(path)
-    root_scheme, root_netloc, root_path = _split(root)
-    prefix = root_path.rstrip("/") + "/"
-    return scheme == root_scheme and netloc == root_netloc and file_path.startswith(prefix)
+    return (scheme, netloc) == root[1:3] and file_path.startswith(root[3])
 
 
 def _find_state(

@@ -118,7 +118,8 @@ class CommitCycle:
             self._channel.broadcast(Event(self._group_id, StartCommit(commit_id)))
             deadline = time.monotonic() + self._settings.commit_timeout_s
             while not expected <= reader.answered:
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()  # > 0 when polled: 0 or less may block
+                if left <= 0:
                     cut_short = "timeout"
                 elif self.stop is not None and self.stop.is_set():
                     cut_short = "stop"
@@ -126,7 +127,7 @@ class CommitCycle:
                     cut_short = "full"
                 if cut_short:
                     break  # commit what was read, as a partial cycle
-                reader.poll(min(deadline - time.monotonic(), POLL_S))
+                reader.poll(min(left, POLL_S))
                 self._leadership.renew_if_due()
             answered = set(reader.answered)
         finally:
