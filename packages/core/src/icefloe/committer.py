@@ -200,6 +200,7 @@ class _Plan:
     summary: dict[str, str]
     raise_token: bool
     fork_from: int | None  # create the branch from this snapshot first
+    clear_drained: bool = False  # the drained channel is in use again: its mark is stale
 
 
 class IcebergCommitter:
@@ -556,6 +557,9 @@ class IcebergCommitter:
             summary=_summary(self._group_id, request, state),
             raise_token=switched or prop is None or request.fencing_token > prop,
             fork_from=fork_from,
+            clear_drained=request.channel_id is not None
+            and table.metadata.properties.get(drained_property(self._group_id))
+            == request.channel_id,
         )
 
     def _stage(self, table: Table, plan: _Plan) -> tuple[Transaction, int]:
@@ -568,6 +572,10 @@ class IcebergCommitter:
             tx.set_properties(
                 {fencing_token_property(self._group_id): plan.summary[FENCING_TOKEN_KEY]}
             )
+        if plan.clear_drained:
+            # committing through the drained channel again: it holds work once more, so a
+            # later switch away from it needs a new drain
+            tx.remove_properties(drained_property(self._group_id))
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
         # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
         # read, which made this loop cost seconds per 10,000 files, growing with history
