@@ -75,7 +75,11 @@ def crash_at(run: Run, env_var: str, low: int, high: int, kind: str) -> None:
     ``[low, high]``; once the driver exits there, ``kill -9`` what it left (its JVM)."""
     target = run.rng.randint(low, high)
     tree = run.start_pipeline({env_var: str(target)})
-    code = run.wait_exit(tree, 600.0)
+    deadline = time.monotonic() + 600.0
+    # the producer may finish before the chosen batch/cycle comes: stop waiting once caught up
+    while tree.alive() and time.monotonic() < deadline and not run.caught_up():
+        time.sleep(2.0)
+    code = run.wait_exit(tree, 10.0)  # caught up by the very commit that fires the fault
     if code == faults.EXIT_CODE:
         run.kill(tree, kind)
         return
