@@ -42,7 +42,12 @@ def tests(session: nox.Session, package: str) -> None:
     if package == "e2e":
         # pip: tests/test_third_party_plugin.py installs a plugin distribution with it
         session.install(
-            *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "pip", "psutil>=5.9"
+            *ALL_WITH_TEST_EXTRAS,
+            "./packages/spark-runner[demo]",
+            "pip",
+            "psutil>=5.9",
+            "ruff>=0.6",
+            "mypy>=1.11",
         )
         session.run("pytest", "tests", *_pytest_args(session))
         return
@@ -97,3 +102,12 @@ def version(session: nox.Session) -> None:
     """Set every package's version and internal pins from VERSION (`nox -s version -- 0.2.0`
     writes VERSION first)."""
     session.run(sys.executable, "tools/bump_version.py", *session.posargs)
+
+
+@nox.session(name="bench-coordinator", default=False)
+def bench_coordinator(session: nox.Session) -> None:
+    """Coordinator benchmark (not run by default): cycle and Iceberg commit time with many
+    writers and files, no Spark; e.g. `nox -s bench-coordinator -- --backend redis --writers 64
+    --files 10000 --cycles 10`. Results go to docs/benchmarks.md by hand."""
+    session.install(*ALL_WITH_TEST_EXTRAS)
+    session.run("python", "benchmarks/bench_coordinator.py", *session.posargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
@@ -55,5 +56,9 @@ def backend_config(config: PipelineConfig, plugins: Plugins | None = None) -> Ba
 def open_backend(config: PipelineConfig, plugins: Plugins | None = None) -> Backend:
     """Build the backend named by ``coordination.backend`` for this pipeline."""
     spec = _spec(config, plugins)
-    context = BackendContext(group_id=config.name, lease_ttl_s=config.coordination.lease_ttl_s)
+    context = BackendContext(
+        group_id=config.name,
+        lease_ttl_s=config.coordination.lease_ttl_s,
+        config_dir=Path(config.config_dir) if config.config_dir else None,
+    )
     return spec.factory(_validated(spec, config), context)

@@ -21,6 +21,7 @@ from icefloe.errors import IcefloeError
 from icefloe.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve_level
 from icefloe.logs import configure as configure_logging
 from icefloe.metrics import MetricsPortOption, start_metrics
+from icefloe.new_backend import new_backend_command
 from icefloe.plugins import get_plugins
 from icefloe.quarantine_cli import app as quarantine_app
 
@@ -107,18 +108,82 @@ def backends() -> None:
 
 
 @app.command()
-def doctor(config: ConfigOption) -> None:
-    """Check the configuration and the backend's server setup; print warnings."""
+def doctor(
+    config: ConfigOption,
+    verbose: VerboseOption = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per check.")] = False,
+) -> None:
+    """Check everything `icefloe run` needs, one line each: plugins, the backend's server and
+    its durability settings, the catalog and every table, the Kafka source and its topics,
+    Java. Exits 1 when anything would make `run` fail."""
+    from icefloe.doctor import run_checks
+
+    configure_logging(resolve_level(None, verbose, quiet=not verbose))
     cfg = load_config(config)
-    get_plugins().check_pending()
-    backend = open_backend(cfg)
-    try:
-        warnings = backend.doctor()
-    finally:
-        backend.close()
-    for w in warnings:
-        _say("warning: ", "yellow", w)
-    typer.echo("ok" if not warnings else f"{len(warnings)} warning(s)")
+    checks = run_checks(cfg, verbose=verbose)
+    styles = {"ok": "green", "warn": "yellow", "fail": "red"}
+    for c in checks:
+        if as_json:
+            typer.echo(json.dumps({"check": c.name, "status": c.status, "detail": c.detail}))
+        else:
+            _say(f"{c.status:4s} ", styles[c.status], f"{c.name}: {c.detail}")
+    failed = sum(c.status == "fail" for c in checks)
+    warned = sum(c.status == "warn" for c in checks)
+    summary = f"{failed} failed, {warned} warning(s), {len(checks) - failed - warned} ok"
+    _say("", "", summary if failed else f"ok ({summary})")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def status(
+    config: ConfigOption,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+) -> None:
+    """The pipeline's state from the backend and the catalog (no Spark): leader, token, lease
+    age, writers, and per table the last commit, rows, lag, quarantined files. Exits 1 when a
+    table is stuck or the backend is unreachable."""
+    from icefloe.status import collect, render_lines
+
+    configure_logging(resolve_level(None, quiet=True))
+    cfg = load_config(config)
+    state = collect(cfg)
+    if as_json:
+        typer.echo(json.dumps(state.to_json(), default=str))
+    else:
+        for line in render_lines(state):
+            typer.echo(line)
+    if state.stuck:
+        raise typer.Exit(1)
+
+
+@app.command()
+def maintain(
+    config: ConfigOption,
+    table: Annotated[
+        list[str] | None, typer.Option("--table", help="Only this table (repeatable).")
+    ] = None,
+    expire_older_than: Annotated[
+        str, typer.Option(help="Expire snapshots older than this (e.g. 7d, 12h).")
+    ] = "7d",
+    retain_last: Annotated[int, typer.Option(help="Always keep this many newest.")] = 1,
+    orphans_older_than: Annotated[
+        str, typer.Option(help="Delete unreferenced files only when older than this.")
+    ] = "3d",
+    dry_run: Annotated[bool, typer.Option(help="Report, change nothing.")] = False,
+) -> None:
+    """Expire old snapshots and delete orphan files; safe next to a running pipeline."""
+    from icefloe import maintenance  # pulls in pyiceberg
+
+    for line in maintenance.maintain(
+        load_config(config),
+        table or (),
+        maintenance.parse_age(expire_older_than),
+        retain_last,
+        maintenance.parse_age(orphans_older_than),
+        dry_run,
+    ):
+        typer.echo(line)
 
 
 @app.command("coordinator")
@@ -174,6 +239,61 @@ def coordinator_command(
     _say("", "", f"coordinator {name} stopped")
 
 
+@app.command("drain")
+def drain_command(
+    config: ConfigOption,
+    timeout_s: Annotated[
+        float, typer.Option("--timeout", help="Give up after this many seconds.")
+    ] = 600.0,
+) -> None:
+    """Commit everything the configured channel still holds, then mark the pipeline's tables
+    as drained of it, so the pipeline may continue on another backend. Stop the pipeline
+    (`icefloe run`) first. Exits 0 once drained."""
+    import logging
+    import os
+    import socket
+
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe.committer import IcebergCommitter
+    from icefloe.coordinator import Coordinator, CoordinatorSettings
+    from icefloe.drain import drain
+
+    cfg = load_config(config)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    name = f"drain-{socket.gethostname()}-{os.getpid()}"
+    catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
+    backend = open_backend(cfg)
+    try:
+        coordinator = Coordinator(
+            cfg.name,
+            backend.coordinator(name),
+            catalog,
+            CoordinatorSettings.from_config(cfg.coordination),
+            coordinator_id=name,
+        )
+        try:
+            result = drain(
+                coordinator,
+                IcebergCommitter(catalog, cfg.name, branch=cfg.coordination.branch),
+                [t.name for t in cfg.tables],
+                timeout_s=timeout_s,
+            )
+        finally:
+            coordinator.close()
+    finally:
+        backend.close()
+    _say("", "", f"drained channel {result.channel_id} of pipeline {cfg.name}")
+    for table in result.skipped:
+        _say(
+            "note: ",
+            "yellow",
+            f"{table}: not marked (absent, or committed through another channel)",
+        )
+
+
 def build_command() -> Any:
     """The click command behind ``icefloe``, plugin commands included. Flags (boolean
     options) show no ``<bool>`` value placeholder in help: they take no value."""
@@ -198,6 +318,9 @@ def _flag_help_option(make: Any) -> Any:
         return option
 
     return get_help_option
+
+
+app.command("new-backend")(new_backend_command)
 
 
 def main() -> None:

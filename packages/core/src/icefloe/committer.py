@@ -44,7 +44,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -61,11 +61,12 @@ from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
-from icefloe.datafiles import to_data_file
+from icefloe.datafiles import DataFileBuilder
 from icefloe.dedupe import POSITIONS_KEY as POSITIONS_KEY  # re-exported: summary keys
 from icefloe.dedupe import WATERMARKS_KEY as WATERMARKS_KEY
 from icefloe.dedupe import CommitBoundary, max_merge
 from icefloe.errors import (
+    ChannelChangedError,
     CommitError,
     CommitHistoryLostError,
     FileOutsideTableError,
@@ -87,6 +88,8 @@ SOURCE_OFFSETS_KEY = "icefloe.source-offsets"
 FENCING_TOKEN_KEY = "icefloe.fencing-token"
 VALID_THROUGH_KEY = "icefloe.valid-through-ms"
 BRANCH_ROOT_KEY = "icefloe.branch-root"
+STATE_KEY = "icefloe.state"
+DRAINED_KEY = "icefloe.channel-drained"
 
 # Table properties under which files may legitimately live outside the table location.
 _DATA_PATH_PROPERTIES = (
@@ -103,6 +106,18 @@ _SCHEME_ALIASES = {"": "file", "s3a": "s3", "s3n": "s3"}
 def fencing_token_property(group_id: str) -> str:
     """The table property holding the highest fencing token of ``group_id`` that committed."""
     return f"{FENCING_TOKEN_KEY}.{group_id}"
+
+
+def state_property(group_id: str, branch: str) -> str:
+    """The table property repeating the group's newest summary on ``branch`` (with its snapshot
+    id), written in the same transaction as the append: expiring snapshots cannot lose it."""
+    return f"{STATE_KEY}.{group_id}.{branch}"
+
+
+def drained_property(group_id: str) -> str:
+    """The table property naming the channel ``icefloe drain`` emptied for ``group_id``: the
+    one channel from which a pipeline may move to another without refusal."""
+    return f"{DRAINED_KEY}.{group_id}"
 
 
 @dataclass(frozen=True)
@@ -152,6 +167,8 @@ class TableCommitRequest:
     source_offsets: Mapping[str, Mapping[int, int]]
     fencing_token: int
     valid_through_ms: int | None = None
+    channel_id: str | None = None
+    """The identity of the channel ``positions`` and the files' offsets belong to."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +248,42 @@ class IcebergCommitter:
         head, _ = self._branch_head(loaded)
         return self._own_state(loaded, head)
 
+    def boundary(self, table: str, channel_id: str | None) -> CommitBoundary:
+        """What ``table`` holds already, as seen through the channel ``channel_id``.
+
+        Raises :class:`~icefloe.errors.ChannelChangedError` when the table's last commit came
+        through another channel that was not drained."""
+        loaded = self._load(table)
+        head, _ = self._branch_head(loaded)
+        state = self._for_channel(loaded, self._own_state(loaded, head), channel_id)
+        return CommitBoundary(channel_id=channel_id) if state is None else state.boundary
+
+    def mark_drained(self, table: str, channel_id: str) -> bool:
+        """Record that ``channel_id`` holds nothing uncommitted for this group, so the pipeline
+        may continue on another channel. Only marks a table whose last commit of this group
+        came through ``channel_id`` (or that has none); returns whether it marked."""
+        if not self._catalog.table_exists(table):
+            return False  # nothing was ever committed to it
+        for attempt in range(self._max_attempts):
+            if attempt:
+                self._backoff(attempt)
+            loaded = self._load(table)
+            head, _ = self._branch_head(loaded)
+            state = self._own_state(loaded, head)
+            recorded = None if state is None else state.boundary.channel_id
+            if recorded not in (None, channel_id):
+                return False
+            if loaded.metadata.properties.get(drained_property(self._group_id)) == channel_id:
+                return True
+            tx = loaded.transaction()
+            tx.set_properties({drained_property(self._group_id): channel_id})
+            try:
+                tx.commit_transaction()
+                return True
+            except CommitFailedException:
+                continue
+        raise CommitError(f"table '{table}': could not record the drained channel")
+
     def screen(self, table: str, files: Iterable[PendingFile]) -> Screening:
         """Sort out the files ``table`` can never take (wrong table incarnation, outside its
         location, old partition spec, delete files, undescribable), so the caller can
@@ -241,8 +294,9 @@ class IcebergCommitter:
         boundary = _boundary(self._own_state(loaded, head))
         accepted: list[PendingFile] = []
         refused: list[tuple[PendingFile, RefusedFileError]] = []
+        rules = _FileRules.of(loaded)
         for f in files:
-            error = None if boundary.covers(f) else _refusal(loaded, f)
+            error = None if boundary.covers(f) else _refusal(loaded, f, rules)
             if error is None:
                 accepted.append(f)
             else:
@@ -400,8 +454,11 @@ class IcebergCommitter:
         tx.commit_transaction()
 
     def _own_state(self, table: Table, head: Snapshot | None) -> CommitState | None:
-        """This group's state on the branch; refuses to guess when its history was expired."""
+        """This group's state on the branch. When its snapshots were expired, the copy kept in
+        the table property takes over; without one it refuses to guess."""
         state, truncated = _find_state(head, table.metadata, self._group_id)
+        if state is None and truncated:
+            state = self._kept_state(table)
         if state is None and truncated and _property_token(table, self._group_id) is not None:
             # the group committed here before (it left its token), yet no snapshot of it is
             # left in the history: treating everything as new could commit files twice
@@ -413,10 +470,59 @@ class IcebergCommitter:
             )
         return state
 
+    def _kept_state(self, table: Table) -> CommitState | None:
+        raw = table.metadata.properties.get(state_property(self._group_id, self._branch))
+        if raw is None:
+            return None
+        try:
+            kept = json.loads(raw)
+            return _state_from_summary(int(kept["snapshot-id"]), kept["summary"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CommitError(
+                f"table '{_name(table)}': property "
+                f"{state_property(self._group_id, self._branch)} is unreadable ({e}); restore it "
+                "from the group's last snapshot summary or remove it"
+            ) from e
+
+    def _for_channel(
+        self, table: Table, state: CommitState | None, channel_id: str | None
+    ) -> CommitState | None:
+        return self._switch(table, state, channel_id)[0]
+
+    def _switch(
+        self, table: Table, state: CommitState | None, channel_id: str | None
+    ) -> tuple[CommitState | None, bool]:
+        """``state`` as seen through ``channel_id``, and whether the pipeline switched to it
+        from another (drained) channel. Refuses a switch from an undrained channel: its
+        uncommitted batches would be lost, and its positions mean nothing here."""
+        if state is None or channel_id is None:
+            return state, False
+        recorded = state.boundary.channel_id
+        drained = table.metadata.properties.get(drained_property(self._group_id))
+        if recorded is None and drained not in (None, channel_id):
+            # recorded before channels had identities, and a drain moved the pipeline since:
+            # those positions belong to the drained channel, not to this one
+            foreign = CommitBoundary({}, state.boundary.watermarks, channel_id)
+            return replace(state, boundary=foreign), True
+        if recorded not in (None, channel_id) and drained != recorded:
+            raise ChannelChangedError(
+                f"table '{_name(table)}': pipeline '{self._group_id}' last committed "
+                f"through channel {recorded}, now it reads channel {channel_id}. Batches "
+                "published to the old channel and not yet committed would be lost. Run "
+                "`icefloe drain --config <old config>` against the old backend first (see "
+                "docs/operations.md, swapping the backend); if the old channel is gone for "
+                "good, set the table property "
+                f"{drained_property(self._group_id)}={recorded} to accept that loss"
+            )
+        switched = recorded not in (None, channel_id)
+        return replace(state, boundary=state.boundary.for_channel(channel_id)), switched
+
     def _plan(self, table: Table, request: TableCommitRequest) -> _Plan:
         head, fork_from = self._branch_head(table)
-        state = self._own_state(table, head)
-        recorded = _recorded_token(table, self._group_id, state)
+        state, switched = self._switch(table, self._own_state(table, head), request.channel_id)
+        # fencing tokens, like positions, are issued by one channel: after a switch from a
+        # drained channel its tokens fence nothing here (its leaders were stopped for the drain)
+        recorded = None if switched else _recorded_token(table, self._group_id, state)
         if recorded is not None and recorded > request.fencing_token:
             raise StaleFencingTokenError(
                 f"table '{request.table}' records fencing token {recorded} for group "
@@ -424,8 +530,9 @@ class IcebergCommitter:
                 "a newer coordinator has taken over"
             )
         files, skipped = _select(request.files, state)
+        rules = _FileRules.of(table)
         for f in files:
-            error = _refusal(table, f)
+            error = _refusal(table, f, rules)
             if error is not None:
                 # screen() sorts these out first; reaching here means the table changed in
                 # between (e.g. recreated): refuse the whole request, the next cycle re-screens
@@ -446,7 +553,7 @@ class IcebergCommitter:
             files=files,
             skipped=skipped,
             summary=_summary(self._group_id, request, state),
-            raise_token=prop is None or request.fencing_token > prop,
+            raise_token=switched or prop is None or request.fencing_token > prop,
             fork_from=fork_from,
         )
 
@@ -461,9 +568,16 @@ class IcebergCommitter:
                 {fencing_token_property(self._group_id): plan.summary[FENCING_TOKEN_KEY]}
             )
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
-        with snapshot.fast_append() as append:
+        # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
+        # read, which made this loop cost seconds per 10,000 files, growing with history
+        build = DataFileBuilder(tx.table_metadata).build
+        # pyiceberg's merge append is a fast append unless the table enables manifest merging
+        # (commit.manifest-merge.enabled, set on tables icefloe creates): see icefloe.maintenance
+        with snapshot.merge_append() as append:
             for f in plan.files:
-                append.append_data_file(to_data_file(f.meta, tx.table_metadata))
+                append.append_data_file(build(f.meta))
+        kept = {"snapshot-id": append.snapshot_id, "summary": plan.summary}
+        tx.set_properties({state_property(self._group_id, self._branch): _json(kept)})
         return tx, append.snapshot_id
 
     def _live_paths(self, table: Table, head: Snapshot | None, paths: set[str]) -> set[str]:
@@ -500,7 +614,29 @@ def _name(table: Table) -> str:
     return ".".join(table.name())
 
 
-def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
+@dataclass(frozen=True)
+class _FileRules:
+    """What every file's check against one loaded table shares, prepared once: a commit
+    carries up to 100,000s of files, and per-file setup cost as much as the checks."""
+
+    roots: tuple[_Root, ...]
+    table_uuid: str
+    build: Callable[[DataFileMeta], object]
+
+    @classmethod
+    def of(cls, table: Table) -> _FileRules:
+        metadata = table.metadata
+        roots = [metadata.location] + [
+            metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
+        ]
+        return cls(
+            tuple(_split_root(r) for r in roots),
+            str(metadata.table_uuid),
+            DataFileBuilder(metadata).build,
+        )
+
+
+def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileError | None:
     """Why ``table`` can never take ``f``, or None. Each reason concerns this file alone."""
     metadata = table.metadata
     path = f.meta.path
@@ -510,16 +646,17 @@ def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
             "row delta commit, which icefloe does not support yet (pyiceberg 0.12 cannot add "
             "delete files); write data files only"
         )
-    if f.table_uuid is not None and not _same_uuid(f.table_uuid, metadata.table_uuid):
+    if (
+        f.table_uuid is not None
+        and f.table_uuid != rules.table_uuid
+        and not _same_uuid(f.table_uuid, metadata.table_uuid)
+    ):
         return TableMismatchError(
             f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {path} was "
             f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
             "commit it"
         )
-    roots = [metadata.location] + [
-        metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
-    ]
-    if not any(_inside(path, root) for root in roots):
+    if not any(_inside(path, root) for root in rules.roots):
         return FileOutsideTableError(
             f"table '{_name(table)}': {path} lies outside the table location "
             f"{metadata.location}; refusing to commit it"
@@ -532,7 +669,7 @@ def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
             f"{metadata.default_spec_id}; rewrite the file under the current spec"
         )
     try:
-        to_data_file(f.meta, metadata)
+        rules.build(f.meta)
     except (ValueError, KeyError, TypeError) as e:
         return InvalidDataFileError(f"table '{_name(table)}': cannot describe {path}: {e}")
     return None
@@ -551,12 +688,22 @@ def _split(uri: str) -> tuple[str, str, str]:
     return _SCHEME_ALIASES.get(scheme, scheme), parts.netloc, posixpath.normpath(parts.path)
 
 
-def _inside(path: str, root: str) -> bool:
+_Root = tuple[str, str, str, str]  # raw prefix, then scheme, netloc, path (ending in "/")
+
+
+def _split_root(root: str) -> _Root:
+    """``root`` prepared for :func:`_inside`."""
+    scheme, netloc, path = _split(root)
+    return root.rstrip("/") + "/", scheme, netloc, path.rstrip("/") + "/"
+
+
+def _inside(path: str, root: _Root) -> bool:
     """Whether ``path`` lies under ``root``, normalising '..' so it cannot escape."""
+    raw = root[0]
+    if path.startswith(raw) and "/." not in path[len(raw) - 1 :] and "//" not in path[len(raw) :]:
+        return True  # the common case, decided without parsing: nothing to normalise
     scheme, netloc, file_path = _split(path)
-    root_scheme, root_netloc, root_path = _split(root)
-    prefix = root_path.rstrip("/") + "/"
-    return scheme == root_scheme and netloc == root_netloc and file_path.startswith(prefix)
+    return (scheme, netloc) == root[1:3] and file_path.startswith(root[3])
 
 
 def _find_state(
@@ -590,22 +737,27 @@ def _cut_short(oldest: Snapshot) -> bool:
     return total > added
 
 
+def _state_from_summary(snapshot_id: int, summary: Mapping[str, str | None]) -> CommitState:
+    """Raises ValueError/TypeError/AttributeError when the summary is unreadable."""
+    valid_through = summary.get(VALID_THROUGH_KEY)
+    return CommitState(
+        snapshot_id=snapshot_id,
+        commit_id=str(summary.get(COMMIT_ID_KEY)),
+        boundary=CommitBoundary.from_summary(summary),
+        source_offsets={
+            str(topic): {int(p): int(o) for p, o in offsets.items()}
+            for topic, offsets in json.loads(summary.get(SOURCE_OFFSETS_KEY) or "{}").items()
+        },
+        fencing_token=int(summary.get(FENCING_TOKEN_KEY)),  # type: ignore[arg-type]
+        valid_through_ms=None if valid_through is None else int(valid_through),
+    )
+
+
 def _parse_state(snapshot: Snapshot) -> CommitState:
     summary = snapshot.summary
     assert summary is not None  # checked by the caller
     try:
-        valid_through = summary[VALID_THROUGH_KEY]
-        return CommitState(
-            snapshot_id=snapshot.snapshot_id,
-            commit_id=str(summary[COMMIT_ID_KEY]),
-            boundary=CommitBoundary.from_summary(summary),
-            source_offsets={
-                str(topic): {int(p): int(o) for p, o in offsets.items()}
-                for topic, offsets in json.loads(summary[SOURCE_OFFSETS_KEY] or "{}").items()
-            },
-            fencing_token=int(summary[FENCING_TOKEN_KEY]),  # type: ignore[arg-type]
-            valid_through_ms=None if valid_through is None else int(valid_through),
-        )
+        return _state_from_summary(snapshot.snapshot_id, summary)
     except (TypeError, ValueError, AttributeError) as e:
         # without a readable state the committer cannot know what is already in the table
         raise CommitError(
@@ -657,7 +809,8 @@ def _summary(
     group_id: str, request: TableCommitRequest, state: CommitState | None
 ) -> dict[str, str]:
     """Summary properties of the new snapshot; positions and watermarks never regress."""
-    boundary = _boundary(state).advanced(request.positions, request.files)
+    start = CommitBoundary(channel_id=request.channel_id) if state is None else state.boundary
+    boundary = start.advanced(request.positions, request.files)
     old_offsets = {} if state is None else state.source_offsets
     offsets = {
         topic: max_merge(old_offsets.get(topic, {}), request.source_offsets.get(topic, {}))

@@ -86,6 +86,7 @@ class TableConfig(_Model):
     auto_create: bool = False
     partition_by: list[str] = Field(default_factory=list)
     id_columns: list[str] = Field(default_factory=list)
+    properties: dict[str, str] = Field(default_factory=dict)
 
 
 class CatalogConfig(_Model):
@@ -164,6 +165,9 @@ class PipelineConfig(_Model):
     catalog: CatalogConfig = Field(default_factory=CatalogConfig)
     coordination: CoordinationConfig = Field(default_factory=CoordinationConfig)
     spark: SparkConfig = Field(default_factory=SparkConfig)
+    # an absolute path travels with the config to every process (Spark executors get it as
+    # JSON), so a backend's relative paths mean the same everywhere; set by load_config
+    config_dir: str | None = None
     errors: ErrorsConfig = Field(default_factory=ErrorsConfig)
 
     @field_validator("errors")
@@ -358,6 +362,8 @@ def load_config(
             raise ConfigError(
                 "--config", f"not valid TOML ({exc})", "fix the syntax", str(p)
             ) from None
+        # the file's own directory, unless the file names one (relative to the file)
+        data["config_dir"] = str((p.resolve().parent / data.get("config_dir", ".")).resolve())
     env = os.environ if environ is None else environ
     data = apply_env(data, env)
     if overrides:

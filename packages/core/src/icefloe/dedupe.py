@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 POSITIONS_KEY = "icefloe.channel-positions"
 WATERMARKS_KEY = "icefloe.writer-watermarks"
+CHANNEL_ID_KEY = "icefloe.channel-id"
 
 
 class Announced(Protocol):
@@ -43,6 +44,9 @@ class CommitBoundary:
     """``{channel partition: next offset}``: every DataWritten before it is committed."""
     watermarks: Mapping[str, int] = field(default_factory=dict)
     """``{writer_id: highest batch_seq committed}``."""
+    channel_id: str | None = None
+    """The channel ``positions`` belong to; None in summaries written before channels had an
+    identity (their positions are taken to belong to whatever channel reads them)."""
 
     @classmethod
     def from_summary(cls, summary: Mapping[str, str | None]) -> CommitBoundary:
@@ -50,11 +54,28 @@ class CommitBoundary:
         return cls(
             positions=_int_map(json.loads(summary.get(POSITIONS_KEY) or "{}")),
             watermarks=_int_map(json.loads(summary.get(WATERMARKS_KEY) or "{}")),
+            channel_id=summary.get(CHANNEL_ID_KEY) or None,
         )
 
     def to_summary(self) -> dict[str, str]:
         """The summary properties recording this boundary."""
-        return {POSITIONS_KEY: _json(self.positions), WATERMARKS_KEY: _json(self.watermarks)}
+        out = {POSITIONS_KEY: _json(self.positions), WATERMARKS_KEY: _json(self.watermarks)}
+        if self.channel_id is not None:
+            out[CHANNEL_ID_KEY] = self.channel_id
+        return out
+
+    def for_channel(self, channel_id: str | None) -> CommitBoundary:
+        """This boundary as seen by a reader of ``channel_id``.
+
+        Positions number events of one channel only: those recorded through another channel
+        (a swapped backend, a recreated topic or schema) cover nothing here, while writer
+        watermarks (writer ids and batch numbers, which belong to the writers) still apply.
+        """
+        if channel_id is None or self.channel_id == channel_id:
+            return self
+        if self.channel_id is None:  # recorded before identities existed: same channel
+            return CommitBoundary(self.positions, self.watermarks, channel_id)
+        return CommitBoundary({}, self.watermarks, channel_id)
 
     def covers(self, f: Announced) -> bool:
         """Whether the table already holds the file announced at ``f``."""
@@ -71,6 +92,7 @@ class CommitBoundary:
         return CommitBoundary(
             positions=max_merge(self.positions, positions),
             watermarks=max_merge(self.watermarks, batches),
+            channel_id=self.channel_id,
         )
 
 

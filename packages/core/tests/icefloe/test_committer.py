@@ -36,6 +36,7 @@ from icefloe.committer import (
     PendingFile,
     TableCommitRequest,
     fencing_token_property,
+    state_property,
 )
 from icefloe.datafiles import write_data_files
 from icefloe.dedupe import CommitBoundary
@@ -744,20 +745,57 @@ def test_rollback_makes_rolled_back_files_committable_again(
     assert ids_in(catalog) == [1, 2]
 
 
-def test_expired_own_history_is_refused(catalog: SqlCatalog, table: Table) -> None:
+def commit_then_expire(
+    catalog: SqlCatalog, table: Table, keep_state_property: bool = True
+) -> tuple[IcebergCommitter, TableCommitRequest, int]:
+    """The group commits once, two foreign appends follow, then the group's snapshot is
+    expired: no snapshot of the group is left in the history."""
     committer = IcebergCommitter(catalog, GROUP)
     req = request(pending(write(table, [1]), table), {"0": 1})
-    ours = committer.commit(req)
-    assert ours.snapshot_id is not None
+    ours = committer.commit(req).snapshot_id
+    assert ours is not None
     for i in range(2):
         catalog.load_table("db.events").append(rows([100 + i]))
-    catalog.load_table("db.events").maintenance.expire_snapshots().by_id(ours.snapshot_id).commit()
+    if not keep_state_property:
+        loaded = catalog.load_table("db.events")
+        loaded.transaction().remove_properties(state_property(GROUP, "main")).commit_transaction()
+    catalog.load_table("db.events").maintenance.expire_snapshots().by_id(ours).commit()
+    assert catalog.load_table("db.events").metadata.snapshot_by_id(ours) is None
+    return committer, req, ours
 
+
+def test_expired_own_history_without_kept_state_is_refused(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """Tables committed before the state was kept in a property: refuse rather than guess."""
+    committer, req, _ = commit_then_expire(catalog, table, keep_state_property=False)
     with pytest.raises(CommitHistoryLostError, match="expired"):
         committer.commit(req)
     with pytest.raises(CommitHistoryLostError):
         committer.state("db.events")
     assert ids_in(catalog) == [1, 100, 101]
+
+
+def test_expired_own_history_keeps_its_boundary_in_table_properties(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """Expiring every snapshot of the group loses no dedupe boundary: the copy written to the
+    table property in the same transaction takes over, so a replay adds nothing and new
+    batches still commit."""
+    committer, req, ours = commit_then_expire(catalog, table)
+    state = committer.state("db.events")
+    assert state is not None
+    assert state.snapshot_id == ours
+    assert state.positions == {"0": 1}
+    assert state.watermarks == {"w1": 0}
+    replay = committer.commit(req)
+    assert replay.snapshot_id is None
+    assert replay.skipped_files == 1
+    later = committer.commit(
+        request(pending(write(table, [2]), table, batch_seq=1, offset=1), {"0": 2})
+    )
+    assert later.data_files == 1
+    assert ids_in(catalog) == [1, 2, 100, 101]
 
 
 def test_expired_foreign_history_alone_is_fine(catalog: SqlCatalog, table: Table) -> None:
@@ -768,3 +806,41 @@ def test_expired_foreign_history_alone_is_fine(catalog: SqlCatalog, table: Table
     catalog.load_table("db.events").maintenance.expire_snapshots().by_id(first.snapshot_id).commit()
     IcebergCommitter(catalog, GROUP).commit(request(pending(write(table, [1]), table), {"0": 1}))
     assert ids_in(catalog) == [1, 100, 101]
+
+
+# --- cost that must not grow with the files of a commit ---------------------------------
+
+
+def test_commit_reads_transaction_metadata_a_fixed_number_of_times(
+    catalog: SqlCatalog, table: Table, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyiceberg rebuilds (deep-copies) a transaction's metadata on every read: a read per file
+    made a 10,000-file commit take seconds, growing with the table's history."""
+    from pyiceberg.table import Transaction
+
+    reads: list[int] = []
+    original = Transaction.table_metadata
+
+    def counted(tx: Transaction) -> Any:
+        reads.append(1)
+        return original.fget(tx)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(Transaction, "table_metadata", property(counted))
+
+    def reads_for(files: int, seq: int) -> int:
+        [meta] = write(table, [seq])
+        copies = []
+        for i in range(files):  # distinct paths of one real file (hard links)
+            path = meta.path.replace(".parquet", f"-{i}.parquet")
+            Path(path.removeprefix("file://")).hardlink_to(meta.path.removeprefix("file://"))
+            copies.append(dataclasses.replace(meta, path=path))
+        reads.clear()
+        IcebergCommitter(catalog, GROUP).commit(
+            request(pending(copies, table, batch_seq=seq, offset=seq), {"0": seq + 1})
+        )
+        return len(reads)
+
+    reads_for(1, 0)  # the table's first snapshot: later commits all have a parent
+    few, many = reads_for(2, 1), reads_for(200, 2)
+    assert many == few, f"metadata read {few} times for 2 files, {many} times for 200"
+    assert ids_in(catalog) == [0] + [1] * 2 + [2] * 200

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import ChannelRecord, WriterBatch
@@ -546,7 +547,7 @@ def test_standalone_coordinator_command_commits_and_stops_on_sigterm(tmp_path: P
         try:
             source.publish(writer, 0)
             source.publish(writer, 1)
-            drive_until_rows(catalog, source)
+            drive_until_rows(catalog, source, timeout=120.0)  # a cold subprocess start
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
         finally:
@@ -661,10 +662,16 @@ def test_file_outside_the_table_is_quarantined_and_the_rest_committed(
         source.expected.setdefault(t, []).extend(ids)
     wait_pending(coord, good.file_count + len(stray))
 
+    def counted() -> float:
+        sample = REGISTRY.get_sample_value("icefloe_files_quarantined_total", {"table": table})
+        return sample or 0.0
+
+    before = counted()
     first = coord.commit_now()
     assert first.failed == {}
     assert first.quarantined == {table: len(stray)}
     assert coord.quarantined_files == len(stray)
+    assert counted() == before + len(stray)
     entries = Quarantine(make.catalog).list(group_id)
     assert [(e.table_name, e.file_path, e.error_type) for e in entries] == [
         (table, f.path, "FileOutsideTableError") for f in stray

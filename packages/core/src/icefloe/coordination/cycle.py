@@ -33,7 +33,12 @@ from icefloe.committer import (
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
-from icefloe.errors import NotLeaderError, PermanentTableError, StaleFencingTokenError
+from icefloe.errors import (
+    ChannelIdentityError,
+    NotLeaderError,
+    PermanentTableError,
+    StaleFencingTokenError,
+)
 from icefloe.events import CommitComplete, CommitToTable, Event, StartCommit
 from icefloe.hookspecs import TableCommitted
 from icefloe.plugins import Plugins, get_plugins
@@ -113,7 +118,8 @@ class CommitCycle:
             self._channel.broadcast(Event(self._group_id, StartCommit(commit_id)))
             deadline = time.monotonic() + self._settings.commit_timeout_s
             while not expected <= reader.answered:
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()  # > 0 when polled: 0 or less may block
+                if left <= 0:
                     cut_short = "timeout"
                 elif self.stop is not None and self.stop.is_set():
                     cut_short = "stop"
@@ -121,7 +127,7 @@ class CommitCycle:
                     cut_short = "full"
                 if cut_short:
                     break  # commit what was read, as a partial cycle
-                reader.poll(min(deadline - time.monotonic(), POLL_S))
+                reader.poll(min(left, POLL_S))
                 self._leadership.renew_if_due()
             answered = set(reader.answered)
         finally:
@@ -180,6 +186,7 @@ class CommitCycle:
                                 source_offsets=sources,
                                 fencing_token=self._leadership.token(),
                                 valid_through_ms=vtts,
+                                channel_id=reader.channel_id,
                             )
                         )
                     )
@@ -187,6 +194,8 @@ class CommitCycle:
             except (NotLeaderError, StaleFencingTokenError) as exc:
                 # a newer leader exists: stop here, it re-reads and finishes our work
                 raise NotLeaderError(f"{self._coordinator_id}: {exc}") from exc
+            except ChannelIdentityError:
+                raise  # no retry can help: stop and let the operator act on the message
             except Exception as exc:  # tables commit independently; this one stays pending
                 failed[table] = f"{type(exc).__name__}: {exc}"
                 n = self._failed(commit_id, table, exc)

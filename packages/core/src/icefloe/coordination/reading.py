@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from icefloe.channel import ChannelRecord, CoordinatorChannel
-from icefloe.committer import CommitState, IcebergCommitter, PendingFile
+from icefloe.committer import IcebergCommitter, PendingFile
 from icefloe.coordination.settings import POLL_S, CoordinatorSettings
 from icefloe.dedupe import CommitBoundary
+from icefloe.errors import ChannelIdentityError, ChannelResetError
 from icefloe.events import DataComplete, DataWritten, SourcePosition
 from icefloe.quarantine import Quarantine
 from icefloe.writer import merge_positions
@@ -84,6 +85,7 @@ class EventReader:
         self._recovering = False
         self.cycle_id: str | None = None
         self.answered: set[str] = set()
+        self.channel_id: str | None = None  # known once recover() ran
 
     # ------------------------------------------------------------------ views
 
@@ -154,7 +156,9 @@ class EventReader:
         """Re-read everything since the stored position; the backlog rebuilds pending files.
         Returns how many events were read."""
         self.reset()
+        self.channel_id = self._channel.channel_id()
         stored = self._channel.stored_position()
+        self._check_within_log("the position stored in the channel", stored or {})
         self.stored = None if stored is None else dict(stored)
         self.read_pos = dict(self.stored or {})
         self._channel.seek(stored)
@@ -247,16 +251,38 @@ class EventReader:
         )
 
     def boundary(self, table: str) -> CommitBoundary:
-        """What ``table`` holds already, read once per leadership from its snapshots."""
+        """What ``table`` holds already, read once per leadership from its snapshots.
+
+        Raises a :class:`~icefloe.errors.ChannelIdentityError` when the table's commits came
+        through another, undrained channel, or record positions this channel does not reach
+        (it was reset or rolled back): going on would drop new files as already committed."""
         if table not in self._boundaries:
             try:
-                state: CommitState | None = self._committer.state(table)
+                boundary = self._committer.boundary(table, self.channel_id)
+            except ChannelIdentityError:
+                raise
             except Exception as exc:
                 # skip nothing early; the commit itself reports the problem loudly
                 log.warning("cannot read icefloe state of %s: %s", table, exc)
-                state = None
-            self._boundaries[table] = CommitBoundary() if state is None else state.boundary
+                boundary = CommitBoundary(channel_id=self.channel_id)
+            self._check_within_log(f"table '{table}'", boundary.positions)
+            self._boundaries[table] = boundary
         return self._boundaries[table]
+
+    def _check_within_log(self, what: str, positions: Mapping[str, int]) -> None:
+        """Positions recorded through this channel can never lie past its end; if they do,
+        the channel lost events (restored from a backup, counters rolled back)."""
+        if not positions:
+            return
+        end = self._channel.end_position()
+        beyond = {p: o for p, o in positions.items() if o > end.get(p, 0)}
+        if beyond:
+            raise ChannelResetError(
+                f"{what} records channel positions {beyond} past the end of channel "
+                f"{self.channel_id} ({dict(end)}): the channel was reset or rolled back (e.g. "
+                "restored from a backup) and would number new events below what is already "
+                "committed. Do not restart as is: see docs/operations.md (channel reset)"
+            )
 
     def quarantined_paths(self, table: str) -> set[str]:
         """Paths of ``table`` quarantined by this pipeline, read once per leadership."""

@@ -65,11 +65,12 @@ class MemoryServer:
     """Shared state of the reference channel. Thread-safe; every method takes and returns only
     picklable plain values so a :class:`multiprocessing.managers.BaseManager` can proxy it."""
 
-    def __init__(self) -> None:
+    def __init__(self, identity: str | None = None) -> None:
         self._cond = threading.Condition()
         self._groups: dict[str, _Group] = {}
-        # created with the storage: a new server is a new channel
-        self._identity = uuid.uuid4().hex
+        # created with the storage: a new server is a new channel. ``identity`` makes this
+        # server a restored copy of another one's storage (tests of rollback detection)
+        self._identity = identity or uuid.uuid4().hex
 
     def identity(self) -> str:
         return self._identity

@@ -30,7 +30,7 @@ from icefloe.channel import (
     WriterBatch,
     WriterChannel,
 )
-from icefloe.errors import NotLeaderError, WriterFencedError
+from icefloe.errors import EventDecodeError, NotLeaderError, WriterFencedError
 from icefloe.events import Event, decode_event, encode_event
 from icefloe.hookspecs import BackendContext
 
@@ -38,7 +38,8 @@ PARTITION = "0"
 
 
 class ExampleConfig(BaseModel):
-    """``[coordination.example]``."""
+    """``[coordination.example]``. Unknown keys are errors (a typo must not silently fall back
+    to a default), and the model is frozen like the project's own."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -82,7 +83,10 @@ class _Store:
 
     def append(self, log: str, events: list[Event]) -> None:
         """Append under the caller's lock; one write, so readers see whole lines."""
-        lines = "".join(base64.b64encode(encode_event(e)).decode() + "\n" for e in events)
+        self.append_raw(log, [encode_event(e) for e in events])
+
+    def append_raw(self, log: str, payloads: list[bytes]) -> None:
+        lines = "".join(base64.b64encode(p).decode() + "\n" for p in payloads)
         with open(self.root / log, "a") as f:
             f.write(lines)
             f.flush()
@@ -93,11 +97,22 @@ class _Store:
         return text.splitlines() if text.endswith("\n") else text.splitlines()[:-1]
 
     def wait_lines(self, log: str, start: int, timeout: float) -> list[tuple[int, Event]]:
+        """Lines from ``start`` on, decoded. An undecodable line stops the read there: the
+        lines before it are returned, and the read that starts at it raises EventDecodeError
+        (skipping it could skip a DataWritten)."""
         deadline = time.monotonic() + timeout
         while True:
             lines = self.lines(log)[start:]
             if lines or time.monotonic() >= deadline:
-                return [(start + i, decode_event(base64.b64decode(x))) for i, x in enumerate(lines)]
+                out: list[tuple[int, Event]] = []
+                for i, x in enumerate(lines):
+                    try:
+                        out.append((start + i, decode_event(base64.b64decode(x))))
+                    except (EventDecodeError, ValueError) as exc:
+                        if out:
+                            break
+                        raise EventDecodeError(f"{log} line {start + i}: {exc}") from exc
+                return out
             time.sleep(self.poll_interval_s)
 
 
@@ -228,7 +243,9 @@ class FileCoordinator(CoordinatorChannel):
 
 class FileBackend(Backend):
     def __init__(self, config: ExampleConfig, context: BackendContext) -> None:
-        self.store = _Store(Path(config.directory) / context.group_id, config.poll_interval_s)
+        # a relative directory is the pipeline file's, in every process
+        directory = context.resolve(config.directory)
+        self.store = _Store(directory / context.group_id, config.poll_interval_s)
         self.lease_ttl_s = context.lease_ttl_s
 
     def writer(self, writer_id: str) -> WriterChannel:
@@ -236,3 +253,8 @@ class FileBackend(Backend):
 
     def coordinator(self, coordinator_id: str) -> CoordinatorChannel:
         return FileCoordinator(self.store, coordinator_id, self.lease_ttl_s)
+
+    def inject_undecodable(self, data: bytes, writer_id: str) -> None:
+        """Conformance-suite hook: a raw line after everything published (one log)."""
+        with self.store.locked():
+            self.store.append_raw("events.log", [data])
