@@ -36,6 +36,24 @@ def test_tree_kill_reaches_grandchildren_and_escaped_sessions(tmp_path: Path) ->
         assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), f"{pid} survived"
 
 
+def test_killing_one_tree_spares_its_siblings_of_the_same_run(tmp_path: Path) -> None:
+    """A driver stopped while the run's standalone coordinators keep going: only its tree
+    dies (it once took every process of the run with it)."""
+    run = f"t-{uuid.uuid4().hex[:8]}"
+    env = {"PATH": "/usr/bin:/bin"}
+    driver = Tree(["sleep", "300"], tmp_path / "driver.log", env, run)
+    sibling = Tree(["sleep", "301"], tmp_path / "coord.log", env, run)
+    deadline = time.monotonic() + 30
+    while len(marked(run)) < 2:
+        assert time.monotonic() < deadline, f"trees never started: {marked(run)}"
+        time.sleep(0.1)
+    driver.kill()
+    assert sibling.alive()
+    assert [p.pid for p in marked(run)] == [sibling.pid]
+    sibling.kill()
+    assert marked(run) == []
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]

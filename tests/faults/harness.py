@@ -67,7 +67,7 @@ class Run:
     bad_values: list[bytes] = field(default_factory=list)
     dead_lettered: int | None = None
     config: dict[str, Any] = field(init=False)
-    _trees: list[Tree] = field(default_factory=list)
+    trees: list[Tree] = field(default_factory=list)
     _producer: threading.Thread | None = None
     _produce_error: list[BaseException] = field(default_factory=list)
     _extra_tables: list[Tally] = field(default_factory=list)
@@ -194,13 +194,13 @@ class Run:
         if no_coordinator:
             argv.append("--no-coordinator")
         tree = Tree(argv, self.dir / "driver.log", self.env(env), self.run_id)
-        self._trees.append(tree)
+        self.trees.append(tree)
         return tree
 
     def start_coordinator(self, name: str) -> Tree:
         argv = [sys.executable, "-m", "icefloe", "coordinator", "--config", str(self.config_file)]
         tree = Tree([*argv, "--id", name], self.dir / f"{name}.log", self.env(), self.run_id)
-        self._trees.append(tree)
+        self.trees.append(tree)
         return tree
 
     def kill(self, tree: Tree, kind: str) -> None:
@@ -216,7 +216,7 @@ class Run:
         return tree.proc.poll()
 
     def kill_all(self) -> None:
-        for tree in self._trees:
+        for tree in self.trees:
             tree.kill()
 
     def log_tail(self, name: str = "driver.log", chars: int = 2000) -> str:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,8 +25,9 @@ MARKER_ENV = "ICEFLOE_FAULTS_RUN"
 class Tree:
     """One started command and every process descended from it."""
 
-    def __init__(self, argv: Sequence[str], log: Path, env: dict[str, str], marker: str) -> None:
-        self.marker = marker
+    def __init__(self, argv: Sequence[str], log: Path, env: dict[str, str], run: str) -> None:
+        # this tree's own marker; ``run:`` prefixes it so a whole run's leftovers are found too
+        self.marker = f"{run}:{uuid.uuid4().hex[:8]}"
         self.log = log
         self.log_offset = log.stat().st_size if log.exists() else 0  # where its output starts
         with open(log, "ab") as out:
@@ -33,7 +35,7 @@ class Tree:
                 list(argv),
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**env, MARKER_ENV: marker},
+                env={**env, MARKER_ENV: self.marker},
                 start_new_session=True,  # its own process group: killpg reaches the JVM too
             )
 
@@ -108,11 +110,13 @@ def _running(p: psutil.Process) -> bool:
 
 
 def marked(marker: str) -> list[psutil.Process]:
-    """Every live process whose environment carries ``marker`` (ours: one user)."""
+    """Every live process whose environment carries ``marker``, or a tree marker of run
+    ``marker`` (ours: one user)."""
     out = []
     for p in psutil.process_iter():
         try:
-            if p.environ().get(MARKER_ENV) == marker and _running(p):
+            found = p.environ().get(MARKER_ENV, "")
+            if (found == marker or found.startswith(f"{marker}:")) and _running(p):
                 out.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

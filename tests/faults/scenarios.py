@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,7 +76,11 @@ def crash_at(run: Run, env_var: str, low: int, high: int, kind: str) -> None:
     ``[low, high]``; once the driver exits there, ``kill -9`` what it left (its JVM)."""
     target = run.rng.randint(low, high)
     tree = run.start_pipeline({env_var: str(target)})
-    code = run.wait_exit(tree, 600.0)
+    deadline = time.monotonic() + 600.0
+    # the producer may finish before the chosen batch/cycle comes: stop waiting once caught up
+    while tree.alive() and time.monotonic() < deadline and not run.caught_up():
+        time.sleep(2.0)
+    code = run.wait_exit(tree, 10.0)  # caught up by the very commit that fires the fault
     if code == faults.EXIT_CODE:
         run.kill(tree, kind)
         return
@@ -249,14 +254,20 @@ NEXT_BACKEND = {"kafka": "postgres", "postgres": "redis", "redis": "kafka"}
 
 @scenario(
     "backend-swap",
-    pending="ops: batches on the old channel must be drained (or the switch refused) and "
-    "positions compared within one channel identity (issue 10 §3)",
+    pending="written against `icefloe drain` but not yet seen passing; drop this mark once a "
+    "run passed",
 )
 def backend_swap(run: Run) -> None:
-    """kill -9 after a publish (a batch left on the old channel), switch
-    `coordination.backend` to the next backend, restart."""
+    """kill -9 after a publish (a batch left on the old channel), `icefloe drain` the old
+    backend, switch `coordination.backend` to the next one, restart (the documented swap)."""
     run.start_producer()
     crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 4, "kill -9 after publish")
+    argv = [sys.executable, "-m", "icefloe", "drain", "--config", str(run.config_file)]
+    drain = Tree(argv, run.dir / "drain.log", run.env(), run.run_id)
+    run.trees.append(drain)
+    code = run.wait_exit(drain, 600.0)
+    if code != 0:
+        raise RunError(f"icefloe drain exited {code}:\n{run.log_tail('drain.log')}")
     run.config["coordination"]["backend"] = NEXT_BACKEND[run.backend]
     run.write_config()
     run.faults.append("backend swap")
