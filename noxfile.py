@@ -41,9 +41,13 @@ def tests(session: nox.Session, package: str) -> None:
     (so an undeclared import fails), or `e2e`: the cross-package tests in tests/."""
     if package == "e2e":
         # pip: tests/test_third_party_plugin.py installs a plugin distribution with it
-        # ruff and mypy: tests/test_new_backend.py checks the generated package is clean
         session.install(
-            *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "pip", "ruff>=0.6", "mypy>=1.11"
+            *ALL_WITH_TEST_EXTRAS,
+            "./packages/spark-runner[demo]",
+            "pip",
+            "psutil>=5.9",
+            "ruff>=0.6",
+            "mypy>=1.11",
         )
         session.run("pytest", "tests", *_pytest_args(session))
         return
@@ -83,8 +87,27 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_e2e.py", *session.posargs)
 
 
+@nox.session(default=False)
+def faults(session: nox.Session) -> None:
+    """Randomized fault suite (not run by default): kill -9 of whole `icefloe run` trees at
+    random moments, after a publish and after a commit, paused leaders and operator actions,
+    per backend, each run counted key by key against the table. `nox -s faults -- --runs 3`;
+    `-- --help` lists the options (--backend, --seed, --scenario, --ci, --list)."""
+    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
+    session.run("python", "-m", "tests.faults", *session.posargs)
+
+
 @nox.session(default=False, python=False)
 def version(session: nox.Session) -> None:
     """Set every package's version and internal pins from VERSION (`nox -s version -- 0.2.0`
     writes VERSION first)."""
     session.run(sys.executable, "tools/bump_version.py", *session.posargs)
+
+
+@nox.session(name="bench-coordinator", default=False)
+def bench_coordinator(session: nox.Session) -> None:
+    """Coordinator benchmark (not run by default): cycle and Iceberg commit time with many
+    writers and files, no Spark; e.g. `nox -s bench-coordinator -- --backend redis --writers 64
+    --files 10000 --cycles 10`. Results go to docs/benchmarks.md by hand."""
+    session.install(*ALL_WITH_TEST_EXTRAS)
+    session.run("python", "benchmarks/bench_coordinator.py", *session.posargs)

@@ -23,25 +23,22 @@ from typing import Any
 import pytest
 import tomli_w
 from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.partitioning import PartitionField, PartitionSpec
-from pyiceberg.schema import Schema
-from pyiceberg.transforms import IdentityTransform
-from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.config import config_from_dict
 from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe.testing.fixtures import assert_exactly_once, group_snapshots
+from icefloe.testing.fixtures import (
+    EVENTS_SCHEMA,
+    EVENTS_SPEC,
+    assert_exactly_once,
+    group_snapshots,
+)
 from icefloe_spark import faults
 from icefloe_spark.kafkautil import create_topic, end_offsets, produce
 from icefloe_spark.pipeline import Pipeline
 
 TABLE = "e2e.events"
-SCHEMA = Schema(
-    NestedField(1, "id", LongType(), required=True),
-    NestedField(2, "name", StringType(), required=False),
-    NestedField(3, "kind", StringType(), required=False),
-)
-SPEC = PartitionSpec(PartitionField(3, 1000, IdentityTransform(), "kind"))
+SCHEMA = EVENTS_SCHEMA
+SPEC = EVENTS_SPEC
 # Tansu's ListOffsets answers the last batch's base offset + 1: learn partition ends by fetching
 SOURCE_OPTIONS = {"probeHighWatermark": "true", "pollTimeoutMs": "10000"}
 WAIT_S = 180.0

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicCollection
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]  # stubs
 
 from icefloe.errors import ChannelError
@@ -31,6 +31,7 @@ FENCED_CODES = frozenset(
     {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
 )
 
+DEFAULT_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 STATE_SEGMENT_MS = 3_600_000  # roll state segments hourly so compaction can bound them
 
 
@@ -99,6 +100,12 @@ class KafkaClients:
         conf.update(self.config.client_settings())
         return conf
 
+    @property
+    def max_record_bytes(self) -> int:
+        """The largest record producers may send: librdkafka's message.max.bytes."""
+        raw = self.config.client_settings().get("message.max.bytes", DEFAULT_MESSAGE_MAX_BYTES)
+        return int(raw)
+
     def transactional_id(self, member: str) -> str:
         return f"{self.config.transactional_id_prefix}-{self.group_id}-{member}"
 
@@ -149,6 +156,27 @@ class KafkaClients:
         if t is None or t.error is not None or not t.partitions:
             raise ChannelError(f"topic '{topic}' has no partitions ({t.error if t else 'absent'})")
         return sorted(t.partitions)
+
+    def channel_id(self) -> str:
+        """``kafka:<cluster id>/<control topic>/<topic id>`` (the topic id is new whenever the
+        topic is created anew)."""
+        self.ensure_topics()
+        topic = self.control_topic
+        admin = self.admin()
+        try:
+            cluster = admin.list_topics(topic=topic, timeout=self.timeout).cluster_id
+            described = admin.describe_topics(TopicCollection([topic]))[topic].result(
+                timeout=self.timeout
+            )
+        except KafkaException as exc:
+            raise ChannelError(f"cannot describe topic '{topic}': {exc}") from exc
+        topic_id = described.topic_id
+        if topic_id is None:
+            raise ChannelError(
+                f"the cluster gives topic '{topic}' no topic id (Kafka 2.8+ does); icefloe "
+                "needs it to tell a recreated control topic from the original"
+            )
+        return f"kafka:{cluster}/{topic}/{topic_id}"
 
     def existing_topics(self) -> dict[str, Any]:
         """All topics of the cluster (metadata of every topic, so nothing is auto-created)."""

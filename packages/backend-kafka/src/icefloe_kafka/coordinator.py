@@ -47,7 +47,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 
 from icefloe.channel import ChannelPosition, ChannelRecord, CoordinatorChannel, Lease
-from icefloe.errors import ChannelError, EventDecodeError, NotLeaderError
+from icefloe.errors import ChannelError, ChannelResetError, EventDecodeError, NotLeaderError
 from icefloe.events import Event, decode_event, encode_event
 from icefloe_kafka.clients import (
     KafkaClients,
@@ -290,29 +290,33 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
                 if offset is None:
                     start.append(TopicPartition(topic, p, OFFSET_BEGINNING))
                     continue
-                self._warn_if_deleted(consumer, topic, p, int(offset))
+                self._check_in_log(consumer, topic, p, int(offset))
                 start.append(TopicPartition(topic, p, int(offset)))
             consumer.assign(start)
             self._sought = True
 
-    def _warn_if_deleted(self, consumer: Consumer, topic: str, partition: int, offset: int) -> None:
+    def _check_in_log(self, consumer: Consumer, topic: str, partition: int, offset: int) -> None:
+        """Refuse a stored position that the partition's log no longer covers."""
         try:
-            low, _high = consumer.get_watermark_offsets(
+            low, high = consumer.get_watermark_offsets(
                 TopicPartition(topic, partition), timeout=self._clients.timeout
             )
         except KafkaException as exc:
-            log.warning("%s: cannot read watermarks of %s[%d]: %s", self._id, topic, partition, exc)
-            return
+            raise ChannelError(f"cannot read watermarks of {topic}[{partition}]: {exc}") from exc
+        if offset > high:
+            raise ChannelResetError(
+                f"the stored position {topic}[{partition}]@{offset} lies past the end of the "
+                f"log ({high}): the control topic was deleted and recreated or rolled back, "
+                "and batches published before are gone. Restart the writers from a checkpoint "
+                "taken before the reset, or see docs/operations.md (channel reset) to accept "
+                "the loss"
+            )
         if offset < low:
-            log.error(
-                "%s: events %s[%d] %d..%d were deleted by retention before they were "
-                "committed; files they announced are lost unless written again. Raise "
-                "retention.ms of the control topic.",
-                self._id,
-                topic,
-                partition,
-                offset,
-                low - 1,
+            raise ChannelResetError(
+                f"events {topic}[{partition}] {offset}..{low - 1} were deleted by retention "
+                "before they were committed; the files they announced are not in any table. "
+                "Raise retention.ms of the control topic, and see docs/operations.md "
+                "(channel reset) to recover"
             )
 
     def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:
@@ -366,7 +370,7 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
     def broadcast(self, event: Event) -> None:
         with self._lock:
             value = encode_event(event)
-            key = record_key(self._group_id, "coordinator")
+            key = record_key(self._group_id, "coordinator")  # writers read only this key
 
             def body(producer: Producer) -> None:
                 producer.produce(
@@ -415,6 +419,27 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
     def prune(self, before: ChannelPosition) -> int:
         """Retention of the control topic is the broker's (``retention.ms``)."""
         return 0
+
+    def channel_id(self) -> str:
+        """Cluster id, topic name and the topic id Kafka gives every newly created topic
+        (KIP-516), so a topic deleted and recreated under the same name is a new channel."""
+        with self._lock:
+            return self._clients.channel_id()
+
+    def end_position(self) -> ChannelPosition:
+        with self._lock:
+            consumer = self._data_consumer()
+            topic = self._clients.control_topic
+            end: dict[str, int] = {}
+            for p in self._clients.partitions(topic):
+                try:
+                    _low, high = consumer.get_watermark_offsets(
+                        TopicPartition(topic, p), timeout=self._clients.timeout
+                    )
+                except KafkaException as exc:
+                    raise ChannelError(f"cannot read watermarks of {topic}[{p}]: {exc}") from exc
+                end[str(p)] = int(high)
+            return end
 
     def close(self) -> None:
         with self._lock:

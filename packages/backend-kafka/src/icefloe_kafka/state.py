@@ -50,9 +50,17 @@ class StateValue:
     value: int
     holder: str = ""
     status: str = ""
+    partition: int | None = None  # writers: the control-topic partition pinned at registration
 
     def encode(self) -> bytes:
-        body = {"v": 1, "value": self.value, "holder": self.holder, "status": self.status}
+        body: dict[str, Any] = {
+            "v": 1,
+            "value": self.value,
+            "holder": self.holder,
+            "status": self.status,
+        }
+        if self.partition is not None:
+            body["partition"] = self.partition
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -62,7 +70,13 @@ class StateValue:
             return None
         try:
             body = json.loads(data)
-            return cls(int(body["value"]), str(body.get("holder", "")), str(body.get("status", "")))
+            part = body.get("partition")
+            return cls(
+                int(body["value"]),
+                str(body.get("holder", "")),
+                str(body.get("status", "")),
+                None if part is None else int(part),
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -169,12 +183,18 @@ def state_reader(clients: KafkaClients, role: str) -> Iterator[StateReader]:
 def highest_value(clients: KafkaClients, key: bytes, role: str) -> int:
     """The largest value ever committed under ``key`` (0 when none), read with a fresh
     consumer to the current end of the state topic."""
-    top = 0
+    top = highest_record(clients, key, role)
+    return 0 if top is None else top.value
+
+
+def highest_record(clients: KafkaClients, key: bytes, role: str) -> StateValue | None:
+    """The record with the largest value ever committed under ``key`` (None when none)."""
+    top: StateValue | None = None
 
     def seen(k: bytes | None, v: StateValue | None, _offset: int) -> None:
         nonlocal top
-        if k == key and v is not None:
-            top = max(top, v.value)
+        if k == key and v is not None and (top is None or v.value >= top.value):
+            top = v
 
     with state_reader(clients, role) as reader:
         reader.read_to_end(seen)

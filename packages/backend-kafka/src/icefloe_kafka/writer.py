@@ -11,8 +11,11 @@
 * Atomic batches: one ``publish`` is one Kafka transaction holding all events of the batch
   (and, when ``source_consumer_group`` is set, the batch's source offsets through
   ``send_offsets_to_transaction``: they commit with the events or not at all).
-* Order: the record key is (group, writer id), so one writer's events stay in one partition, in
-  publish order, as long as the control topic's partition count does not change.
+* Order: a writer's events all go to one partition, in publish order. The partition is chosen
+  from the record key (group, writer id) when the writer first registers and is recorded in
+  its epoch record; later instances reuse it. Adding partitions to the control topic (which
+  changes what ``hash(key) % count`` gives) therefore never splits a writer over two
+  partitions, where the coordinator could read a later batch before an earlier one.
 * Replays: Kafka cannot tell whether a batch key was already published, so ``publish`` always
   returns True and appends; the coordinator keeps the first copy of a (writer, batch, table).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import zlib
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
@@ -36,9 +40,20 @@ from icefloe_kafka.clients import (
     record_key,
     run_transaction,
 )
-from icefloe_kafka.state import StateValue, epoch_key, highest_value, next_value, produce_state
+from icefloe_kafka.errors import BatchTooLargeError
+from icefloe_kafka.state import (
+    StateValue,
+    epoch_key,
+    highest_record,
+    next_value,
+    produce_state,
+)
 
 log = logging.getLogger(__name__)
+
+# Room for the key, headers and record framing next to the value (librdkafka checks the whole
+# message against message.max.bytes).
+_RECORD_OVERHEAD_BYTES = 1024
 
 
 class KafkaWriterChannel(WriterChannel):
@@ -49,12 +64,14 @@ class KafkaWriterChannel(WriterChannel):
         self._group_id = clients.group_id
         self._writer_id = writer_id
         self._key = record_key(self._group_id, writer_id)
+        self._broadcast_key = record_key(self._group_id, "coordinator")
         self._txn_id = clients.transactional_id(writer_id)
         self._lock = threading.Lock()  # one transaction at a time on the producer
         self._producer: Producer | None = None
         self._broadcasts: Consumer | None = None
         self._source: Consumer | None = None
         self._epoch: int | None = None
+        self._partition = 0  # set by open(): the partition pinned at registration
         self._fence: WriterFencedError | None = None
 
     # ------------------------------------------------------------------ open / close
@@ -71,12 +88,13 @@ class KafkaWriterChannel(WriterChannel):
                     f"writer {self._writer_id}: init_transactions failed: {exc}"
                 ) from exc
             key = epoch_key(self._group_id, self._writer_id)
-            epoch = next_value(highest_value(self._clients, key, f"writer-{self._writer_id}"))
+            last = highest_record(self._clients, key, f"writer-{self._writer_id}")
+            epoch = next_value(0 if last is None else last.value)
+            partition = self._pinned_partition(last)
+            record = StateValue(epoch, self._txn_id, partition=partition)
             run_transaction(
                 producer,
-                lambda: produce_state(
-                    self._clients, producer, key, StateValue(epoch, self._txn_id), self._group_id
-                ),
+                lambda: produce_state(self._clients, producer, key, record, self._group_id),
                 self._clients.timeout,
                 self._fenced,
             )
@@ -84,8 +102,24 @@ class KafkaWriterChannel(WriterChannel):
             self._fence = None
             self._broadcasts = self._broadcast_consumer()
             self._epoch = epoch
+            self._partition = partition
             log.info("writer %s/%s opened with epoch %d", self._group_id, self._writer_id, epoch)
             return epoch
+
+    def _pinned_partition(self, last: StateValue | None) -> int:
+        """The partition recorded at the writer's registration; a new writer (or one registered
+        before partitions were recorded) gets ``crc32(key) % count`` now, recorded from then on.
+        Why by hand: Kafka's partitioners all depend on the current partition count."""
+        parts = sorted(self._clients.partitions(self._clients.control_topic))
+        if last is not None and last.partition is not None:
+            if last.partition not in parts:
+                raise ChannelError(
+                    f"writer {self._writer_id} is pinned to partition {last.partition} of "
+                    f"{self._clients.control_topic}, which no longer exists (topic recreated "
+                    "with fewer partitions?); see docs/operations.md (channel reset)"
+                )
+            return last.partition
+        return parts[zlib.crc32(self._key) % len(parts)]
 
     def _broadcast_consumer(self) -> Consumer:
         """Reads the control topic from its current end: broadcasts sent after open()."""
@@ -134,12 +168,25 @@ class KafkaWriterChannel(WriterChannel):
         return self._producer, self._epoch
 
     def _produce(self, producer: Producer, event: Event) -> None:
+        self._produce_value(producer, encode_event(event))
+
+    def _produce_value(self, producer: Producer, value: bytes) -> None:
         producer.produce(
             self._clients.control_topic,
-            value=encode_event(event),
+            value=value,
             key=self._key,
+            partition=self._partition,
             headers=group_headers(self._group_id),
         )
+
+    def _checked(self, event: Event) -> bytes:
+        """``event`` encoded, or BatchTooLargeError when it cannot be one Kafka record."""
+        value = encode_event(event)
+        limit = self._clients.max_record_bytes
+        if len(value) + _RECORD_OVERHEAD_BYTES > limit:
+            table = getattr(event.payload, "table", "?")
+            raise BatchTooLargeError(self._writer_id, table, len(value), limit)
+        return value
 
     def publish(self, batch: WriterBatch) -> bool:
         with self._lock:
@@ -147,9 +194,11 @@ class KafkaWriterChannel(WriterChannel):
             if batch.writer != WriterRef(self._writer_id, epoch):
                 raise ValueError(f"batch of {batch.writer} published through {self._writer_id}")
 
+            records = [self._checked(event) for event in batch.events]
+
             def body() -> None:
-                for event in batch.events:
-                    self._produce(producer, event)
+                for value in records:
+                    self._produce_value(producer, value)
                 self._send_source_offsets(producer, batch)
 
             self._transact(producer, body)
@@ -193,6 +242,10 @@ class KafkaWriterChannel(WriterChannel):
                 if err.fatal():
                     raise ChannelError(f"reading broadcasts failed: {err.str()}")
                 log.warning("writer %s: broadcast read error: %s", self._writer_id, err.str())
+                continue
+            if msg.key() != self._broadcast_key:
+                # every writer's batches share the topic: skip them undecoded (decoding them
+                # all cost each writer O(all writers' files) per poll, under its publish lock)
                 continue
             if header_group(msg.headers()) != self._group_id:
                 continue  # another pipeline's record (or not icefloe's at all)

@@ -128,6 +128,23 @@ MIGRATIONS: tuple[Migration, ...] = (
             " ADD COLUMN holder_session_start timestamptz",
         ),
     ),
+    Migration(
+        3,
+        "channel identity born with the schema; counters start from the clock",
+        (
+            # one row: a schema recreated (or a new database) is a new channel; a backup
+            # restores the same identity, which is what end_position() checks catch
+            """CREATE TABLE {s}.channel_identity (
+                singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+                channel_id text NOT NULL DEFAULT gen_random_uuid()::text,
+                created_at timestamptz NOT NULL DEFAULT clock_timestamp()
+            )""",
+            "INSERT INTO {s}.channel_identity DEFAULT VALUES",
+            # offsets of a recreated schema never reuse numbers a table already recorded
+            "ALTER TABLE {s}.groups ALTER COLUMN next_offset"
+            " SET DEFAULT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+        ),
+    ),
 )
 
 

@@ -507,6 +507,20 @@ class RedisCoordinatorChannel(CoordinatorChannel):
             )
         return int(trimmed)
 
+    def channel_id(self) -> str:
+        key = self._keys.channel_id
+        with _redis_errors("channel id"):
+            self._backend.client.set(key, uuid.uuid4().hex, nx=True)
+            raw = self._backend.client.get(key)
+        if raw is None:  # deleted between the two calls: storage is being wiped right now
+            raise ChannelError(f"redis key {key} vanished while it was read; retry")
+        return f"redis:{_s(raw)}"
+
+    def end_position(self) -> ChannelPosition:
+        with _redis_errors("GET event-seq"):
+            raw = self._backend.client.get(self._keys.event_seq)
+        return {PARTITION: 0 if raw is None else int(raw) + 1}
+
     def close(self) -> None:
         try:
             self.release()

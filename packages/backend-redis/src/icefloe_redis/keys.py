@@ -74,6 +74,12 @@ class PipelineKeys:
         return self._key("token")
 
     @property
+    def channel_id(self) -> str:
+        """The channel's identity, set once (SET NX) when the pipeline's keys are first used;
+        gone with them (restart without persistence, FLUSHALL), so a new one marks a reset."""
+        return self._key("channel-id")
+
+    @property
     def position(self) -> str:
         """JSON of the last stored (committed) channel position."""
         return self._key("position")

@@ -144,6 +144,27 @@ class CoordinatorChannel(abc.ABC):
     def close(self) -> None:
         """Release connections (and the lease, if held)."""
 
+    # -------------------------------------------------------- identity and reset detection
+    # Why: positions are only comparable within one channel. A swapped backend, or a channel
+    # whose storage was recreated or rolled back, numbers its events anew; comparing those
+    # numbers with positions a table recorded earlier would drop new files as "committed".
+
+    @abc.abstractmethod
+    def channel_id(self) -> str:
+        """The identity of this channel's storage, recorded with every table commit.
+
+        Contract: the same string for every process that reaches the same storage, for as long
+        as that storage lives (restarts, reconnects, fail-overs keep it); a different string
+        as soon as the storage is new (first use, topic/schema/keys deleted and recreated,
+        data lost). Create it together with the storage, never derive it from configuration
+        alone. Prefix it with the backend's name (``kafka:``, ``postgres:`` ...)."""
+
+    @abc.abstractmethod
+    def end_position(self) -> ChannelPosition:
+        """The position just past the newest event the channel holds, per partition (what a
+        reader that consumed everything would have as its position). Used to detect a channel
+        that was rolled back: a position recorded earlier that lies beyond it."""
+
     def simulate_crash(self) -> None:  # noqa: B027 - optional test hook
         """Test hook (the conformance suite's only crash simulation): make this channel look
         like its process died - cut its connections, never release the lease, so another

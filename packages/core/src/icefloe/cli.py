@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
+import tomli_w
 import typer
+import typer.main
 from rich.console import Console
 from rich.text import Text
 
@@ -16,8 +18,12 @@ from icefloe import __version__
 from icefloe.backends import backend_config, open_backend
 from icefloe.config import load_config, redact, redacted_dict
 from icefloe.errors import IcefloeError
+from icefloe.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve_level
+from icefloe.logs import configure as configure_logging
+from icefloe.metrics import MetricsPortOption, start_metrics
 from icefloe.new_backend import new_backend_command
 from icefloe.plugins import get_plugins
+from icefloe.quarantine_cli import app as quarantine_app
 
 app = typer.Typer(
     name="icefloe",
@@ -25,6 +31,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+app.add_typer(quarantine_app)
 console = Console(stderr=True)
 
 
@@ -36,6 +43,24 @@ def _say(label: str, style: str, message: str) -> None:
 ConfigOption = Annotated[Path, typer.Option("--config", "-c", help="Pipeline TOML file.")]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"icefloe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
+    """Exactly-once, centrally coordinated commits of streaming data into Apache Iceberg."""
+
+
 @app.command()
 def version() -> None:
     """Print the icefloe version."""
@@ -43,8 +68,12 @@ def version() -> None:
 
 
 @app.command("show-config")
-def show_config(config: ConfigOption) -> None:
-    """Print the effective configuration (file + environment) with secrets redacted."""
+def show_config(
+    config: ConfigOption,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON instead of TOML.")] = False,
+) -> None:
+    """Print the effective configuration (file + environment) with secrets redacted, as TOML
+    (a file you can use) or JSON."""
     cfg = load_config(config)
     data = redacted_dict(cfg)
     try:
@@ -53,7 +82,19 @@ def show_config(config: ConfigOption) -> None:
         )
     except IcefloeError as exc:
         _say("warning: ", "yellow", f"backend section not validated: {exc}")
-    typer.echo(json.dumps(data, indent=2, default=str))
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, default=str))
+    else:
+        typer.echo(tomli_w.dumps(_toml_ready(data)), nl=False)
+
+
+def _toml_ready(value: Any) -> Any:
+    """TOML has no null: leave out unset keys (their defaults apply when read back)."""
+    if isinstance(value, dict):
+        return {k: _toml_ready(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_toml_ready(v) for v in value if v is not None]
+    return value
 
 
 @app.command()
@@ -68,7 +109,8 @@ def backends() -> None:
 
 @app.command()
 def doctor(config: ConfigOption) -> None:
-    """Check the configuration and the backend's server setup; print warnings."""
+    """Check the configuration, the backend's server setup and the tables' metadata
+    settings; print warnings."""
     cfg = load_config(config)
     get_plugins().check_pending()
     backend = open_backend(cfg)
@@ -76,9 +118,41 @@ def doctor(config: ConfigOption) -> None:
         warnings = backend.doctor()
     finally:
         backend.close()
+    from icefloe.maintenance import pipeline_table_advice  # pulls in pyiceberg
+
+    warnings += pipeline_table_advice(cfg)
     for w in warnings:
         _say("warning: ", "yellow", w)
     typer.echo("ok" if not warnings else f"{len(warnings)} warning(s)")
+
+
+@app.command()
+def maintain(
+    config: ConfigOption,
+    table: Annotated[
+        list[str] | None, typer.Option("--table", help="Only this table (repeatable).")
+    ] = None,
+    expire_older_than: Annotated[
+        str, typer.Option(help="Expire snapshots older than this (e.g. 7d, 12h).")
+    ] = "7d",
+    retain_last: Annotated[int, typer.Option(help="Always keep this many newest.")] = 1,
+    orphans_older_than: Annotated[
+        str, typer.Option(help="Delete unreferenced files only when older than this.")
+    ] = "3d",
+    dry_run: Annotated[bool, typer.Option(help="Report, change nothing.")] = False,
+) -> None:
+    """Expire old snapshots and delete orphan files; safe next to a running pipeline."""
+    from icefloe import maintenance  # pulls in pyiceberg
+
+    for line in maintenance.maintain(
+        load_config(config),
+        table or (),
+        maintenance.parse_age(expire_older_than),
+        retain_last,
+        maintenance.parse_age(orphans_older_than),
+        dry_run,
+    ):
+        typer.echo(line)
 
 
 @app.command("coordinator")
@@ -88,13 +162,17 @@ def coordinator_command(
         str | None,
         typer.Option("--id", help="Name of this process in the lease (default: host-pid)."),
     ] = None,
+    verbose: VerboseOption = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Warnings and errors only.")] = False,
+    log_level: LogLevelOption = None,
+    log_format: LogFormatOption = "text",
+    metrics_port: MetricsPortOption = None,
 ) -> None:
     """Run the pipeline's commit coordinator standalone until SIGINT or SIGTERM.
 
     Several may run: one leads, the others wait to take over when it stops or dies.
     """
     # imported here: the command pulls in pyiceberg, the other commands stay quick
-    import logging
     import os
     import signal
     import socket
@@ -104,10 +182,9 @@ def coordinator_command(
 
     from icefloe.coordinator import Coordinator, CoordinatorSettings
 
+    configure_logging(resolve_level(log_level, verbose, quiet), log_format)
     cfg = load_config(config)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    start_metrics(metrics_port)
     name = coordinator_id or f"{socket.gethostname()}-{os.getpid()}"
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -131,14 +208,94 @@ def coordinator_command(
     _say("", "", f"coordinator {name} stopped")
 
 
+@app.command("drain")
+def drain_command(
+    config: ConfigOption,
+    timeout_s: Annotated[
+        float, typer.Option("--timeout", help="Give up after this many seconds.")
+    ] = 600.0,
+) -> None:
+    """Commit everything the configured channel still holds, then mark the pipeline's tables
+    as drained of it, so the pipeline may continue on another backend. Stop the pipeline
+    (`icefloe run`) first. Exits 0 once drained."""
+    import logging
+    import os
+    import socket
+
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe.committer import IcebergCommitter
+    from icefloe.coordinator import Coordinator, CoordinatorSettings
+    from icefloe.drain import drain
+
+    cfg = load_config(config)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    name = f"drain-{socket.gethostname()}-{os.getpid()}"
+    catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
+    backend = open_backend(cfg)
+    try:
+        coordinator = Coordinator(
+            cfg.name,
+            backend.coordinator(name),
+            catalog,
+            CoordinatorSettings.from_config(cfg.coordination),
+            coordinator_id=name,
+        )
+        try:
+            result = drain(
+                coordinator,
+                IcebergCommitter(catalog, cfg.name, branch=cfg.coordination.branch),
+                [t.name for t in cfg.tables],
+                timeout_s=timeout_s,
+            )
+        finally:
+            coordinator.close()
+    finally:
+        backend.close()
+    _say("", "", f"drained channel {result.channel_id} of pipeline {cfg.name}")
+    for table in result.skipped:
+        _say(
+            "note: ",
+            "yellow",
+            f"{table}: not marked (absent, or committed through another channel)",
+        )
+
+
+def build_command() -> Any:
+    """The click command behind ``icefloe``, plugin commands included. Flags (boolean
+    options) show no ``<bool>`` value placeholder in help: they take no value."""
+    get_plugins().extend_cli(app)
+    command = typer.main.get_command(app)
+    commands = [command, *getattr(command, "commands", {}).values()]
+    for cmd in commands:
+        for param in cmd.params:
+            if getattr(param, "is_flag", False):
+                param.metavar = ""
+        cmd.get_help_option = _flag_help_option(cmd.get_help_option)
+    return command
+
+
+def _flag_help_option(make: Any) -> Any:
+    """``--help`` is made per context: give it no placeholder either."""
+
+    def get_help_option(ctx: Any) -> Any:
+        option = make(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    return get_help_option
+
+
 app.command("new-backend")(new_backend_command)
 
 
 def main() -> None:
     """Entry point: add plugin commands, run, and turn icefloe errors into one clean line."""
     try:
-        get_plugins().extend_cli(app)
-        app()
+        build_command().main(prog_name="icefloe")
     except IcefloeError as exc:
         _say("error: ", "red", str(exc))
         sys.exit(2)

@@ -3,16 +3,17 @@
 For each :class:`TableCommitRequest` the committer, inside its retry loop and after reloading
 the table from the catalog on every attempt:
 
-1. refuses files written for another incarnation of the table (``table_uuid`` differs:
-   :class:`~icefloe.errors.TableMismatchError`) or lying outside the table's location
-   (:class:`~icefloe.errors.FileOutsideTableError`);
-2. finds the newest snapshot of this group (``icefloe.group-id``) in the branch's ancestry,
+1. finds the newest snapshot of this group (``icefloe.group-id``) in the branch's ancestry,
    skipping snapshots of foreign writers and other pipelines, and refuses a request whose
    fencing token is below the one the table records
    (:class:`~icefloe.errors.StaleFencingTokenError`: a zombie coordinator);
-3. drops files that snapshot already covers (channel offset before its
-   ``icefloe.channel-positions`` or batch at or below its ``icefloe.writer-watermarks``),
-   zero-record files and repeated paths;
+2. drops files that snapshot already covers (:class:`~icefloe.dedupe.CommitBoundary`:
+   channel offset before its ``icefloe.channel-positions`` or batch at or below its
+   ``icefloe.writer-watermarks``), zero-record files and repeated paths;
+3. refuses the request if a remaining file can never be committed (a
+   :class:`~icefloe.errors.RefusedFileError`; :meth:`IcebergCommitter.screen` sorts those out
+   per file beforehand, so this only catches a table changed in between), and drops files
+   the branch head already references as live data files;
 4. appends what is left in one fast append on the branch, with the summary properties of
    ``docs/architecture.md``, and raises the table property ``icefloe.fencing-token.<group>``
    in the same transaction.
@@ -30,8 +31,8 @@ first adds one empty, unreferenced root snapshot (summary ``icefloe.branch-root`
 branch from it.
 
 Delete files (row deltas) are not supported yet: pyiceberg 0.12 has no public API to add
-position or equality delete files to a snapshot. A request that carries any is refused with
-:class:`~icefloe.errors.RowDeltaNotSupportedError` instead of appending them as data.
+position or equality delete files to a snapshot. Such a file is refused with
+:class:`~icefloe.errors.RowDeltaNotSupportedError` instead of being appended as data.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -53,21 +54,29 @@ from pyiceberg.exceptions import (
     CommitStateUnknownException,
     NoSuchTableError,
 )
+from pyiceberg.manifest import ManifestContent
 from pyiceberg.table import Table, TableProperties, Transaction
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
-from icefloe.datafiles import to_data_file
+from icefloe.datafiles import DataFileBuilder
+from icefloe.dedupe import POSITIONS_KEY as POSITIONS_KEY  # re-exported: summary keys
+from icefloe.dedupe import WATERMARKS_KEY as WATERMARKS_KEY
+from icefloe.dedupe import CommitBoundary, max_merge
 from icefloe.errors import (
+    ChannelChangedError,
     CommitError,
     CommitHistoryLostError,
     FileOutsideTableError,
+    InvalidDataFileError,
     PartitionSpecChangedError,
+    RefusedFileError,
     RowDeltaNotSupportedError,
     StaleFencingTokenError,
     TableMismatchError,
+    TableMissingError,
 )
 from icefloe.events import DataFileMeta, FileContent
 
@@ -75,12 +84,12 @@ logger = logging.getLogger(__name__)
 
 GROUP_ID_KEY = "icefloe.group-id"
 COMMIT_ID_KEY = "icefloe.commit-id"
-POSITIONS_KEY = "icefloe.channel-positions"
-WATERMARKS_KEY = "icefloe.writer-watermarks"
 SOURCE_OFFSETS_KEY = "icefloe.source-offsets"
 FENCING_TOKEN_KEY = "icefloe.fencing-token"
 VALID_THROUGH_KEY = "icefloe.valid-through-ms"
 BRANCH_ROOT_KEY = "icefloe.branch-root"
+STATE_KEY = "icefloe.state"
+DRAINED_KEY = "icefloe.channel-drained"
 
 # Table properties under which files may legitimately live outside the table location.
 _DATA_PATH_PROPERTIES = (
@@ -88,6 +97,8 @@ _DATA_PATH_PROPERTIES = (
     "write.object-storage.path",
     "write.folder-storage.path",
 )
+# Manifests whose live paths are kept in memory (oldest dropped first).
+_MANIFEST_CACHE_SIZE = 4096
 # URI schemes that name the same storage.
 _SCHEME_ALIASES = {"": "file", "s3a": "s3", "s3n": "s3"}
 
@@ -95,6 +106,18 @@ _SCHEME_ALIASES = {"": "file", "s3a": "s3", "s3n": "s3"}
 def fencing_token_property(group_id: str) -> str:
     """The table property holding the highest fencing token of ``group_id`` that committed."""
     return f"{FENCING_TOKEN_KEY}.{group_id}"
+
+
+def state_property(group_id: str, branch: str) -> str:
+    """The table property repeating the group's newest summary on ``branch`` (with its snapshot
+    id), written in the same transaction as the append: expiring snapshots cannot lose it."""
+    return f"{STATE_KEY}.{group_id}.{branch}"
+
+
+def drained_property(group_id: str) -> str:
+    """The table property naming the channel ``icefloe drain`` emptied for ``group_id``: the
+    one channel from which a pipeline may move to another without refusal."""
+    return f"{DRAINED_KEY}.{group_id}"
 
 
 @dataclass(frozen=True)
@@ -115,11 +138,18 @@ class CommitState:
 
     snapshot_id: int
     commit_id: str
-    positions: dict[str, int]
-    watermarks: dict[str, int]
+    boundary: CommitBoundary
     source_offsets: dict[str, dict[int, int]]
     fencing_token: int
     valid_through_ms: int | None
+
+    @property
+    def positions(self) -> dict[str, int]:
+        return dict(self.boundary.positions)
+
+    @property
+    def watermarks(self) -> dict[str, int]:
+        return dict(self.boundary.watermarks)
 
 
 @dataclass(frozen=True)
@@ -137,6 +167,8 @@ class TableCommitRequest:
     source_offsets: Mapping[str, Mapping[int, int]]
     fencing_token: int
     valid_through_ms: int | None = None
+    channel_id: str | None = None
+    """The identity of the channel ``positions`` and the files' offsets belong to."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +181,14 @@ class TableCommitResult:
     data_files: int
     records: int
     skipped_files: int
+
+
+@dataclass(frozen=True)
+class Screening:
+    """A table's verdict on pending files before any commit: which can never be committed."""
+
+    accepted: tuple[PendingFile, ...]
+    refused: tuple[tuple[PendingFile, RefusedFileError], ...]
 
 
 @dataclass(frozen=True)
@@ -192,6 +232,7 @@ class IcebergCommitter:
         self._before_commit = before_commit
         self._retry_wait_s = retry_wait_s
         self._max_retry_wait_s = max_retry_wait_s
+        self._manifest_paths: dict[str, frozenset[str]] = {}  # manifest location -> live paths
 
     @property
     def group_id(self) -> str:
@@ -207,6 +248,61 @@ class IcebergCommitter:
         head, _ = self._branch_head(loaded)
         return self._own_state(loaded, head)
 
+    def boundary(self, table: str, channel_id: str | None) -> CommitBoundary:
+        """What ``table`` holds already, as seen through the channel ``channel_id``.
+
+        Raises :class:`~icefloe.errors.ChannelChangedError` when the table's last commit came
+        through another channel that was not drained."""
+        loaded = self._load(table)
+        head, _ = self._branch_head(loaded)
+        state = self._for_channel(loaded, self._own_state(loaded, head), channel_id)
+        return CommitBoundary(channel_id=channel_id) if state is None else state.boundary
+
+    def mark_drained(self, table: str, channel_id: str) -> bool:
+        """Record that ``channel_id`` holds nothing uncommitted for this group, so the pipeline
+        may continue on another channel. Only marks a table whose last commit of this group
+        came through ``channel_id`` (or that has none); returns whether it marked."""
+        if not self._catalog.table_exists(table):
+            return False  # nothing was ever committed to it
+        for attempt in range(self._max_attempts):
+            if attempt:
+                self._backoff(attempt)
+            loaded = self._load(table)
+            head, _ = self._branch_head(loaded)
+            state = self._own_state(loaded, head)
+            recorded = None if state is None else state.boundary.channel_id
+            if recorded not in (None, channel_id):
+                return False
+            if loaded.metadata.properties.get(drained_property(self._group_id)) == channel_id:
+                return True
+            tx = loaded.transaction()
+            tx.set_properties({drained_property(self._group_id): channel_id})
+            try:
+                tx.commit_transaction()
+                return True
+            except CommitFailedException:
+                continue
+        raise CommitError(f"table '{table}': could not record the drained channel")
+
+    def screen(self, table: str, files: Iterable[PendingFile]) -> Screening:
+        """Sort out the files ``table`` can never take (wrong table incarnation, outside its
+        location, old partition spec, delete files, undescribable), so the caller can
+        quarantine them and commit the rest. Covered files count as accepted (commit drops
+        them). Raises TableMissingError or CommitHistoryLostError for the whole table."""
+        loaded = self._load(table)
+        head, _ = self._branch_head(loaded)
+        boundary = _boundary(self._own_state(loaded, head))
+        accepted: list[PendingFile] = []
+        refused: list[tuple[PendingFile, RefusedFileError]] = []
+        rules = _FileRules.of(loaded)
+        for f in files:
+            error = None if boundary.covers(f) else _refusal(loaded, f, rules)
+            if error is None:
+                accepted.append(f)
+            else:
+                refused.append((f, error))
+        return Screening(tuple(accepted), tuple(refused))
+
     def commit(self, request: TableCommitRequest) -> TableCommitResult:
         """Append the request's new files to its table in one snapshot (or none if nothing
         is new).
@@ -215,7 +311,6 @@ class IcebergCommitter:
         CommitError, and then committed nothing; only after a catalog reported an unknown
         outcome may that attempt still land, which a later replay of the request detects.
         """
-        _refuse_delete_files(request)
         # snapshots of attempts whose outcome is unknown: they may have landed after all
         unknown: list[tuple[int, _Plan]] = []
         last_error: Exception | None = None
@@ -299,7 +394,10 @@ class IcebergCommitter:
         try:
             table = self._catalog.load_table(name)
         except NoSuchTableError as e:
-            raise CommitError(f"table '{name}' does not exist in the catalog") from e
+            raise TableMissingError(
+                f"table '{name}' does not exist in the catalog; create it (or route its records "
+                "elsewhere): its pending files are quarantined after repeated attempts"
+            ) from e
         metadata = table.metadata
         properties = {**metadata.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}
         return Table(
@@ -356,8 +454,11 @@ class IcebergCommitter:
         tx.commit_transaction()
 
     def _own_state(self, table: Table, head: Snapshot | None) -> CommitState | None:
-        """This group's state on the branch; refuses to guess when its history was expired."""
+        """This group's state on the branch. When its snapshots were expired, the copy kept in
+        the table property takes over; without one it refuses to guess."""
         state, truncated = _find_state(head, table.metadata, self._group_id)
+        if state is None and truncated:
+            state = self._kept_state(table)
         if state is None and truncated and _property_token(table, self._group_id) is not None:
             # the group committed here before (it left its token), yet no snapshot of it is
             # left in the history: treating everything as new could commit files twice
@@ -369,12 +470,59 @@ class IcebergCommitter:
             )
         return state
 
+    def _kept_state(self, table: Table) -> CommitState | None:
+        raw = table.metadata.properties.get(state_property(self._group_id, self._branch))
+        if raw is None:
+            return None
+        try:
+            kept = json.loads(raw)
+            return _state_from_summary(int(kept["snapshot-id"]), kept["summary"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CommitError(
+                f"table '{_name(table)}': property "
+                f"{state_property(self._group_id, self._branch)} is unreadable ({e}); restore it "
+                "from the group's last snapshot summary or remove it"
+            ) from e
+
+    def _for_channel(
+        self, table: Table, state: CommitState | None, channel_id: str | None
+    ) -> CommitState | None:
+        return self._switch(table, state, channel_id)[0]
+
+    def _switch(
+        self, table: Table, state: CommitState | None, channel_id: str | None
+    ) -> tuple[CommitState | None, bool]:
+        """``state`` as seen through ``channel_id``, and whether the pipeline switched to it
+        from another (drained) channel. Refuses a switch from an undrained channel: its
+        uncommitted batches would be lost, and its positions mean nothing here."""
+        if state is None or channel_id is None:
+            return state, False
+        recorded = state.boundary.channel_id
+        drained = table.metadata.properties.get(drained_property(self._group_id))
+        if recorded is None and drained not in (None, channel_id):
+            # recorded before channels had identities, and a drain moved the pipeline since:
+            # those positions belong to the drained channel, not to this one
+            foreign = CommitBoundary({}, state.boundary.watermarks, channel_id)
+            return replace(state, boundary=foreign), True
+        if recorded not in (None, channel_id) and drained != recorded:
+            raise ChannelChangedError(
+                f"table '{_name(table)}': pipeline '{self._group_id}' last committed "
+                f"through channel {recorded}, now it reads channel {channel_id}. Batches "
+                "published to the old channel and not yet committed would be lost. Run "
+                "`icefloe drain --config <old config>` against the old backend first (see "
+                "docs/operations.md, swapping the backend); if the old channel is gone for "
+                "good, set the table property "
+                f"{drained_property(self._group_id)}={recorded} to accept that loss"
+            )
+        switched = recorded not in (None, channel_id)
+        return replace(state, boundary=state.boundary.for_channel(channel_id)), switched
+
     def _plan(self, table: Table, request: TableCommitRequest) -> _Plan:
-        metadata = table.metadata
-        _check_files(table, request.files)
         head, fork_from = self._branch_head(table)
-        state = self._own_state(table, head)
-        recorded = _recorded_token(table, self._group_id, state)
+        state, switched = self._switch(table, self._own_state(table, head), request.channel_id)
+        # fencing tokens, like positions, are issued by one channel: after a switch from a
+        # drained channel its tokens fence nothing here (its leaders were stopped for the drain)
+        recorded = None if switched else _recorded_token(table, self._group_id, state)
         if recorded is not None and recorded > request.fencing_token:
             raise StaleFencingTokenError(
                 f"table '{request.table}' records fencing token {recorded} for group "
@@ -382,20 +530,30 @@ class IcebergCommitter:
                 "a newer coordinator has taken over"
             )
         files, skipped = _select(request.files, state)
+        rules = _FileRules.of(table)
         for f in files:
-            if f.meta.spec_id != metadata.default_spec_id:
-                # pyiceberg 0.12's fast append writes one manifest with the default spec
-                raise PartitionSpecChangedError(
-                    f"table '{request.table}': {f.meta.path} was written with partition spec "
-                    f"{f.meta.spec_id}, but the table's default spec is now "
-                    f"{metadata.default_spec_id}; rewrite the file under the current spec"
-                )
+            error = _refusal(table, f, rules)
+            if error is not None:
+                # screen() sorts these out first; reaching here means the table changed in
+                # between (e.g. recreated): refuse the whole request, the next cycle re-screens
+                raise error
+        live = self._live_paths(table, head, {f.meta.path for f in files})
+        if live:
+            logger.warning(
+                "%s: %d announced file(s) are already in the table (announced again, e.g. "
+                "under another writer id); not committing them again: %s",
+                request.table,
+                len(live),
+                sorted(live)[:3],
+            )
+            files = tuple(f for f in files if f.meta.path not in live)
+            skipped += len(live)
         prop = _property_token(table, self._group_id)
         return _Plan(
             files=files,
             skipped=skipped,
             summary=_summary(self._group_id, request, state),
-            raise_token=prop is None or request.fencing_token > prop,
+            raise_token=switched or prop is None or request.fencing_token > prop,
             fork_from=fork_from,
         )
 
@@ -410,16 +568,41 @@ class IcebergCommitter:
                 {fencing_token_property(self._group_id): plan.summary[FENCING_TOKEN_KEY]}
             )
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
-        with snapshot.fast_append() as append:
+        # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
+        # read, which made this loop cost seconds per 10,000 files, growing with history
+        build = DataFileBuilder(tx.table_metadata).build
+        # pyiceberg's merge append is a fast append unless the table enables manifest merging
+        # (commit.manifest-merge.enabled, set on tables icefloe creates): see icefloe.maintenance
+        with snapshot.merge_append() as append:
             for f in plan.files:
-                try:
-                    data_file = to_data_file(f.meta, tx.table_metadata)
-                except (ValueError, KeyError, TypeError) as e:
-                    raise CommitError(
-                        f"table '{_name(table)}': cannot describe {f.meta.path}: {e}"
-                    ) from e
-                append.append_data_file(data_file)
+                append.append_data_file(build(f.meta))
+        kept = {"snapshot-id": append.snapshot_id, "summary": plan.summary}
+        tx.set_properties({state_property(self._group_id, self._branch): _json(kept)})
         return tx, append.snapshot_id
+
+    def _live_paths(self, table: Table, head: Snapshot | None, paths: set[str]) -> set[str]:
+        """Which of ``paths`` the branch head already references as live data files.
+
+        Reads the head's data manifests; manifest files never change once written, so each
+        one's paths are cached by its location and only new manifests are read per commit.
+        """
+        if head is None or not paths:
+            return set()
+        found: set[str] = set()
+        for manifest in head.manifests(table.io):
+            if manifest.content != ManifestContent.DATA:
+                continue
+            cached = self._manifest_paths.get(manifest.manifest_path)
+            if cached is None:
+                cached = frozenset(
+                    e.data_file.file_path
+                    for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
+                )
+                if len(self._manifest_paths) >= _MANIFEST_CACHE_SIZE:
+                    self._manifest_paths.pop(next(iter(self._manifest_paths)))
+                self._manifest_paths[manifest.manifest_path] = cached
+            found |= paths & cached
+        return found
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep
@@ -431,34 +614,65 @@ def _name(table: Table) -> str:
     return ".".join(table.name())
 
 
-def _refuse_delete_files(request: TableCommitRequest) -> None:
-    deletes = [f.meta.path for f in request.files if f.meta.content != FileContent.DATA]
-    if deletes:
-        raise RowDeltaNotSupportedError(
-            f"table '{request.table}': {len(deletes)} delete file(s) (e.g. {deletes[0]}) need a "
-            "row delta commit, which icefloe does not support yet (pyiceberg 0.12 cannot add "
-            "delete files); write data files only"
+@dataclass(frozen=True)
+class _FileRules:
+    """What every file's check against one loaded table shares, prepared once: a commit
+    carries up to 100,000s of files, and per-file setup cost as much as the checks."""
+
+    roots: tuple[_Root, ...]
+    table_uuid: str
+    build: Callable[[DataFileMeta], object]
+
+    @classmethod
+    def of(cls, table: Table) -> _FileRules:
+        metadata = table.metadata
+        roots = [metadata.location] + [
+            metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
+        ]
+        return cls(
+            tuple(_split_root(r) for r in roots),
+            str(metadata.table_uuid),
+            DataFileBuilder(metadata).build,
         )
 
 
-def _check_files(table: Table, files: Iterable[PendingFile]) -> None:
-    """Refuse the whole request if any file belongs to another table or place."""
+def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileError | None:
+    """Why ``table`` can never take ``f``, or None. Each reason concerns this file alone."""
     metadata = table.metadata
-    roots = [metadata.location] + [
-        metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
-    ]
-    for f in files:
-        if f.table_uuid is not None and not _same_uuid(f.table_uuid, metadata.table_uuid):
-            raise TableMismatchError(
-                f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {f.meta.path} was "
-                f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
-                "commit it"
-            )
-        if not any(_inside(f.meta.path, root) for root in roots):
-            raise FileOutsideTableError(
-                f"table '{_name(table)}': {f.meta.path} lies outside the table location "
-                f"{metadata.location}; refusing to commit it"
-            )
+    path = f.meta.path
+    if f.meta.content != FileContent.DATA:
+        return RowDeltaNotSupportedError(
+            f"table '{_name(table)}': {path} is a delete file ({f.meta.content}) and needs a "
+            "row delta commit, which icefloe does not support yet (pyiceberg 0.12 cannot add "
+            "delete files); write data files only"
+        )
+    if (
+        f.table_uuid is not None
+        and f.table_uuid != rules.table_uuid
+        and not _same_uuid(f.table_uuid, metadata.table_uuid)
+    ):
+        return TableMismatchError(
+            f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {path} was "
+            f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
+            "commit it"
+        )
+    if not any(_inside(path, root) for root in rules.roots):
+        return FileOutsideTableError(
+            f"table '{_name(table)}': {path} lies outside the table location "
+            f"{metadata.location}; refusing to commit it"
+        )
+    if f.meta.spec_id != metadata.default_spec_id:
+        # pyiceberg 0.12's fast append writes one manifest with the default spec
+        return PartitionSpecChangedError(
+            f"table '{_name(table)}': {path} was written with partition spec "
+            f"{f.meta.spec_id}, but the table's default spec is now "
+            f"{metadata.default_spec_id}; rewrite the file under the current spec"
+        )
+    try:
+        rules.build(f.meta)
+    except (ValueError, KeyError, TypeError) as e:
+        return InvalidDataFileError(f"table '{_name(table)}': cannot describe {path}: {e}")
+    return None
 
 
 def _same_uuid(text: str, table_uuid: uuid.UUID) -> bool:
@@ -474,12 +688,22 @@ def _split(uri: str) -> tuple[str, str, str]:
     return _SCHEME_ALIASES.get(scheme, scheme), parts.netloc, posixpath.normpath(parts.path)
 
 
-def _inside(path: str, root: str) -> bool:
+_Root = tuple[str, str, str, str]  # raw prefix, then scheme, netloc, path (ending in "/")
+
+
+def _split_root(root: str) -> _Root:
+    """``root`` prepared for :func:`_inside`."""
+    scheme, netloc, path = _split(root)
+    return root.rstrip("/") + "/", scheme, netloc, path.rstrip("/") + "/"
+
+
+def _inside(path: str, root: _Root) -> bool:
     """Whether ``path`` lies under ``root``, normalising '..' so it cannot escape."""
+    raw = root[0]
+    if path.startswith(raw) and "/." not in path[len(raw) - 1 :] and "//" not in path[len(raw) :]:
+        return True  # the common case, decided without parsing: nothing to normalise
     scheme, netloc, file_path = _split(path)
-    root_scheme, root_netloc, root_path = _split(root)
-    prefix = root_path.rstrip("/") + "/"
-    return scheme == root_scheme and netloc == root_netloc and file_path.startswith(prefix)
+    return (scheme, netloc) == root[1:3] and file_path.startswith(root[3])
 
 
 def _find_state(
@@ -513,32 +737,32 @@ def _cut_short(oldest: Snapshot) -> bool:
     return total > added
 
 
+def _state_from_summary(snapshot_id: int, summary: Mapping[str, str | None]) -> CommitState:
+    """Raises ValueError/TypeError/AttributeError when the summary is unreadable."""
+    valid_through = summary.get(VALID_THROUGH_KEY)
+    return CommitState(
+        snapshot_id=snapshot_id,
+        commit_id=str(summary.get(COMMIT_ID_KEY)),
+        boundary=CommitBoundary.from_summary(summary),
+        source_offsets={
+            str(topic): {int(p): int(o) for p, o in offsets.items()}
+            for topic, offsets in json.loads(summary.get(SOURCE_OFFSETS_KEY) or "{}").items()
+        },
+        fencing_token=int(summary.get(FENCING_TOKEN_KEY)),  # type: ignore[arg-type]
+        valid_through_ms=None if valid_through is None else int(valid_through),
+    )
+
+
 def _parse_state(snapshot: Snapshot) -> CommitState:
     summary = snapshot.summary
     assert summary is not None  # checked by the caller
     try:
-        valid_through = summary[VALID_THROUGH_KEY]
-        return CommitState(
-            snapshot_id=snapshot.snapshot_id,
-            commit_id=str(summary[COMMIT_ID_KEY]),
-            positions=_int_map(json.loads(summary[POSITIONS_KEY] or "{}")),
-            watermarks=_int_map(json.loads(summary[WATERMARKS_KEY] or "{}")),
-            source_offsets={
-                str(topic): {int(p): int(o) for p, o in offsets.items()}
-                for topic, offsets in json.loads(summary[SOURCE_OFFSETS_KEY] or "{}").items()
-            },
-            fencing_token=int(summary[FENCING_TOKEN_KEY]),  # type: ignore[arg-type]
-            valid_through_ms=None if valid_through is None else int(valid_through),
-        )
+        return _state_from_summary(snapshot.snapshot_id, summary)
     except (TypeError, ValueError, AttributeError) as e:
         # without a readable state the committer cannot know what is already in the table
         raise CommitError(
             f"snapshot {snapshot.snapshot_id} carries an unreadable icefloe summary: {e}"
         ) from e
-
-
-def _int_map(raw: Any) -> dict[str, int]:
-    return {str(k): int(v) for k, v in raw.items()}
 
 
 def _property_token(table: Table, group_id: str) -> int | None:
@@ -560,25 +784,20 @@ def _recorded_token(table: Table, group_id: str, state: CommitState | None) -> i
     return max((t for t in candidates if t is not None), default=None)
 
 
-def _covered(f: PendingFile, state: CommitState | None) -> bool:
-    """Whether the snapshot behind ``state`` already holds ``f``."""
-    if state is None:
-        return False
-    if f.offset < state.positions.get(f.partition, 0):
-        return True
-    watermark = state.watermarks.get(f.writer_id)
-    return watermark is not None and f.batch_seq <= watermark
+def _boundary(state: CommitState | None) -> CommitBoundary:
+    return CommitBoundary() if state is None else state.boundary
 
 
 def _select(
     files: Iterable[PendingFile], state: CommitState | None
 ) -> tuple[tuple[PendingFile, ...], int]:
     """The files still to commit, and how many were dropped."""
+    boundary = _boundary(state)
     seen: set[str] = set()
     keep: list[PendingFile] = []
     skipped = 0
     for f in files:
-        if f.meta.path in seen or f.meta.record_count <= 0 or _covered(f, state):
+        if f.meta.path in seen or f.meta.record_count <= 0 or boundary.covers(f):
             skipped += 1
         else:
             keep.append(f)
@@ -586,32 +805,21 @@ def _select(
     return tuple(keep), skipped
 
 
-def _max_merge(old: Mapping[Any, int], new: Mapping[Any, int]) -> dict[str, int]:
-    merged = {str(k): int(v) for k, v in old.items()}
-    for k, v in new.items():
-        merged[str(k)] = max(merged.get(str(k), v), int(v))
-    return merged
-
-
 def _summary(
     group_id: str, request: TableCommitRequest, state: CommitState | None
 ) -> dict[str, str]:
     """Summary properties of the new snapshot; positions and watermarks never regress."""
-    batches: dict[str, int] = {}
-    for f in request.files:
-        batches[f.writer_id] = max(batches.get(f.writer_id, f.batch_seq), f.batch_seq)
+    start = CommitBoundary(channel_id=request.channel_id) if state is None else state.boundary
+    boundary = start.advanced(request.positions, request.files)
     old_offsets = {} if state is None else state.source_offsets
     offsets = {
-        topic: _max_merge(old_offsets.get(topic, {}), request.source_offsets.get(topic, {}))
+        topic: max_merge(old_offsets.get(topic, {}), request.source_offsets.get(topic, {}))
         for topic in sorted(set(old_offsets) | set(request.source_offsets))
     }
     summary = {
         GROUP_ID_KEY: group_id,
         COMMIT_ID_KEY: request.commit_id,
-        POSITIONS_KEY: _json(
-            _max_merge({} if state is None else state.positions, request.positions)
-        ),
-        WATERMARKS_KEY: _json(_max_merge({} if state is None else state.watermarks, batches)),
+        **boundary.to_summary(),
         SOURCE_OFFSETS_KEY: _json(offsets),
         FENCING_TOKEN_KEY: str(request.fencing_token),
     }

@@ -19,7 +19,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from icefloe.errors import ConfigError
 
@@ -30,6 +37,13 @@ ENV_PREFIX = "ICEFLOE__"
 _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 # no dots: the backend's section is the TOML table [coordination.<name>]
 BACKEND_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
+TABLE_NAME_RE = r"^[^.\s]+(\.[^.\s]+)+$"
+# what each pattern means, for error messages (a regex is no help to a user)
+_PATTERN_HELP = {
+    _NAME_RE: "use letters, digits, '.', '_' and '-', starting with a letter or digit",
+    BACKEND_NAME_RE: "use letters, digits, '_' and '-', starting with a letter or digit",
+    TABLE_NAME_RE: 'use "namespace.table" (two or more dotted parts, no spaces)',
+}
 
 
 class _Model(BaseModel):
@@ -66,12 +80,13 @@ class SourceConfig(_Model):
 class TableConfig(_Model):
     """A target table and which records go to it (all records when no route is given)."""
 
-    name: str = Field(pattern=r"^[^.\s]+(\.[^.\s]+)+$")
+    name: str = Field(pattern=TABLE_NAME_RE)
     route_field: str | None = None
     route_values: list[str] = Field(default_factory=list)
     auto_create: bool = False
     partition_by: list[str] = Field(default_factory=list)
     id_columns: list[str] = Field(default_factory=list)
+    properties: dict[str, str] = Field(default_factory=dict)
 
 
 class CatalogConfig(_Model):
@@ -114,6 +129,32 @@ class SparkConfig(_Model):
     conf: dict[str, str] = Field(default_factory=dict)
 
 
+ErrorPolicy = Literal["fail", "skip", "dead_letter"]
+
+
+class ErrorsConfig(_Model):
+    """What a writer task does with a record it cannot decode, route or convert: stop the
+    pipeline (``fail``), drop it and count it (``skip``), or write it to a dead-letter table
+    committed with the batch (``dead_letter``). Per record: the batch's good records are
+    written either way."""
+
+    policy: ErrorPolicy = "fail"
+    dead_letter_table: str | None = Field(
+        default=None, pattern=TABLE_NAME_RE, validate_default=True
+    )
+
+    @field_validator("dead_letter_table")
+    @classmethod
+    def _needed_for_dead_letter(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # a field validator (not a model one) so the error is located at this key
+        if value is None and info.data.get("policy") == "dead_letter":
+            raise ValueError(
+                'policy "dead_letter" needs a table: set dead_letter_table = "namespace.table" '
+                "(created when missing)"
+            )
+        return value
+
+
 class PipelineConfig(_Model):
     """Everything a pipeline needs. ``name`` is the group id shared by its writers and
     coordinator; several pipelines may share one channel."""
@@ -127,6 +168,18 @@ class PipelineConfig(_Model):
     # an absolute path travels with the config to every process (Spark executors get it as
     # JSON), so a backend's relative paths mean the same everywhere; set by load_config
     config_dir: str | None = None
+    errors: ErrorsConfig = Field(default_factory=ErrorsConfig)
+
+    @field_validator("errors")
+    @classmethod
+    def _dead_letter_not_a_target(cls, errors: ErrorsConfig, info: ValidationInfo) -> ErrorsConfig:
+        targets = {t.name for t in info.data.get("tables") or []}
+        if errors.dead_letter_table in targets:
+            raise ValueError(
+                f"errors.dead_letter_table '{errors.dead_letter_table}' is also a target table; "
+                "name a table of its own for bad records"
+            )
+        return errors
 
     @field_validator("tables")
     @classmethod
@@ -239,10 +292,17 @@ def _fix_for(err: ErrorDetails) -> str:
     if kind == "too_short":
         return f"give at least {ctx.get('min_length', 1)} item(s)"
     if kind == "string_pattern_mismatch":
-        return f"use a value matching {ctx.get('pattern')}"
+        pattern = str(ctx.get("pattern"))
+        return _PATTERN_HELP.get(pattern, f"use a value matching {pattern}")
     if kind == "value_error":
         return str(err["msg"]).removeprefix("Value error, ")
     return _FIXES.get(kind, "see docs/configuration.md")
+
+
+def _problem(err: ErrorDetails) -> str:
+    if err["type"] == "string_pattern_mismatch":
+        return "is not in the expected form"
+    return str(err["msg"])
 
 
 def _is_unknown_backend_key(err: ErrorDetails, prefix: str) -> bool:
@@ -260,7 +320,7 @@ def config_error_from(exc: ValidationError, prefix: str = "") -> ConfigError:
     """Turn pydantic's error list into one ConfigError naming the first bad key (all keys are
     listed in the message). Bad values under secret-looking keys are masked."""
     errs = exc.errors()
-    lines = [f"{_loc_key(e['loc'], prefix)}: {e['msg']}" for e in errs]
+    lines = [f"{_loc_key(e['loc'], prefix)}: {_problem(e)}" for e in errs]
     first = errs[0]
     key = _loc_key(first["loc"], prefix)
     value = None if first["type"] == "missing" else redact(first.get("input"), key)
@@ -268,7 +328,7 @@ def config_error_from(exc: ValidationError, prefix: str = "") -> ConfigError:
         problem = "unknown key"
         fix = f"{_UNKNOWN_KEY_FIX}; a backend's own settings go in a table [coordination.<backend>]"
     else:
-        problem, fix = str(first["msg"]), _fix_for(first)
+        problem, fix = _problem(first), _fix_for(first)
     err = ConfigError(key, problem, fix, value)
     if len(errs) > 1:
         err.args = (str(err) + "\nAll problems:\n  " + "\n  ".join(lines),)

@@ -21,7 +21,13 @@ from pyiceberg.schema import Schema
 from pyiceberg.table.name_mapping import MappedField, NameMapping
 from pyiceberg.types import IcebergType, ListType, MapType, NestedField, StructType
 
-from icefloe.errors import ConfigError, RecordConversionError
+from icefloe.errors import (
+    ConfigError,
+    RecordConformError,
+    RecordConversionError,
+    RecordDecodeError,
+    RecordRouteError,
+)
 from icefloe.hookspecs import DecodeContext, RecordCodec
 
 if TYPE_CHECKING:
@@ -84,10 +90,10 @@ def table_name_mapping(table: Table) -> NameMapping | None:
 # --------------------------------------------------------------------------- casts
 
 
-def _first_failing(arr: pa.Array, fn: Callable[[pa.Array], Any]) -> int:
-    """Index of the first element ``fn`` rejects. A binary search over prefixes (O(log n)
-    vectorised calls), checked on the element itself, with a linear scan as the fallback for
-    conversions whose failure is not monotone in the prefix."""
+def failing_prefix_end(arr: pa.Array, fn: Callable[[pa.Array], Any]) -> int:
+    """The last index of the shortest prefix of ``arr`` that ``fn`` rejects (``arr`` as a whole
+    is known to fail), by a binary search over prefixes: O(log n) vectorised calls. That element
+    is not always at fault itself: it may only conflict with an earlier one."""
     lo, hi = 1, len(arr)
     while lo < hi:
         mid = (lo + hi) // 2
@@ -97,7 +103,14 @@ def _first_failing(arr: pa.Array, fn: Callable[[pa.Array], Any]) -> int:
             hi = mid
         else:
             lo = mid + 1
-    candidates: list[int] = [lo - 1, *range(len(arr))]
+    return lo - 1
+
+
+def _first_failing(arr: pa.Array, fn: Callable[[pa.Array], Any]) -> int:
+    """Index of the first element ``fn`` rejects: :func:`failing_prefix_end`, checked on the
+    element itself, with a linear scan as the fallback for conversions whose failure is not
+    monotone in the prefix."""
+    candidates: list[int] = [failing_prefix_end(arr, fn), *range(len(arr))]
     for i in candidates:
         try:
             fn(arr.slice(i, 1))
@@ -417,12 +430,17 @@ def _check_required(
 
 
 def record_error(
-    context: DecodeContext | None, row: int, field: str | None, problem: str
+    context: DecodeContext | None,
+    row: int,
+    field: str | None,
+    problem: str,
+    error: type[RecordConversionError] = RecordDecodeError,
 ) -> RecordConversionError:
-    """A RecordConversionError for ``row`` of the batch ``context`` describes."""
+    """A RecordConversionError (by default a decode error, what codecs raise) for ``row`` of
+    the batch ``context`` describes."""
     if context is None or row >= len(context.offsets):
-        return RecordConversionError("<batch>", -1, row, field, f"row {row}: {problem}")
-    return RecordConversionError(
+        return error("<batch>", -1, row, field, f"row {row}: {problem}")
+    return error(
         str(context.topics[row].as_py()),
         int(context.partitions[row].as_py()),
         int(context.offsets[row].as_py()),
@@ -459,7 +477,9 @@ def conform(
         try:
             arrays = conv.fields(columns, iceberg_schema.fields, list(target), len(batch), None, "")
         except _MisfitError as m:
-            raise record_error(context, base + m.row, m.path, m.problem) from None
+            raise record_error(
+                context, base + m.row, m.path, m.problem, RecordConformError
+            ) from None
         batches.append(pa.RecordBatch.from_arrays(arrays, schema=target))
         base += len(batch)
     return pa.Table.from_batches(batches, schema=target)
@@ -620,22 +640,89 @@ class RecordConverter:
 
     def convert(self, batch: pa.RecordBatch | pa.Table) -> dict[str, pa.Table]:
         """table name -> rows for it in its exact Arrow schema (tables with no rows included,
-        empty)."""
-        from icefloe.routing import route_masks
+        empty). The first record that cannot be decoded (RecordDecodeError), that no table
+        takes (RecordRouteError) or that does not fit a table (RecordConformError) fails it."""
+        from icefloe.routing import route_masks, unrouted_problem
 
         decoded, context = self.decode(batch)
-        masks = route_masks(decoded, [t.config for t in self.targets], self.case_insensitive)
+        configs = [t.config for t in self.targets]
+        masks = route_masks(decoded, configs, self.case_insensitive)
+        unrouted = unrouted_problem(decoded, masks, configs, self.case_insensitive)
+        if unrouted is not None:
+            raise record_error(context, unrouted[0], None, unrouted[1], RecordRouteError)
         out: dict[str, pa.Table] = {}
         for t in self.targets:
             mask = masks[t.config.name]
             rows, ctx = decoded, context
             if mask is not None:
                 rows, ctx = decoded.filter(mask), filter_context(context, mask)
-            out[t.config.name] = conform(
-                rows,
-                t.schema,
-                case_insensitive=self.case_insensitive,
-                context=ctx,
-                name_mapping=t.name_mapping,
-            )
+            try:
+                out[t.config.name] = conform(
+                    rows,
+                    t.schema,
+                    case_insensitive=self.case_insensitive,
+                    context=ctx,
+                    name_mapping=t.name_mapping,
+                )
+            except RecordConversionError as exc:
+                raise exc.with_(table=t.config.name) from None
         return out
+
+    def convert_tolerant(self, batch: pa.RecordBatch | pa.Table) -> Conversion:
+        """Like :meth:`convert`, but a record that fails is set aside (with its error) and the
+        batch's other records are converted.
+
+        The whole batch is tried first, so a clean batch costs exactly one :meth:`convert`.
+        Only a failing batch is halved, recursively, until each failing part is one record:
+        O(k log n) conversions of shrinking parts for k bad records, whatever the codec's own
+        locating. Halving (not "drop the named record and retry") keeps a batch with many bad
+        records from costing one full pass per bad record, and never depends on the codec
+        naming the right record.
+        """
+        try:
+            return Conversion(self.convert(batch))
+        except RecordConversionError as exc:
+            if batch.num_rows <= 1:
+                return Conversion(self.empty(), (Rejected(0, exc),))
+        parts: list[dict[str, pa.Table]] = []
+        rejected: list[Rejected] = []
+        n = batch.num_rows
+        stack = [(n // 2, n), (0, n // 2)]  # popped from the end: rows stay in order
+        while stack:
+            lo, hi = stack.pop()
+            try:
+                parts.append(self.convert(batch.slice(lo, hi - lo)))
+            except RecordConversionError as exc:
+                if hi - lo == 1:
+                    rejected.append(Rejected(lo, exc))
+                else:
+                    mid = (lo + hi) // 2
+                    stack += [(mid, hi), (lo, mid)]
+        empty = self.empty()
+        tables = {
+            name: pa.concat_tables([part[name] for part in parts if part[name].num_rows] or [e])
+            for name, e in empty.items()
+        }
+        return Conversion(tables, tuple(rejected))
+
+    def empty(self) -> dict[str, pa.Table]:
+        """table name -> no rows, in the table's Arrow schema."""
+        return {t.config.name: schema_to_pyarrow(t.schema).empty_table() for t in self.targets}
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A record :meth:`RecordConverter.convert_tolerant` set aside: its row in the input batch
+    and why (the error's ``kind`` is decode, route or conform; ``table`` the target, when
+    known)."""
+
+    row: int
+    error: RecordConversionError
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """The rows per table of a batch, and the records that could not be written."""
+
+    tables: dict[str, pa.Table]
+    rejected: tuple[Rejected, ...] = ()

@@ -24,17 +24,39 @@ class PluginError(IcefloeError):
     """A plugin could not be found, loaded or registered."""
 
 
+# backends published from this repository: the only package names icefloe ever suggests
+# (suggesting `icefloe-backend-<whatever was typed>` would invite typosquatting)
+KNOWN_BACKEND_PACKAGES = {
+    "kafka": "icefloe-backend-kafka",
+    "postgres": "icefloe-backend-postgres",
+    "redis": "icefloe-backend-redis",
+}
+
+
 class UnknownBackendError(PluginError):
     """The configured coordination backend is not installed."""
 
-    def __init__(self, name: str, installed: list[str]) -> None:
+    def __init__(self, name: str, installed: list[str], source: str | None = None) -> None:
+        import difflib
+
         self.name = name
         self.installed = installed
+        self.source = source
         listing = ", ".join(sorted(installed)) or "none"
+        candidates = sorted(set(installed) | set(KNOWN_BACKEND_PACKAGES))
+        close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+        where = f" (set by {source})" if source else ""
+        hints: list[str] = []
+        if close and close[0] != name:
+            hints.append(f"did you mean '{close[0]}'?")
+        target = name if name in KNOWN_BACKEND_PACKAGES else (close[0] if close else None)
+        if target in KNOWN_BACKEND_PACKAGES and target not in installed:
+            hints.append(f"install it with `pip install {KNOWN_BACKEND_PACKAGES[target]}`")
+        hints.append("or set coordination.backend to one of the installed backends")
         super().__init__(
-            f"coordination backend '{name}' is not installed (installed: {listing}). "
-            f"Install it, e.g. `pip install icefloe-backend-{name}`, or set "
-            f"coordination.backend to one of the installed backends."
+            f"coordination backend '{name}'{where} is not installed (installed: {listing}). "
+            + "; ".join(hints)
+            + "."
         )
 
 
@@ -84,37 +106,137 @@ class StaleFencingTokenError(CommitError):
     """The table records a newer coordinator's fencing token: this coordinator is a zombie."""
 
 
-class TableMismatchError(CommitError):
+class RefusedFileError(CommitError):
+    """One announced file can never be committed to its table. The coordinator quarantines
+    that file and commits the rest, instead of failing the whole table every cycle."""
+
+
+class PermanentTableError(CommitError):
+    """The table itself cannot take commits until an operator acts (missing, history lost).
+    After repeated attempts the coordinator quarantines its pending files, so the channel
+    position can advance for every other table."""
+
+
+class TableMissingError(PermanentTableError):
+    """The target table does not exist in the catalog."""
+
+
+class TableMismatchError(RefusedFileError):
     """The table is not the one the files were written for (dropped and recreated, or moved)."""
 
 
-class FileOutsideTableError(CommitError):
+class FileOutsideTableError(RefusedFileError):
     """A data file lies outside the table's location and is refused."""
 
 
+class InvalidDataFileError(RefusedFileError):
+    """A file's announced metadata cannot be described against the table (bad partition or
+    statistics for the table's schema)."""
+
+
 class RecordConversionError(IcefloeError):
-    """A source record does not fit the target table's schema."""
+    """A source record cannot be written: it does not decode, route or fit the table schema.
+
+    ``kind`` says which (``decode``, ``route``, ``conform``), ``table`` the target table when
+    known, ``fix`` how to get past it (appended to the message)."""
+
+    kind = "decode"
 
     def __init__(
-        self, topic: str, partition: int, offset: int, field: str | None, problem: str
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        field: str | None,
+        problem: str,
+        *,
+        table: str | None = None,
+        fix: str | None = None,
     ) -> None:
         self.topic = topic
         self.partition = partition
         self.offset = offset
         self.field = field
+        self.problem = problem
+        self.table = table
+        self.fix = fix
         where = f"{topic}[{partition}]@{offset}"
         what = f" field '{field}'" if field else ""
-        super().__init__(f"record {where}{what}: {problem}")
+        into = f" (table {table})" if table else ""
+        hint = f". Fix: {fix}" if fix else ""
+        super().__init__(f"record {where}{what}{into}: {problem}{hint}")
+
+    def with_(self, *, table: str | None = None, fix: str | None = None) -> RecordConversionError:
+        """The same error of the same class, with the target table or a fix added."""
+        return type(self)(
+            self.topic,
+            self.partition,
+            self.offset,
+            self.field,
+            self.problem,
+            table=table or self.table,
+            fix=fix or self.fix,
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # keyword-only arguments: default pickling (Spark ships task errors) would drop them
+        args = (self.topic, self.partition, self.offset, self.field, self.problem)
+        return (_rebuild_record_error, (type(self), args, self.table, self.fix))
 
 
-class RowDeltaNotSupportedError(CommitError):
+def _rebuild_record_error(
+    cls: type[RecordConversionError],
+    args: tuple[str, int, int, str | None, str],
+    table: str | None,
+    fix: str | None,
+) -> RecordConversionError:
+    return cls(*args, table=table, fix=fix)
+
+
+class RecordDecodeError(RecordConversionError):
+    """The codec cannot decode the record's value (malformed JSON/Avro, a tombstone when
+    tombstones are errors)."""
+
+    kind = "decode"
+
+
+class RecordRouteError(RecordConversionError):
+    """No target table takes the record (its route field is missing, null or has a value no
+    table lists)."""
+
+    kind = "route"
+
+
+class RecordConformError(RecordConversionError):
+    """The record does not fit the target table's schema (wrong type, null or missing
+    required field)."""
+
+    kind = "conform"
+
+
+class RowDeltaNotSupportedError(RefusedFileError):
     """A commit request holds delete files; pyiceberg 0.12 cannot commit a row delta yet."""
 
 
-class PartitionSpecChangedError(CommitError):
+class PartitionSpecChangedError(RefusedFileError):
     """A data file was written with a partition spec that is no longer the table's default."""
 
 
-class CommitHistoryLostError(CommitError):
+class CommitHistoryLostError(PermanentTableError):
     """The group committed to the table before, but its snapshots were expired from the
     branch's history, so what is already committed can no longer be told."""
+
+
+class ChannelIdentityError(IcefloeError):
+    """The channel is not the one the tables' commits were recorded with, or it lost events
+    (recreated, restored from a backup, restarted without persistence, swapped without a
+    drain). Deliberately not a :class:`ChannelError`: retrying cannot fix it; the message
+    names the recovery."""
+
+
+class ChannelChangedError(ChannelIdentityError):
+    """A table's last commit came through another channel that was not drained."""
+
+
+class ChannelResetError(ChannelIdentityError):
+    """The channel holds fewer events than positions recorded earlier prove it had."""

@@ -7,7 +7,8 @@ Iceberg's Kafka Connect sink). A row may go to several tables, or to none.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -74,6 +75,29 @@ def route_masks(
         values = pa.array(t.route_values, pa.string())
         out[t.name] = pc.is_in(cache[t.route_field], value_set=values)  # null -> False
     return out
+
+
+def unrouted_problem(
+    table: pa.Table,
+    masks: Mapping[str, pa.Array | None],
+    tables: Sequence[TableConfig],
+    case_insensitive: bool = False,
+) -> tuple[int, str] | None:
+    """The first row no table takes, and why (its route field is missing or null, or its value
+    is listed by no table), or None when every row goes somewhere. A record that goes nowhere
+    is an error rather than silently dropped: it would vanish from an exactly-once pipeline."""
+    if not masks or any(m is None for m in masks.values()):
+        return None
+    taken = functools.reduce(pc.or_, [m for m in masks.values() if m is not None])
+    row = int(pc.index(taken, False).as_py())
+    if row < 0:
+        return None
+    shown = []
+    for field in dict.fromkeys(t.route_field for t in tables if t.route_field):
+        col = _column(table, field, case_insensitive)
+        value = None if col is None else col[row].as_py()
+        shown.append(f"field '{field}' is missing" if value is None else f"'{field}' = {value!r}")
+    return row, f"no table takes the record ({', '.join(shown)})"
 
 
 def route(

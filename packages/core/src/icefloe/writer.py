@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from icefloe.channel import WriterBatch, WriterChannel
 from icefloe.errors import WriterFencedError
 from icefloe.events import (
+    CommitComplete,
     DataComplete,
     DataFileMeta,
     DataWritten,
@@ -72,6 +73,10 @@ class WriterClient:
         self._last_seq: int | None = None
         self._fenced: WriterFencedError | None = None
         self.answered = 0  # StartCommits answered (metrics, tests)
+        # commit id -> last batch_seq published when we answered it: its CommitComplete means
+        # every batch up to that one is in the tables (run --once waits for this)
+        self._answered_seq: dict[str, int | None] = {}
+        self.committed_through: int | None = None
 
     @property
     def epoch(self) -> int | None:
@@ -170,7 +175,12 @@ class WriterClient:
             # a zero-timeout poll under the lock: publishes are never held up by a wait
             events = self._channel.poll_broadcasts(_NO_WAIT_S)
             for event in events:
-                if event.group_id != self.group_id or not isinstance(event.payload, StartCommit):
+                if event.group_id != self.group_id:
+                    continue
+                if isinstance(event.payload, CommitComplete):
+                    self._commit_completed(event.payload.commit_id)
+                    continue
+                if not isinstance(event.payload, StartCommit):
                     continue
                 answer = DataComplete(tuple(self._positions.values()), event.payload.commit_id)
                 try:
@@ -179,3 +189,12 @@ class WriterClient:
                     self._fence(exc)
                     raise
                 self.answered += 1
+                self._answered_seq[event.payload.commit_id] = self._last_seq
+
+    def _commit_completed(self, commit_id: str) -> None:
+        seq = self._answered_seq.pop(commit_id, None)
+        if seq is not None and (self.committed_through is None or seq > self.committed_through):
+            self.committed_through = seq
+        if len(self._answered_seq) > 100:  # cycles whose CommitComplete never came (failed)
+            for stale in list(self._answered_seq)[:-100]:
+                del self._answered_seq[stale]

@@ -2,6 +2,22 @@
 
 Imported, not listed in ``pytest_plugins``: pytest only honours that in a rootdir conftest."""
 
+from collections.abc import Iterator
+
+import pytest
+
+from icefloe import plugins as plugins_module
 from icefloe.testing.fixtures import memory_server, sqlite_catalog
+from icefloe.testing.memory import MemoryPlugin
 
 __all__ = ["memory_server", "sqlite_catalog"]
+
+
+@pytest.fixture
+def memory_plugins() -> Iterator[plugins_module.Plugins]:
+    """Process-wide plugins with only the reference backend (``memory``) registered."""
+    plugins = plugins_module.new_plugins(autoload=False)
+    plugins.pm.register(MemoryPlugin())
+    plugins_module.reset_plugins(plugins)
+    yield plugins
+    plugins_module.reset_plugins(None)

@@ -36,8 +36,10 @@ from icefloe.committer import (
     PendingFile,
     TableCommitRequest,
     fencing_token_property,
+    state_property,
 )
 from icefloe.datafiles import write_data_files
+from icefloe.dedupe import CommitBoundary
 from icefloe.errors import (
     CommitError,
     CommitHistoryLostError,
@@ -47,6 +49,7 @@ from icefloe.errors import (
     RowDeltaNotSupportedError,
     StaleFencingTokenError,
     TableMismatchError,
+    TableMissingError,
 )
 from icefloe.events import DataFileMeta, FileContent
 
@@ -191,8 +194,7 @@ def test_commit_appends_files_and_records_summary(catalog: SqlCatalog, table: Ta
     assert state == CommitState(
         snapshot_id=result.snapshot_id,
         commit_id=req.commit_id,
-        positions={"0": 1, "1": 4},
-        watermarks={"w1": 4, "w2": 7},
+        boundary=CommitBoundary({"0": 1, "1": 4}, {"w1": 4, "w2": 7}),
         source_offsets={"topic": {0: 100, 1: 50}},
         fencing_token=3,
         valid_through_ms=1_700_000_000_000,
@@ -592,6 +594,56 @@ def test_file_of_an_old_partition_spec_is_refused(catalog: SqlCatalog, table: Ta
     assert snapshot_count(catalog) == 0
 
 
+def test_screen_refuses_only_the_bad_files(catalog: SqlCatalog, table: Table) -> None:
+    """Each refusal concerns one file: the good ones of the same request stay accepted."""
+    other = catalog.create_table("db.other", schema=SCHEMA)
+    good = pending(write(table, [1]), table)
+    outside = [PendingFile(m, "w1", 0, "0", 0) for m in write(other, [2])]
+    stale_uuid = pending(write(table, [3]), table)
+    stale_uuid = [dataclasses.replace(f, table_uuid=str(uuid.uuid4())) for f in stale_uuid]
+    [meta] = write(table, [4])
+    delete = pending([dataclasses.replace(meta, content=FileContent.POSITION_DELETES)], table)
+
+    screening = IcebergCommitter(catalog, GROUP).screen(
+        "db.events", good + outside + stale_uuid + delete
+    )
+    assert screening.accepted == tuple(good)
+    refused = {f.meta.path: type(e) for f, e in screening.refused}
+    assert refused == {
+        outside[0].meta.path: FileOutsideTableError,
+        stale_uuid[0].meta.path: TableMismatchError,
+        delete[0].meta.path: RowDeltaNotSupportedError,
+    }
+    assert snapshot_count(catalog) == 0
+
+
+def test_screen_of_a_missing_table_is_a_permanent_table_error(catalog: SqlCatalog) -> None:
+    with pytest.raises(TableMissingError):
+        IcebergCommitter(catalog, GROUP).screen("db.nope", [])
+
+
+def test_file_the_table_already_holds_is_not_committed_again(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """The same DataFileMeta announced again under another writer id (not covered by the
+    positions or watermarks) must not be appended a second time."""
+    committer = IcebergCommitter(catalog, GROUP)
+    metas = write(table, [1, 2])
+    committer.commit(request(pending(metas, table, writer="w1", offset=0), {"0": 1}))
+    again = pending(metas, table, writer="w2", offset=5) + pending(
+        write(table, [3]), table, writer="w2", offset=5
+    )
+    result = committer.commit(request(again, {"0": 6}))
+    assert (result.data_files, result.skipped_files) == (1, len(metas))
+    assert ids_in(catalog) == [1, 2, 3]
+    # a fresh committer (no cached manifests) sees it too
+    result = IcebergCommitter(catalog, GROUP).commit(
+        request(pending(metas, table, writer="w3", offset=7), {"0": 8})
+    )
+    assert result.snapshot_id is None
+    assert ids_in(catalog) == [1, 2, 3]
+
+
 # --- monotonic state ----------------------------------------------------------------------
 
 
@@ -693,20 +745,57 @@ def test_rollback_makes_rolled_back_files_committable_again(
     assert ids_in(catalog) == [1, 2]
 
 
-def test_expired_own_history_is_refused(catalog: SqlCatalog, table: Table) -> None:
+def commit_then_expire(
+    catalog: SqlCatalog, table: Table, keep_state_property: bool = True
+) -> tuple[IcebergCommitter, TableCommitRequest, int]:
+    """The group commits once, two foreign appends follow, then the group's snapshot is
+    expired: no snapshot of the group is left in the history."""
     committer = IcebergCommitter(catalog, GROUP)
     req = request(pending(write(table, [1]), table), {"0": 1})
-    ours = committer.commit(req)
-    assert ours.snapshot_id is not None
+    ours = committer.commit(req).snapshot_id
+    assert ours is not None
     for i in range(2):
         catalog.load_table("db.events").append(rows([100 + i]))
-    catalog.load_table("db.events").maintenance.expire_snapshots().by_id(ours.snapshot_id).commit()
+    if not keep_state_property:
+        loaded = catalog.load_table("db.events")
+        loaded.transaction().remove_properties(state_property(GROUP, "main")).commit_transaction()
+    catalog.load_table("db.events").maintenance.expire_snapshots().by_id(ours).commit()
+    assert catalog.load_table("db.events").metadata.snapshot_by_id(ours) is None
+    return committer, req, ours
 
+
+def test_expired_own_history_without_kept_state_is_refused(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """Tables committed before the state was kept in a property: refuse rather than guess."""
+    committer, req, _ = commit_then_expire(catalog, table, keep_state_property=False)
     with pytest.raises(CommitHistoryLostError, match="expired"):
         committer.commit(req)
     with pytest.raises(CommitHistoryLostError):
         committer.state("db.events")
     assert ids_in(catalog) == [1, 100, 101]
+
+
+def test_expired_own_history_keeps_its_boundary_in_table_properties(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """Expiring every snapshot of the group loses no dedupe boundary: the copy written to the
+    table property in the same transaction takes over, so a replay adds nothing and new
+    batches still commit."""
+    committer, req, ours = commit_then_expire(catalog, table)
+    state = committer.state("db.events")
+    assert state is not None
+    assert state.snapshot_id == ours
+    assert state.positions == {"0": 1}
+    assert state.watermarks == {"w1": 0}
+    replay = committer.commit(req)
+    assert replay.snapshot_id is None
+    assert replay.skipped_files == 1
+    later = committer.commit(
+        request(pending(write(table, [2]), table, batch_seq=1, offset=1), {"0": 2})
+    )
+    assert later.data_files == 1
+    assert ids_in(catalog) == [1, 2, 100, 101]
 
 
 def test_expired_foreign_history_alone_is_fine(catalog: SqlCatalog, table: Table) -> None:
@@ -717,3 +806,41 @@ def test_expired_foreign_history_alone_is_fine(catalog: SqlCatalog, table: Table
     catalog.load_table("db.events").maintenance.expire_snapshots().by_id(first.snapshot_id).commit()
     IcebergCommitter(catalog, GROUP).commit(request(pending(write(table, [1]), table), {"0": 1}))
     assert ids_in(catalog) == [1, 100, 101]
+
+
+# --- cost that must not grow with the files of a commit ---------------------------------
+
+
+def test_commit_reads_transaction_metadata_a_fixed_number_of_times(
+    catalog: SqlCatalog, table: Table, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyiceberg rebuilds (deep-copies) a transaction's metadata on every read: a read per file
+    made a 10,000-file commit take seconds, growing with the table's history."""
+    from pyiceberg.table import Transaction
+
+    reads: list[int] = []
+    original = Transaction.table_metadata
+
+    def counted(tx: Transaction) -> Any:
+        reads.append(1)
+        return original.fget(tx)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(Transaction, "table_metadata", property(counted))
+
+    def reads_for(files: int, seq: int) -> int:
+        [meta] = write(table, [seq])
+        copies = []
+        for i in range(files):  # distinct paths of one real file (hard links)
+            path = meta.path.replace(".parquet", f"-{i}.parquet")
+            Path(path.removeprefix("file://")).hardlink_to(meta.path.removeprefix("file://"))
+            copies.append(dataclasses.replace(meta, path=path))
+        reads.clear()
+        IcebergCommitter(catalog, GROUP).commit(
+            request(pending(copies, table, batch_seq=seq, offset=seq), {"0": seq + 1})
+        )
+        return len(reads)
+
+    reads_for(1, 0)  # the table's first snapshot: later commits all have a parent
+    few, many = reads_for(2, 1), reads_for(200, 2)
+    assert many == few, f"metadata read {few} times for 2 files, {many} times for 200"
+    assert ids_in(catalog) == [0] + [1] * 2 + [2] * 200

@@ -303,7 +303,10 @@ def test_unknown_backend_names_it_lists_installed_and_the_package() -> None:
     text = str(err)
     assert "'postgress' is not installed" in text
     assert "installed: alpha, beta" in text
-    assert "pip install icefloe-backend-postgress" in text
+    # never an invented package name (typosquatting); the known one it resembles instead
+    assert "icefloe-backend-postgress" not in text
+    assert "did you mean 'postgres'?" in text
+    assert "pip install icefloe-backend-postgres`" in text
 
 
 def test_unknown_backend_with_none_installed() -> None:

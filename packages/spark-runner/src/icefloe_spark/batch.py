@@ -7,17 +7,21 @@ by pyiceberg's Parquet writer (per-record Python objects would cost most of the 
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.table import Table
 
-from icefloe.convert import RecordConverter
+from icefloe.config import ErrorsConfig
+from icefloe.convert import Conversion, RecordConverter, Rejected
 from icefloe.datafiles import write_data_files
-from icefloe.errors import ConfigError
+from icefloe.errors import ConfigError, RecordConversionError
 from icefloe.events import DataFileMeta, SourcePosition
+from icefloe_spark.tables import DEAD_LETTER_SCHEMA
 
 REQUIRED_COLUMNS = ("value", "topic", "partition", "offset")
 """Spark's Kafka layout columns the sink needs (key, timestamp, headers are optional)."""
@@ -31,6 +35,8 @@ class TaskOutput:
     table_uuids: dict[str, str] = field(default_factory=dict)
     positions: tuple[SourcePosition, ...] = ()
     records: int = 0
+    skipped: int = 0  # bad records dropped under policy "skip"
+    dead_lettered: int = 0  # bad records written to the dead-letter table
 
 
 def check_columns(names: Sequence[str]) -> None:
@@ -80,25 +86,48 @@ def source_positions(data: pa.Table) -> tuple[SourcePosition, ...]:
     )
 
 
+FAIL_FIX = (
+    'to keep the pipeline going past bad records, set [errors] policy = "skip" or '
+    'policy = "dead_letter" (with dead_letter_table) in the pipeline config'
+)
+
+
 def write_task(
     data: pa.Table,
     tables: Mapping[str, Table],
     converter: RecordConverter,
     *,
     on_file: Callable[[str], None] | None = None,
+    errors: ErrorsConfig | None = None,
+    pipeline: str = "",
 ) -> TaskOutput:
     """Decode, route, conform and write one task's rows; commit nothing.
 
-    ``on_file`` hears of every file as soon as it exists, so a failing task can remove what it
-    wrote.
+    A bad record fails the task under ``errors.policy = "fail"`` (the error names it and the
+    fix); otherwise only the bad records are set aside, counted, and under ``dead_letter``
+    written as data files of the dead-letter table (in ``tables``), published with the batch's
+    other files so they are committed exactly once with them. ``on_file`` hears of every file as
+    soon as it exists, so a failing task can remove what it wrote.
     """
+    policy = errors.policy if errors is not None else "fail"
     check_columns(data.column_names)
     positions = source_positions(data)
     if data.num_rows == 0:
         return TaskOutput(positions=positions)
+    if policy == "fail":
+        try:
+            conversion = Conversion(converter.convert(data))
+        except RecordConversionError as exc:
+            raise exc.with_(fix=FAIL_FIX) from None
+    else:
+        conversion = converter.convert_tolerant(data)
+    rows_per_table = dict(conversion.tables)
+    rejected = conversion.rejected
+    if rejected and policy == "dead_letter" and errors is not None and errors.dead_letter_table:
+        rows_per_table[errors.dead_letter_table] = dead_letter_rows(data, rejected, pipeline)
     files: dict[str, tuple[DataFileMeta, ...]] = {}
     uuids: dict[str, str] = {}
-    for name, rows in converter.convert(data).items():
+    for name, rows in rows_per_table.items():
         if rows.num_rows == 0:
             continue
         table = tables[name]
@@ -109,4 +138,44 @@ def write_task(
         if metas:
             files[name] = tuple(metas)
             uuids[name] = str(table.metadata.table_uuid)
-    return TaskOutput(files=files, table_uuids=uuids, positions=positions, records=data.num_rows)
+    bad = len(rejected)
+    return TaskOutput(
+        files=files,
+        table_uuids=uuids,
+        positions=positions,
+        records=data.num_rows,
+        skipped=bad if policy == "skip" else 0,
+        dead_lettered=bad if policy == "dead_letter" else 0,
+    )
+
+
+def dead_letter_rows(
+    data: pa.Table, rejected: Sequence[Rejected], pipeline: str, now: dt.datetime | None = None
+) -> pa.Table:
+    """The rejected records of ``data`` (Spark's Kafka layout) as rows of the dead-letter
+    table: where each came from, its raw key and value, and why it was set aside."""
+    target = schema_to_pyarrow(DEAD_LETTER_SCHEMA)
+    picked = data.take(pa.array([r.row for r in rejected], pa.int64()))
+    n = picked.num_rows
+    failed_at = now or dt.datetime.now(dt.UTC)
+
+    def col(name: str) -> pa.Array | pa.ChunkedArray:
+        kind = target.field(name).type
+        if name not in picked.column_names:
+            return pa.nulls(n, kind)
+        return pc.cast(picked[name], kind)
+
+    columns = {
+        "pipeline": pa.array([pipeline] * n, pa.string()),
+        "topic": col("topic"),
+        "partition": col("partition"),
+        "offset": col("offset"),
+        "timestamp": col("timestamp"),
+        "key": col("key"),
+        "value": col("value"),
+        "target_table": pa.array([r.error.table for r in rejected], pa.string()),
+        "error_type": pa.array([r.error.kind for r in rejected], pa.string()),
+        "error_message": pa.array([str(r.error) for r in rejected], pa.string()),
+        "failed_at": pa.array([failed_at] * n, target.field("failed_at").type),
+    }
+    return pa.Table.from_arrays([columns[f.name] for f in target], schema=target)

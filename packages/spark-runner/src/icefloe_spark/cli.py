@@ -3,45 +3,35 @@
 from __future__ import annotations
 
 import logging
-import signal
+import re
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.text import Text
 
+from icefloe import metrics
 from icefloe.config import load_config
 from icefloe.errors import ConfigError
+from icefloe.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve_level
+from icefloe.logs import configure as configure_logging
+from icefloe.metrics import MetricsPortOption, start_metrics
+from icefloe_spark import sparklog
+from icefloe_spark.signals import stop_on_signals
 
 if TYPE_CHECKING:
     from icefloe_spark.pipeline import Pipeline
 
+log = logging.getLogger(__name__)
 console = Console(stderr=True)
 REFRESH_S = 1.0
 TABLE_REFRESH_S = 2.0
-
-
-@contextmanager
-def stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGINT and SIGTERM set ``stop`` (a clean shutdown) instead of killing the driver."""
-    previous: dict[signal.Signals, Any] = {}
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def watch(
@@ -50,9 +40,15 @@ def watch(
     *,
     live: bool = True,
     until: Callable[[], bool] | None = None,
+    past_end: bool = False,
 ) -> None:
-    """Show progress until ``stop`` is set, the query ends, or ``until()`` turns true."""
-    from icefloe_spark.progress import Monitor, QueryProgress, render
+    """Show progress until ``stop`` is set, the query ends (unless ``past_end``: then only
+    ``until`` ends it), or ``until()`` turns true.
+
+    The live view refreshes in place, so it only runs on a terminal; without one (systemd,
+    containers, files) progress is logged: a line per table commit and one a minute.
+    """
+    from icefloe_spark.progress import Monitor, ProgressLog, QueryProgress, render
 
     assert pipeline.query is not None
     assert pipeline.catalog is not None
@@ -60,21 +56,20 @@ def watch(
     probe = reader.get("probeHighWatermark", "").lower() == "true"
     monitor = Monitor(pipeline.config, pipeline.catalog, probe_end=probe)
     tables = monitor.tables()
+    progress_log = ProgressLog(pipeline.config.name)
+    progress_log.tables(tables, pipeline.stats)
     last_tables = 0.0
+    seen_batch = -1
+    live = live and console.is_terminal
 
     def view() -> Any:
         assert pipeline.query is not None
-        coordinator = "standalone"
-        if pipeline.coordinator is not None:
-            coordinator = "running" if pipeline.coordinator.alive else "stopped"
-            if pipeline.coordinator.last_error:
-                coordinator += f" (last error: {pipeline.coordinator.last_error})"
         return render(
             pipeline.config.name,
             QueryProgress.from_spark(pipeline.query.lastProgress),
             pipeline.stats,
             tables,
-            coordinator,
+            coordinator_state(pipeline),
         )
 
     display: AbstractContextManager[Any] = (
@@ -83,12 +78,14 @@ def watch(
     try:
         with display:
             while not stop.wait(REFRESH_S):
-                if not pipeline.query.isActive:
+                if not pipeline.query.isActive and not past_end:
                     break
                 now = time.monotonic()
                 if now - last_tables >= TABLE_REFRESH_S:
                     tables = monitor.tables()
                     last_tables = now
+                    progress_log.tables(tables, pipeline.stats)
+                    seen_batch = count_records_read(pipeline.query.recentProgress, seen_batch)
                 if isinstance(display, Live):
                     display.update(view())
                 if until is not None and until():
@@ -97,6 +94,27 @@ def watch(
         monitor.close()
         if live:
             console.print()  # the live view leaves the cursor at the end of its last line
+
+
+def count_records_read(progress: Sequence[Mapping[str, Any]], seen_batch: int) -> int:
+    """Add the input rows of batches not counted yet to the records-read metric; returns the
+    newest batch id counted (Spark keeps the last hundred or so reports)."""
+    newest = seen_batch
+    for report in progress:
+        batch = int(report.get("batchId", -1))
+        if batch > seen_batch:
+            metrics.RECORDS_READ.inc(int(report.get("numInputRows") or 0))
+            newest = max(newest, batch)
+    return newest
+
+
+def coordinator_state(pipeline: Pipeline) -> str:
+    if pipeline.coordinator is None:
+        return "standalone"
+    state = "running" if pipeline.coordinator.alive else "stopped"
+    if pipeline.coordinator.last_error:
+        state += f" (last error: {pipeline.coordinator.last_error})"
+    return state
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:
@@ -124,7 +142,21 @@ def run(
         str | None,
         typer.Option("--checkpoint", help="Spark checkpoint location (overrides the config)."),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live progress view.")] = False,
+    once: Annotated[
+        bool,
+        typer.Option(
+            "--once",
+            help="Catch up and exit: read what the source holds now (Spark's available-now "
+            "trigger), wait until it is committed, stop.",
+        ),
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No live view; log warnings and errors only.")
+    ] = False,
+    verbose: VerboseOption = False,
+    log_level: LogLevelOption = None,
+    log_format: LogFormatOption = "text",
+    metrics_port: MetricsPortOption = None,
     source_option: Annotated[
         list[str] | None,
         typer.Option(
@@ -134,34 +166,111 @@ def run(
         ),
     ] = None,
 ) -> None:
-    """Run the pipeline's streaming query until SIGINT/SIGTERM, with live progress."""
+    """Run the pipeline's streaming query until SIGINT/SIGTERM (or, with --once, until it has
+    caught up), with live progress on a terminal and progress log lines otherwise."""
+    level = resolve_level(log_level, verbose, quiet)
+    configure_logging(level, log_format)
+    cfg = load_config(config)
+    extra = parse_options(source_option or [])
+    from icefloe_spark.source import check_reader_options
+
+    check_reader_options(extra, "--source-option")
     from icefloe_spark.pipeline import Pipeline
 
-    logging.basicConfig(level=logging.WARNING)
-    cfg = load_config(config)
     stop = threading.Event()
-    with stop_on_signals(stop):
+    with stop_on_signals(stop) as signals:
+        start_metrics(metrics_port)
         pipeline = Pipeline(
             cfg,
             coordinator=not no_coordinator,
             checkpoint=checkpoint,
-            source_extra_options=parse_options(source_option or []),
+            source_extra_options=extra,
+            once=once,
+            log_level=level,
         )
-        pipeline.start()
-        pipeline.spark.sparkContext.setLogLevel("WARN")
         failure = None
         try:
-            watch(pipeline, stop, live=not quiet)
-        finally:
+            pipeline.start()
+            signals.install()  # PySpark's context may have taken SIGINT over
+            watch(
+                pipeline,
+                stop,
+                live=not quiet and log_format == "text",
+                until=caught_up(pipeline) if once else None,
+                past_end=once,
+            )
             query = pipeline.query
             if query is not None and not query.isActive:
                 failure = query.exception()
+        finally:
             console.print("stopping ...")
             pipeline.stop()
+            if pipeline.spark_log is not None:
+                for line in sparklog.summarize(pipeline.spark_log):
+                    console.print(line, markup=False, highlight=False)
     if failure is not None:
-        console.print(f"[red]error:[/red] the streaming query failed: {failure}")
+        first, fix, trace = explain_failure(str(failure))
+        _error(f"the streaming query failed: {first}. Fix: {fix}")
+        if level <= logging.DEBUG:
+            console.print(trace, markup=False, highlight=False)
         raise typer.Exit(1)
     console.print("stopped cleanly")
+
+
+def caught_up(pipeline: Pipeline) -> Callable[[], bool]:
+    """For ``--once``: true once the query ended and what it published is committed (or
+    the commit did not come within a cycle and a timeout, which is logged)."""
+    coordination = pipeline.config.coordination
+    grace_s = coordination.commit_interval_s + coordination.commit_timeout_s + 60.0
+    ended_at: list[float] = []
+
+    def check() -> bool:
+        query = pipeline.query
+        if query is None or query.isActive:
+            return False
+        if query.exception() is not None or pipeline.all_committed():
+            return True
+        if not ended_at:
+            ended_at.append(time.monotonic())
+        if time.monotonic() - ended_at[0] > grace_s:
+            log.warning("not every published batch was committed before exiting")
+            return True
+        return False
+
+    return check
+
+
+def explain_failure(text: str) -> tuple[str, str, str]:
+    """(what failed, what to do, the whole trace) from a StreamingQueryException's text.
+
+    The Python error that caused it sits deep in Java's trace; icefloe's own errors name the
+    record or key, so that line goes first.
+    """
+    import icefloe.errors as errors
+
+    known = [
+        name
+        for name in dir(errors)
+        if isinstance(getattr(errors, name), type)
+        and issubclass(getattr(errors, name), BaseException)
+    ]
+    pattern = re.compile(r"(?:^|[\s.])(" + "|".join(known) + r"): (.+)$", re.M)
+    found = pattern.findall(text)
+    if found:
+        name, message = found[-1]
+        first = f"{name}: {message.strip()}"
+    else:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        first = lines[0] if lines else "unknown error"
+    fix = (
+        "correct the record or configuration it names and restart: the query resumes from "
+        "its checkpoint; run with -v for Spark's full trace"
+    )
+    return first[:500], fix, text
+
+
+def _error(message: str) -> None:
+    console.print(Text.assemble(("error: ", "red"), message), soft_wrap=True)
 
 
 def demo(
@@ -176,12 +285,20 @@ def demo(
     timeout: Annotated[
         float, typer.Option("--timeout", help="Give up after this many seconds.")
     ] = 180.0,
+    keep: Annotated[
+        bool,
+        typer.Option("--keep", help="Keep the temporary directory (catalog, table, config)."),
+    ] = False,
+    verbose: VerboseOption = False,
+    log_level: LogLevelOption = None,
 ) -> None:
     """Kafka -> Spark -> Iceberg on this machine: an embedded broker, an SQLite catalog, sample
     events; checks that the table holds every event exactly once."""
     from icefloe_spark.demo import run_demo
 
-    ok = run_demo(directory, records=records, partitions=partitions, timeout_s=timeout)
+    level = resolve_level(log_level, verbose, quiet=log_level is None and not verbose)
+    configure_logging(level)
+    ok = run_demo(directory, records=records, partitions=partitions, timeout_s=timeout, keep=keep)
     if not ok:
         raise typer.Exit(1)
 

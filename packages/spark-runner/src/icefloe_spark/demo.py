@@ -21,6 +21,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow.compute as pc
+import tomli_w
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
@@ -32,9 +33,10 @@ from rich.table import Table as RichTable
 
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe_spark.cli import console, stop_on_signals, watch
+from icefloe_spark.cli import console, watch
 from icefloe_spark.kafkautil import create_topic, produce
 from icefloe_spark.pipeline import Pipeline
+from icefloe_spark.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,6 @@ SPEC = PartitionSpec(PartitionField(5, 1000, DayTransform(), "ts_day"))
 # the embedded Tansu's ListOffsets answers the last batch's base offset + 1: learn the ends of
 # partitions by fetching instead
 SOURCE_OPTIONS = {"probeHighWatermark": "true"}
-QUIET_LOG4J = Path(__file__).with_name("log4j2-quiet.properties")
 
 
 def demo_config(directory: Path, bootstrap: str, partitions: int) -> PipelineConfig:
@@ -86,7 +87,6 @@ def demo_config(directory: Path, bootstrap: str, partitions: int) -> PipelineCon
                 "conf": {
                     "spark.ui.enabled": "false",
                     "spark.sql.shuffle.partitions": "2",
-                    "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={QUIET_LOG4J}",
                 },
             },
         }
@@ -179,16 +179,42 @@ def summarize(catalog: Catalog, produced: int, seconds: float, out: Console) -> 
     return ok
 
 
+def write_pipeline_toml(config: PipelineConfig, path: Path) -> None:
+    """The demo's pipeline as a TOML file to copy from (``icefloe show-config`` reads it)."""
+    data = config.model_dump(mode="json", exclude_none=True)
+    path.write_text(tomli_w.dumps(data))
+
+
+def where_things_are(root: Path, kept: bool, out: Console) -> None:
+    """The demo's last lines: where the table is and how to read it without icefloe."""
+    if not kept:
+        out.print(f"removed {root}; run `icefloe demo --keep` to keep the catalog and table")
+        return
+    props = catalog_properties(root)
+    out.print(f"kept in {root}:")
+    out.print(f"  catalog   {props['uri']} (warehouse {props['warehouse']})")
+    out.print(f"  pipeline  {root / 'pipeline.toml'}  (its embedded broker is gone)")
+    out.print("read the table with pyiceberg:")
+    args = ", ".join(f"{k}={v!r}" for k, v in props.items())
+    snippet = (
+        "from pyiceberg.catalog import load_catalog\n"
+        f"catalog = load_catalog('demo', {args})\n"
+        f"print(catalog.load_table('{TABLE}').scan().to_arrow().to_pandas())"
+    )
+    out.print(snippet, markup=False, highlight=False, soft_wrap=True)
+
+
 def run_demo(
     directory: Path | None = None,
     *,
     records: int = 20_000,
     partitions: int = 4,
     timeout_s: float = 180.0,
+    keep: bool = False,
 ) -> bool:
-    """Run the demo; True when every event is in the table exactly once."""
-    logging.basicConfig(level=logging.WARNING)
-    temporary = directory is None
+    """Run the demo; True when every event is in the table exactly once. A temporary
+    directory is removed at the end unless ``keep``; ``directory`` is always kept."""
+    temporary = directory is None and not keep
     root = Path(tempfile.mkdtemp(prefix="icefloe-demo-")) if directory is None else directory
     root.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]icefloe demo[/bold] in {root}")
@@ -199,6 +225,7 @@ def run_demo(
             console.print(f"broker: Tansu on {bootstrap}")
             create_topic(bootstrap, TOPIC, partitions)
             config = demo_config(root, bootstrap, partitions)
+            write_pipeline_toml(config, root / "pipeline.toml")
             catalog = load_catalog("demo", **catalog_properties(root))
             create_table(catalog)
             console.print(f"table {TABLE} (partitioned by day(ts)); starting Spark ...")
@@ -231,3 +258,4 @@ def run_demo(
     finally:
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
+        where_things_are(root, not temporary, console)

@@ -1,8 +1,9 @@
 """Fault hooks for the end-to-end tests, and nothing else.
 
 Exactly-once claims need the fault at the dangerous moment, in the real processes. Each hook
-is inert unless a test switches it on: the driver crash through an environment variable of
-the driver process, the task failure through a sink option. Never set either in production.
+is inert unless a test switches it on: the driver crashes (after a publish, after a
+coordinator's Iceberg commit) through environment variables of the driver process, the task
+failure through a sink option. Never set either in production.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from icefloe.coordinator import CoordinatorHooks, CycleResult
 from icefloe.errors import IcefloeError
 
 log = logging.getLogger(__name__)
 
 EXIT_AFTER_PUBLISH_ENV = "ICEFLOE_TEST_EXIT_AFTER_PUBLISH"
 """Batch id after whose publish the publishing process exits at once (no cleanup)."""
+EXIT_AFTER_COMMIT_ENV = "ICEFLOE_TEST_EXIT_AFTER_COMMIT"
+"""N (1-based): the driver's coordinator exits at once after the Iceberg commits of its N-th
+cycle that committed a table, before it stores the channel position."""
 EXIT_CODE = 86
 FAIL_TASK_OPTION = "test.fail_task"
 """Sink option, JSON ``{"batch": id, "partition": id, "marker_dir": path}``: the first attempt
@@ -37,6 +42,27 @@ def exit_after_publish(batch_seq: int) -> None:
         log.warning("test fault: exiting after publishing batch %s", batch_seq)
         sys.stderr.flush()
         os._exit(EXIT_CODE)
+
+
+def coordinator_hooks() -> CoordinatorHooks | None:
+    """The coordinator's fault hooks this process's environment asks for, or None (inert)."""
+    wanted = os.environ.get(EXIT_AFTER_COMMIT_ENV)
+    if wanted is None or not wanted.strip():
+        return None
+    target = int(wanted)
+    seen = 0
+
+    def after_iceberg_commits(cycle: CycleResult) -> None:
+        nonlocal seen
+        if not any(r.snapshot_id is not None for r in cycle.tables):
+            return
+        seen += 1
+        if seen == target:
+            log.warning("test fault: exiting after the Iceberg commits of cycle %s", seen)
+            sys.stderr.flush()
+            os._exit(EXIT_CODE)
+
+    return CoordinatorHooks(after_iceberg_commits=after_iceberg_commits)
 
 
 def parse_fail_task(raw: str | None) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -29,6 +30,7 @@ from icefloe.channel import Backend
 from icefloe.config import PipelineConfig
 from icefloe.coordinator import Coordinator, CoordinatorSettings
 from icefloe.plugins import Plugins, get_plugins
+from icefloe_spark import faults, sparklog
 from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
 from icefloe_spark.sink import SINK_NAME, IcefloeSink, derive_writer_id, sink_options
 from icefloe_spark.source import SOURCE_NAME, register_sources, source_options
@@ -51,21 +53,55 @@ def checkpoint_location(config: PipelineConfig, override: str | None = None) -> 
     return str(Path(DEFAULT_CHECKPOINT_ROOT, config.name).absolute())
 
 
-def build_session(config: PipelineConfig) -> SparkSession:
+def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> SparkSession:
     """A SparkSession for this pipeline; Python workers run this interpreter (else they start
-    under whatever ``python3`` is first on PATH, without icefloe installed)."""
+    under whatever ``python3`` is first on PATH, without icefloe installed).
+
+    The JVM is started in a session of its own (see :func:`launch_detached_gateway`) and logs
+    to a file unless debugging (see :mod:`icefloe_spark.sparklog`).
+    """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    builder: Any = SparkSession.builder.master(config.spark.master).appName(config.spark.app_name)
     conf = {
+        "spark.master": config.spark.master,
+        "spark.app.name": config.spark.app_name,
         "spark.sql.redaction.options.regex": _REDACT_OPTIONS,
         "spark.ui.showConsoleProgress": "false",  # it would scribble over the live view
         **config.spark.conf,
     }
+    conf.update(sparklog.java_options(conf, config.name, log_level))
+    launch_detached_gateway(conf)
+    previous_sigint = signal.getsignal(signal.SIGINT)
+    builder: Any = SparkSession.builder
     for key, value in conf.items():
         builder = builder.config(key, value)
     session: SparkSession = builder.getOrCreate()
+    # SparkContext replaces the SIGINT handler with one raising KeyboardInterrupt: keep ours
+    if previous_sigint is not None:
+        signal.signal(signal.SIGINT, previous_sigint)
     return session
+
+
+def launch_detached_gateway(conf: Mapping[str, str]) -> None:
+    """Start Spark's gateway JVM in a new session (process group) unless one runs already.
+
+    Supervisors signal the whole process group on stop; a JVM in the group would die under
+    the running query (``Cannot call methods on a stopped SparkContext``, exit 1). Detached,
+    it stops only when the driver stops it, and still exits when this process dies (PySpark
+    closes its stdin pipe). Uses PySpark's documented ``popen_kwargs`` launch hook.
+    """
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    if SparkContext._gateway is not None or "PYSPARK_GATEWAY_PORT" in os.environ:
+        return
+    spark_conf = SparkConf(loadDefaults=False)
+    for key, value in conf.items():
+        spark_conf.set(key, value)
+    gateway = launch_gateway(  # type: ignore[no-untyped-call]
+        spark_conf, popen_kwargs={"start_new_session": True}
+    )
+    SparkContext._ensure_initialized(gateway=gateway)
 
 
 def register(spark: SparkSession) -> None:
@@ -92,6 +128,7 @@ class CoordinatorThread:
         self.coordinator_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.stop_event = threading.Event()
         self.last_error: str | None = None
+        self._fault_hooks = faults.coordinator_hooks()  # one count across restarts
         self._thread = threading.Thread(target=self._run, name="icefloe-coordinator", daemon=True)
 
     def start(self) -> CoordinatorThread:
@@ -108,6 +145,7 @@ class CoordinatorThread:
                 settings,
                 coordinator_id=self.coordinator_id,
                 plugins=self.plugins,
+                hooks=self._fault_hooks,
             )
             try:
                 coordinator.run(self.stop_event)
@@ -145,8 +183,13 @@ class Pipeline:
         sink_extra_options: Mapping[str, str] | None = None,
         reader: Callable[[SparkSession], DataFrame] | None = None,
         source_extra_options: Mapping[str, str] | None = None,
+        once: bool = False,
+        log_level: int = logging.INFO,
     ) -> None:
         self.config = config
+        self.once = once
+        self.log_level = log_level
+        self.spark_log: Path | None = None
         self.checkpoint = checkpoint_location(config, checkpoint)
         self.writer_id = writer_id or derive_writer_id(config.name, self.checkpoint)
         self.run_coordinator = coordinator
@@ -194,7 +237,8 @@ class Pipeline:
                 config, self.backend, self.catalog, self.plugins
             ).start()
         if self._spark is None:
-            self._spark = build_session(config)
+            self._spark = build_session(config, self.log_level)
+        self.spark_log = sparklog.log_file_of(dict(self.spark.sparkContext.getConf().getAll()))
         register(self.spark)
         options = sink_options(
             config,
@@ -203,15 +247,17 @@ class Pipeline:
             self.server.secret,
             extra=self.sink_extra_options,
         )
-        interval = f"{config.spark.trigger_interval_s} seconds"
-        self.query = (
+        writer = (
             self._input()
             .writeStream.format(SINK_NAME)
             .options(**options)
             .option("checkpointLocation", self.checkpoint)
-            .trigger(processingTime=interval)
-            .start()
         )
+        if self.once:  # read what the source holds now, in batches, then end
+            writer = writer.trigger(availableNow=True)
+        else:
+            writer = writer.trigger(processingTime=f"{config.spark.trigger_interval_s} seconds")
+        self.query = writer.start()
         log.info(
             "pipeline %s started: query %s, writer %s, checkpoint %s",
             config.name,
@@ -228,6 +274,15 @@ class Pipeline:
         options = {**source_options(self.config), **self.source_extra_options}
         df: DataFrame = self.spark.readStream.format(SOURCE_NAME).options(**options).load()
         return df
+
+    def all_committed(self) -> bool:
+        """Whether every batch this driver published is in the tables: a commit cycle this
+        writer answered after its last publish completed (``run --once`` exits then)."""
+        if self.publisher is None:
+            return False
+        last = self.publisher.stats.last_batch_seq
+        done = self.publisher.committed_through
+        return last is None or (done is not None and done >= last)
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the query first (no more publishes), then the writer, coordinator and backend.

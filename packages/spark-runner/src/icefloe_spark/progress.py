@@ -20,6 +20,7 @@ from rich.console import Group
 from rich.table import Table as RichTable
 from rich.text import Text
 
+from icefloe import metrics
 from icefloe.committer import IcebergCommitter
 from icefloe.config import PipelineConfig
 from icefloe_spark.kafkautil import end_offsets
@@ -64,11 +65,20 @@ def lag(
     low_watermarks: Mapping[tuple[str, int], int],
 ) -> int:
     """Records between what the table's source offsets record and each partition's end."""
-    total = 0
+    return sum(lag_by_partition(high_watermarks, committed, low_watermarks).values())
+
+
+def lag_by_partition(
+    high_watermarks: Mapping[tuple[str, int], int],
+    committed: Mapping[str, Mapping[int, int]],
+    low_watermarks: Mapping[tuple[str, int], int],
+) -> dict[tuple[str, int], int]:
+    """:func:`lag` per source partition (the metrics export it so)."""
+    out: dict[tuple[str, int], int] = {}
     for (topic, partition), high in high_watermarks.items():
         start = committed.get(topic, {}).get(partition, low_watermarks.get((topic, partition), 0))
-        total += max(0, high - start)
-    return total
+        out[(topic, partition)] = max(0, high - start)
+    return out
 
 
 class Monitor:
@@ -130,7 +140,10 @@ class Monitor:
                 records = int(raw) if raw is not None else None
             behind = None
             if marks is not None:
-                behind = lag(marks[0], state.source_offsets if state else {}, marks[1])
+                parts = lag_by_partition(marks[0], state.source_offsets if state else {}, marks[1])
+                behind = sum(parts.values())
+                for (topic, partition), n in parts.items():
+                    metrics.SOURCE_LAG.labels(t.name, topic, str(partition)).set(n)
             out.append(
                 TableProgress(
                     t.name,
@@ -154,6 +167,16 @@ def _ago(ms: int | None, now: float) -> str:
     return f"{max(0.0, now - ms / 1000):.0f}s ago"
 
 
+def _bad_records(stats: PublishStats) -> Text:
+    """Bad records set aside by the [errors] policy, in a colour that asks for a look."""
+    if not (stats.skipped or stats.dead_lettered):
+        return Text("")
+    return Text(
+        f"\nbad records: {stats.skipped:,} skipped, {stats.dead_lettered:,} dead-lettered",
+        style="yellow",
+    )
+
+
 def render(
     name: str,
     query: QueryProgress,
@@ -171,6 +194,7 @@ def render(
         f"  coordinator: {coordinator}\n",
         f"published {stats.batches} batches, {stats.records:,} records, {stats.files} files",
         f" ({stats.duplicates} replays ignored)" if stats.duplicates else "",
+        _bad_records(stats),
     )
     grid = RichTable(box=None, pad_edge=False)
     for col in ("table", "rows", "snapshot", "last commit", "lag"):
@@ -184,3 +208,68 @@ def render(
             "?" if t.lag is None else f"{t.lag:,}",
         )
     return Group(head, grid)
+
+
+class ProgressLog:
+    """Progress as log lines, for runs without a terminal: one line per table commit (a new
+    snapshot) and a summary every ``every_s`` seconds. Fields go to ``extra`` so
+    ``--log-format json`` makes them JSON keys."""
+
+    def __init__(self, name: str, every_s: float = 60.0, logger: logging.Logger | None = None):
+        self.name = name
+        self.every_s = every_s
+        self.log = logger or logging.getLogger("icefloe.progress")
+        self._snapshots: dict[str, int | None] = {}
+        self._next_summary = time.monotonic() + every_s
+        self._first = True
+
+    def tables(self, tables: list[TableProgress], stats: PublishStats) -> None:
+        for t in tables:
+            before = self._snapshots.get(t.name)
+            self._snapshots[t.name] = t.snapshot_id
+            if self._first or t.snapshot_id is None or t.snapshot_id == before:
+                continue
+            self.log.info(
+                "table %s committed: snapshot %s, %s rows, lag %s",
+                t.name,
+                t.snapshot_id,
+                t.records,
+                "?" if t.lag is None else t.lag,
+                extra={
+                    "event": "table_commit",
+                    "pipeline": self.name,
+                    "table": t.name,
+                    "snapshot_id": t.snapshot_id,
+                    "rows": t.records,
+                    "lag": t.lag,
+                },
+            )
+        self._first = False
+        now = time.monotonic()
+        if now >= self._next_summary:
+            self._next_summary = now + self.every_s
+            self.summary(tables, stats)
+
+    def summary(self, tables: list[TableProgress], stats: PublishStats) -> None:
+        lags = [t.lag for t in tables if t.lag is not None]
+        total_lag = sum(lags) if lags else None
+        self.log.info(
+            "progress: %d records in %d files published (%d batches), lag %s, "
+            "dead-lettered %d, skipped %d",
+            stats.records,
+            stats.files,
+            stats.batches,
+            "?" if total_lag is None else total_lag,
+            stats.dead_lettered,
+            stats.skipped,
+            extra={
+                "event": "progress",
+                "pipeline": self.name,
+                "records": stats.records,
+                "files": stats.files,
+                "batches": stats.batches,
+                "lag": total_lag,
+                "dead_lettered": stats.dead_lettered,
+                "skipped": stats.skipped,
+            },
+        )

@@ -27,6 +27,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Protocol
 
+from icefloe import metrics
 from icefloe.backends import open_backend
 from icefloe.channel import Backend
 from icefloe.config import PipelineConfig
@@ -54,6 +55,8 @@ class PublishRequest:
     positions: tuple[SourcePosition, ...]
     table_uuids: Mapping[str, str]
     records: int = 0
+    skipped: int = 0  # bad records the tasks dropped ([errors] policy "skip")
+    dead_lettered: int = 0  # bad records written to the dead-letter table
 
     @property
     def file_count(self) -> int:
@@ -76,6 +79,8 @@ class PublishStats:
     duplicates: int = 0
     records: int = 0
     files: int = 0
+    skipped: int = 0
+    dead_lettered: int = 0
     last_batch_seq: int | None = None
     last_publish_at: float | None = None  # time.time()
 
@@ -117,9 +122,24 @@ class WriterPublisher:
             s.duplicates += 0 if added else 1
             s.records += request.records
             s.files += request.file_count
+            s.skipped += request.skipped
+            s.dead_lettered += request.dead_lettered
             s.last_batch_seq = request.batch_seq
             s.last_publish_at = time.time()
+            if added:
+                metrics.RECORDS_DEAD_LETTERED.inc(request.dead_lettered)
+                metrics.RECORDS_SKIPPED.inc(request.skipped)
+                metrics.RECORDS_WRITTEN.inc(request.records)
+                metrics.FILES_WRITTEN.inc(request.file_count)
+                metrics.BYTES_WRITTEN.inc(
+                    sum(f.file_size_in_bytes for fs in request.files.values() for f in fs)
+                )
             return added
+
+    @property
+    def committed_through(self) -> int | None:
+        """Every batch up to this batch_seq is committed to the tables (None: none known)."""
+        return self._client.committed_through
 
     def close(self) -> None:
         self._client.close()

@@ -174,12 +174,14 @@ def merge_messages(messages: Sequence[WriterCommitMessage | None], batch_id: int
     files: dict[str, list[DataFileMeta]] = {}
     uuids: dict[str, str] = {}
     positions: dict[tuple[str, int], SourcePosition] = {}
-    records = 0
+    records = skipped = dead_lettered = 0
     for m in messages:
         if not isinstance(m, IcefloeCommitMessage):
             raise TypeError(f"batch {batch_id}: unexpected commit message {m!r}")
         out = m.output
         records += out.records
+        skipped += out.skipped
+        dead_lettered += out.dead_lettered
         for table, metas in out.files.items():
             files.setdefault(table, []).extend(metas)
         for table, table_uuid in out.table_uuids.items():
@@ -201,6 +203,8 @@ def merge_messages(messages: Sequence[WriterCommitMessage | None], batch_id: int
         positions=tuple(positions[k] for k in sorted(positions)),
         table_uuids=uuids,
         records=records,
+        skipped=skipped,
+        dead_lettered=dead_lettered,
     )
 
 
@@ -224,7 +228,12 @@ class _ExecutorRuntime:
             return cls._cache[key]
 
     def tables(self) -> dict[str, Table]:
-        return {t.name: self.catalog.load_table(t.name) for t in self.config.tables}
+        """The target tables, and the dead-letter table when bad records go to one."""
+        names = [t.name for t in self.config.tables]
+        errors = self.config.errors
+        if errors.policy == "dead_letter" and errors.dead_letter_table:
+            names.append(errors.dead_letter_table)
+        return {name: self.catalog.load_table(name) for name in names}
 
     def converter(self, tables: Mapping[str, Table]) -> RecordConverter:
         targets = [TargetTable.of(t, tables[t.name]) for t in self.config.tables]
@@ -259,7 +268,14 @@ class IcefloeStreamWriter(DataSourceStreamArrowWriter):
         tables = runtime.tables()
         written: list[str] = []
         try:
-            output = write_task(data, tables, runtime.converter(tables), on_file=written.append)
+            output = write_task(
+                data,
+                tables,
+                runtime.converter(tables),
+                on_file=written.append,
+                errors=self.options.config.errors,
+                pipeline=self.options.config.name,
+            )
             faults.fail_task_if_chosen(
                 self.options.fail_task, _batch_id_of_task(), partition_id, attempt, written
             )
@@ -279,6 +295,14 @@ class IcefloeStreamWriter(DataSourceStreamArrowWriter):
             request.file_count,
             request.records,
         )
+        if request.skipped or request.dead_lettered:
+            log.warning(
+                "batch %s: %d bad records skipped, %d dead-lettered to %s",
+                batchId,
+                request.skipped,
+                request.dead_lettered,
+                self.options.config.errors.dead_letter_table or "-",
+            )
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 - Spark's name
         """Publish nothing and delete nothing.

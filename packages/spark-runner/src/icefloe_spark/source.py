@@ -35,6 +35,7 @@ offset: the batch that discovers one records it at its earliest offset, the next
 from __future__ import annotations
 
 import bisect
+import difflib
 import json
 import logging
 import time
@@ -263,6 +264,38 @@ class SourceOptions:
         )
 
 
+READER_OPTIONS = (
+    "subscribe",
+    "topics",
+    "startingOffsets",
+    "maxOffsetsPerTrigger",
+    "maxRecordsPerBatch",
+    "failOnDataLoss",
+    "probeHighWatermark",
+    "pollTimeoutMs",
+)
+_READER_PREFIXES = ("kafka.", "icefloe.")
+
+
+def check_reader_options(options: Mapping[str, str], where: str) -> None:
+    """Refuse option names the source does not know: Spark passes any name through, so a
+    misspelt ``probeHighWaterMark`` would otherwise be ignored silently."""
+    # exact spelling, although Spark matches case-insensitively: icefloe reads some of these
+    # itself (the progress view reads probeHighWatermark) and one spelling avoids surprises
+    known = {name.lower(): name for name in READER_OPTIONS}
+    for key in options:
+        if key in READER_OPTIONS or key.startswith(_READER_PREFIXES):
+            continue
+        close = difflib.get_close_matches(key.lower(), list(known), n=1, cutoff=0.6)
+        hint = f"did you mean '{known[close[0]]}'? " if close else ""
+        raise ConfigError(
+            where,
+            f"unknown reader option '{key}'",
+            f"{hint}known options: {', '.join(READER_OPTIONS)} and kafka.* client settings",
+            key,
+        )
+
+
 def _parse_offsets_json(text: str) -> Offsets:
     try:
         raw = json.loads(text)
@@ -307,6 +340,7 @@ def source_options(config: PipelineConfig) -> dict[str, str]:
         )
     if src.max_records_per_batch is not None:
         opts["maxOffsetsPerTrigger"] = str(src.max_records_per_batch)
+    check_reader_options(src.reader_options, "source.reader_options")
     opts.update(src.reader_options)
     return opts
 

@@ -14,13 +14,39 @@ import re
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError, TableAlreadyExistsError
+from pyiceberg.schema import Schema
 from pyiceberg.transforms import IdentityTransform, Transform, parse_transform
+from pyiceberg.types import (
+    BinaryType,
+    IntegerType,
+    LongType,
+    NestedField,
+    StringType,
+    TimestamptzType,
+)
 
 from icefloe.config import PipelineConfig, TableConfig
 from icefloe.errors import ConfigError
+from icefloe.maintenance import recommended_properties
 from icefloe.plugins import Plugins, get_plugins
 
 log = logging.getLogger(__name__)
+
+DEAD_LETTER_SCHEMA = Schema(
+    NestedField(1, "pipeline", StringType(), required=True, doc="the pipeline (group id)"),
+    NestedField(2, "topic", StringType(), required=True, doc="source topic"),
+    NestedField(3, "partition", IntegerType(), required=True, doc="source partition"),
+    NestedField(4, "offset", LongType(), required=True, doc="source offset"),
+    NestedField(5, "timestamp", TimestamptzType(), required=False, doc="the record's timestamp"),
+    NestedField(6, "key", BinaryType(), required=False, doc="the record's key, as read"),
+    NestedField(7, "value", BinaryType(), required=False, doc="the record's value, as read"),
+    NestedField(8, "target_table", StringType(), required=False, doc="when known"),
+    NestedField(9, "error_type", StringType(), required=True, doc="decode, route or conform"),
+    NestedField(10, "error_message", StringType(), required=True),
+    NestedField(11, "failed_at", TimestamptzType(), required=True, doc="when it was set aside"),
+)
+"""The fixed schema of an ``[errors] dead_letter_table``: one row per bad record, with the
+raw bytes, so it can be inspected, fixed and replayed."""
 
 _PARTITION = re.compile(r"^\s*(\w+)\s*\(\s*(?:(\d+)\s*,\s*)?([\w.]+)\s*\)\s*$")
 _WITH_ARG = ("bucket", "truncate")
@@ -61,7 +87,8 @@ def record_schema(config: PipelineConfig, plugins: Plugins | None = None) -> pa.
 
 
 def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> None:
-    """Create ``table`` with its partition spec and identifier fields in one transaction."""
+    """Create ``table`` with its partition spec, identifier fields and properties (icefloe's
+    bounded-metadata recommendations, then ``tables.properties``) in one transaction."""
     missing = [c for c in table.id_columns if c not in schema.names]
     if missing:
         raise ConfigError(
@@ -71,7 +98,9 @@ def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> Non
     fields = [f.with_nullable(False) if f.name in table.id_columns else f for f in schema]
     namespace = table.name.rsplit(".", 1)[0]
     catalog.create_namespace_if_not_exists(namespace)
-    txn = catalog.create_table_transaction(table.name, schema=pa.schema(fields))
+    txn = catalog.create_table_transaction(
+        table.name, schema=pa.schema(fields), properties=recommended_properties(table.properties)
+    )
     if table.partition_by:
         with txn.update_spec() as spec:
             for entry in table.partition_by:
@@ -96,10 +125,15 @@ def ensure_tables(
             continue
         except NoSuchTableError:
             if not t.auto_create:
+                schema = schema if schema is not None else record_schema(config, plugins)
                 raise ConfigError(
                     "tables.name",
                     f"table '{t.name}' does not exist",
-                    "create it first, or set auto_create = true",
+                    "create it first, or set auto_create = true"
+                    if schema is not None
+                    # auto_create needs a record schema, which this format does not declare
+                    else f"create it first (format '{config.source.format}' declares no "
+                    "record schema to create it from)",
                 ) from None
         schema = schema if schema is not None else record_schema(config, plugins)
         if schema is None:
@@ -115,4 +149,33 @@ def ensure_tables(
             continue
         log.info("created table %s", t.name)
         created.append(t.name)
+    if ensure_dead_letter_table(catalog, config):
+        created.append(str(config.errors.dead_letter_table))
     return created
+
+
+def ensure_dead_letter_table(catalog: Catalog, config: PipelineConfig) -> bool:
+    """Create the ``dead_letter`` policy's table when missing (True when created). An existing
+    table must have :data:`DEAD_LETTER_SCHEMA`'s columns, or bad records could not be kept."""
+    name = config.errors.dead_letter_table
+    if config.errors.policy != "dead_letter" or name is None:
+        return False
+    try:
+        existing = catalog.load_table(name).schema()
+    except NoSuchTableError:
+        catalog.create_namespace_if_not_exists(name.rsplit(".", 1)[0])
+        try:
+            catalog.create_table(name, schema=DEAD_LETTER_SCHEMA)
+        except TableAlreadyExistsError:  # another driver of the pipeline was quicker
+            return False
+        log.info("created dead-letter table %s", name)
+        return True
+    missing = [f.name for f in DEAD_LETTER_SCHEMA.fields if f.name not in existing.column_names]
+    if missing:
+        raise ConfigError(
+            "errors.dead_letter_table",
+            f"table '{name}' exists but lacks the dead-letter columns {missing}",
+            "name a new table (it is created) or one created by icefloe",
+            name,
+        )
+    return False

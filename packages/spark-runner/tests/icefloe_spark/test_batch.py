@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,12 +16,13 @@ from pyiceberg.schema import Schema
 from pyiceberg.transforms import IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
-from icefloe.config import SourceConfig, TableConfig
+from icefloe.config import ErrorsConfig, SourceConfig, TableConfig, config_from_dict
 from icefloe.convert import RecordConverter, TargetTable
 from icefloe.errors import ConfigError, RecordConversionError
 from icefloe.events import SourcePosition
 from icefloe.testing.fixtures import make_sqlite_catalog
 from icefloe_spark.batch import check_columns, source_positions, write_task
+from icefloe_spark.tables import DEAD_LETTER_SCHEMA, ensure_tables
 
 SCHEMA = Schema(
     NestedField(1, "id", LongType(), required=True),
@@ -136,3 +138,114 @@ def test_a_record_that_does_not_fit_names_where_it_came_from(catalog: Catalog) -
     with pytest.raises(RecordConversionError) as err:
         write_task(kafka_rows(values, "orders", 4), {"db.events": table}, converter(catalog, cfg))
     assert (err.value.topic, err.value.partition, err.value.offset) == ("orders", 4, 103)
+
+
+BAD_VALUES: dict[int, bytes] = {
+    2: b'{"id": 2, "kind": ',  # malformed JSON
+    5: b'{"id": "abc", "kind": "b"}',  # wrong type for a long column
+    7: b'{"kind": "b"}',  # required id missing
+}
+
+
+def mixed_values(n: int = 10) -> list[bytes | None]:
+    return [BAD_VALUES.get(i, v) for i, v in enumerate(json_values(range(n)))]
+
+
+def written_ids(files: tuple[Any, ...]) -> list[int]:
+    return sorted(
+        i for f in files for i in pq.read_table(f.path.removeprefix("file://"))["id"].to_pylist()
+    )
+
+
+def test_policy_fail_names_the_record_and_the_fix(catalog: Catalog) -> None:
+    table = catalog.create_table("db.events", schema=SCHEMA)
+    cfg = [TableConfig(name="db.events")]
+    with pytest.raises(RecordConversionError) as err:
+        write_task(
+            kafka_rows(mixed_values(), "orders", 4),
+            {"db.events": table},
+            converter(catalog, cfg),
+            errors=ErrorsConfig(),
+        )
+    assert (err.value.topic, err.value.partition, err.value.offset) == ("orders", 4, 102)
+    assert "[errors] policy" in str(err.value)
+
+
+def test_policy_skip_writes_the_good_records_and_counts_the_bad(catalog: Catalog) -> None:
+    table = catalog.create_table("db.events", schema=SCHEMA)
+    cfg = [TableConfig(name="db.events")]
+    out = write_task(
+        kafka_rows(mixed_values()),
+        {"db.events": table},
+        converter(catalog, cfg),
+        errors=ErrorsConfig(policy="skip"),
+    )
+    assert written_ids(out.files["db.events"]) == [0, 1, 3, 4, 6, 8, 9]
+    assert (out.skipped, out.dead_lettered, out.records) == (3, 0, 10)
+    assert out.positions[0].offset == 110  # bad records are consumed too
+
+
+def test_policy_dead_letter_writes_bad_records_to_the_dead_letter_table(
+    catalog: Catalog,
+) -> None:
+    table = catalog.create_table("db.events", schema=SCHEMA)
+    dead = catalog.create_table("db.dead", schema=DEAD_LETTER_SCHEMA)
+    cfg = [TableConfig(name="db.events")]
+    values = mixed_values()
+    data = kafka_rows(values, "orders", 4)
+    keys = pa.array([f"k{i}".encode() for i in range(10)], pa.binary())
+    data = data.set_column(0, "key", keys)
+    out = write_task(
+        data,
+        {"db.events": table, "db.dead": dead},
+        converter(catalog, cfg),
+        errors=ErrorsConfig(policy="dead_letter", dead_letter_table="db.dead"),
+        pipeline="pipe",
+    )
+    assert written_ids(out.files["db.events"]) == [0, 1, 3, 4, 6, 8, 9]
+    assert (out.skipped, out.dead_lettered) == (0, 3)
+    assert out.table_uuids["db.dead"] == str(dead.metadata.table_uuid)
+    rows = pa.concat_tables(
+        pq.read_table(f.path.removeprefix("file://")) for f in out.files["db.dead"]
+    ).sort_by("offset")
+    got = rows.select(["pipeline", "topic", "partition", "offset", "key", "value"]).to_pylist()
+    assert got == [
+        {
+            "pipeline": "pipe",
+            "topic": "orders",
+            "partition": 4,
+            "offset": 100 + i,
+            "key": f"k{i}".encode(),
+            "value": values[i],
+        }
+        for i in sorted(BAD_VALUES)
+    ]
+    assert rows["error_type"].to_pylist() == ["decode", "conform", "conform"]
+    assert rows["target_table"].to_pylist() == [None, "db.events", "db.events"]
+    assert "@105" in rows["error_message"][1].as_py()
+    assert rows["timestamp"][0].as_py() == datetime(2024, 5, 1, 12, 0, 2, tzinfo=UTC)
+    assert None not in rows["failed_at"].to_pylist()
+    assert dead.current_snapshot() is None  # written, never committed by a task
+
+
+def test_dead_letter_table_is_created_once_with_its_schema(catalog: Catalog) -> None:
+    config = config_from_dict(
+        {
+            "name": "p",
+            "source": {"topics": ["t"]},
+            "tables": [{"name": "db.events"}],
+            "errors": {"policy": "dead_letter", "dead_letter_table": "bad.records"},
+        }
+    )
+    catalog.create_table("db.events", schema=SCHEMA)
+    assert ensure_tables(catalog, config) == ["bad.records"]
+    assert ensure_tables(catalog, config) == []
+    schema = catalog.load_table("bad.records").schema()
+    assert schema.column_names == DEAD_LETTER_SCHEMA.column_names
+    catalog.create_table("bad.other", schema=SCHEMA)
+    other = config.model_copy(
+        update={"errors": ErrorsConfig(policy="dead_letter", dead_letter_table="bad.other")}
+    )
+    with pytest.raises(ConfigError) as err:
+        ensure_tables(catalog, other)
+    assert err.value.key == "errors.dead_letter_table"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from icefloe_spark import faults
-from icefloe_spark.progress import QueryProgress, lag
+from icefloe_spark.progress import QueryProgress, lag, render
+from icefloe_spark.publish import PublishStats
 
 
 def test_lag_counts_what_the_table_has_not_recorded_yet() -> None:
@@ -57,7 +59,36 @@ def test_exit_after_publish_fires_only_for_its_batch() -> None:
 def _base_env() -> dict[str, str]:
     import os
 
-    return {k: v for k, v in os.environ.items() if k != faults.EXIT_AFTER_PUBLISH_ENV}
+    ours = (faults.EXIT_AFTER_PUBLISH_ENV, faults.EXIT_AFTER_COMMIT_ENV)
+    return {k: v for k, v in os.environ.items() if k not in ours}
+
+
+def test_exit_after_commit_fires_after_the_nth_cycle_that_committed_a_table() -> None:
+    """Cycles that committed nothing do not count; the exit comes after the Iceberg commits,
+    inside the coordinator's own hook (before it stores the channel position)."""
+    code = (
+        "from icefloe.committer import TableCommitResult\n"
+        "from icefloe.coordinator import CycleResult\n"
+        "from icefloe_spark.faults import coordinator_hooks\n"
+        "def cycle(snapshot):\n"
+        "    r = TableCommitResult('t', 'c', snapshot, 1, 1, 0)\n"
+        "    return CycleResult('c', True, None, (r,), {})\n"
+        "hook = coordinator_hooks().after_iceberg_commits\n"
+        "hook(cycle(1)); print('survived 1', flush=True)\n"
+        "hook(cycle(None)); print('survived empty', flush=True)\n"
+        "hook(cycle(2)); print('survived 2', flush=True)\n"
+    )
+    env = {**_base_env(), faults.EXIT_AFTER_COMMIT_ENV: "2"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == faults.EXIT_CODE, proc.stderr
+    assert proc.stdout.splitlines() == ["survived 1", "survived empty"]
+
+
+def test_no_coordinator_hooks_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(faults.EXIT_AFTER_COMMIT_ENV, raising=False)
+    assert faults.coordinator_hooks() is None
 
 
 def test_fail_task_hits_only_the_first_attempt_of_the_chosen_task(tmp_path: Path) -> None:
@@ -111,3 +142,16 @@ def test_reader_options_from_the_config_are_applied_last() -> None:
     assert opts["probeHighWatermark"] == "true"
     assert opts["maxOffsetsPerTrigger"] == "5"  # the explicit reader option wins
     assert "icefloe.catalog.name" not in opts  # catalog properties only for "table"
+
+
+def test_live_view_shows_bad_record_counts_only_when_there_are_some() -> None:
+    from rich.console import Console
+
+    def shown(stats: PublishStats) -> str:
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(render("p", QueryProgress(), stats, [], "leader"))
+        return console.export_text()
+
+    assert "bad records" not in shown(PublishStats(batches=1, records=10))
+    text = shown(PublishStats(batches=2, records=10, skipped=3, dead_lettered=1_500))
+    assert "bad records: 3 skipped, 1,500 dead-lettered" in text

@@ -168,3 +168,10 @@ def test_empty_batch_still_publishes_its_positions() -> None:
 def test_commit_message_survives_pickling() -> None:
     msg = message(3, {"db.orders": ["a"]}, [SourcePosition("orders", 0, 1, 2)])
     assert pickle.loads(pickle.dumps(msg)) == msg
+
+
+def test_merge_adds_up_the_tasks_bad_record_counts() -> None:
+    """Counts travel from the tasks to the driver inside the commit messages."""
+    outs = [TaskOutput(records=10, skipped=2), TaskOutput(records=5, skipped=1, dead_lettered=4)]
+    req = merge_messages([IcefloeCommitMessage(i, 0, o) for i, o in enumerate(outs)], 3)
+    assert (req.records, req.skipped, req.dead_lettered) == (15, 3, 4)

@@ -79,6 +79,16 @@ def test_missing_table_without_auto_create_is_a_config_error(catalog: Catalog) -
         ensure_tables(catalog, config([{"name": "sales.orders"}]))
 
 
+def test_missing_json_table_does_not_suggest_auto_create(catalog: Catalog) -> None:
+    """auto_create cannot work for a format without a record schema: do not suggest it."""
+    with pytest.raises(ConfigError) as info:
+        ensure_tables(catalog, config([{"name": "sales.orders"}], fmt="json"))
+    assert "auto_create" not in str(info.value)
+    assert "create it first" in str(info.value)
+    with pytest.raises(ConfigError, match="set auto_create = true"):  # avro can
+        ensure_tables(catalog, config([{"name": "sales.orders"}]))
+
+
 def test_json_declares_no_schema_so_nothing_is_created(catalog: Catalog) -> None:
     cfg = config([{"name": "sales.orders", "auto_create": True}], fmt="json")
     with pytest.raises(ConfigError, match="declares no record schema"):
@@ -90,3 +100,23 @@ def test_unknown_id_column_is_named(catalog: Catalog) -> None:
     cfg = config([{"name": "sales.orders", "auto_create": True, "id_columns": ["nope"]}])
     with pytest.raises(ConfigError, match="nope"):
         ensure_tables(catalog, cfg)
+
+
+def test_auto_created_tables_keep_metadata_bounded_and_take_configured_properties(
+    catalog: Catalog,
+) -> None:
+    cfg = config(
+        [
+            {
+                "name": "sales.orders",
+                "auto_create": True,
+                "properties": {"write.metadata.previous-versions-max": "7", "owner": "sales"},
+            }
+        ]
+    )
+    ensure_tables(catalog, cfg)
+    props = catalog.load_table("sales.orders").properties
+    assert props["commit.manifest-merge.enabled"] == "true"
+    assert props["write.metadata.delete-after-commit.enabled"] == "true"
+    assert props["write.metadata.previous-versions-max"] == "7"  # the configured value wins
+    assert props["owner"] == "sales"

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from icefloe.convert import CASE_INSENSITIVE_KEY, record_error
+from icefloe.convert import CASE_INSENSITIVE_KEY, failing_prefix_end, record_error
 from icefloe.errors import ConfigError
 from icefloe.hookspecs import DecodeContext
 
@@ -104,6 +104,7 @@ class JsonCodec:
         elif pa.types.is_large_string(values.type):
             values = values.cast(pa.large_binary())
         values = pc.fill_null(values, pa.scalar(b"{}", values.type))
+        declared = explicit
         # a field whose values do not have its declared JSON type is retried with an inferred
         # type (the converter may still cast it, e.g. "42" into an int column)
         for _ in range(len(explicit) + 1):
@@ -112,7 +113,7 @@ class JsonCodec:
             except _ERRORS as exc:
                 name = _failed_column(exc)
                 if name is None or explicit.get_field_index(name) < 0:
-                    raise _locate(values, explicit, infer, context, exc) from None
+                    raise _locate(values, explicit, declared, infer, context, exc) from None
                 explicit = explicit.remove(explicit.get_field_index(name))
                 infer = True
         raise AssertionError("unreachable: each retry removes a field")
@@ -147,24 +148,41 @@ def _parse(values: pa.Array, explicit: pa.Schema, infer: bool) -> pa.Table:
 
 
 def _locate(
-    values: pa.Array, explicit: pa.Schema, infer: bool, context: DecodeContext, exc: Exception
+    values: pa.Array,
+    explicit: pa.Schema,
+    declared: pa.Schema,
+    infer: bool,
+    context: DecodeContext,
+    exc: Exception,
 ) -> Exception:
-    """The RecordConversionError naming the first value that cannot be parsed."""
-    lo, hi = 1, len(values)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        try:
-            _parse(values.slice(0, mid), explicit, infer)
-        except _ERRORS:
-            hi = mid
-        else:
-            lo = mid + 1
-    row = lo - 1
+    """The RecordConversionError naming the value that cannot be parsed.
+
+    The first failing prefix ends at a record that either fails on its own (malformed: blame
+    it) or only conflicts with earlier ones: a field whose JSON type changes, as in
+    ``"id": "abc"`` first and numbers after. The record at fault is then the first whose field
+    does not parse as the declared type, which may come before; blaming the prefix's end named
+    the next, good record.
+    """
+    row = failing_prefix_end(values, lambda v: _parse(v, explicit, infer))
     problem = str(exc)
+    try:
+        _parse(values.slice(0, row + 1), explicit, infer)
+    except _ERRORS as conflict:
+        problem = str(conflict)
     try:
         _parse(values.slice(row, 1), explicit, infer)
     except _ERRORS as own:
         problem = str(own)
+    else:
+        name = _failed_column_any(problem)
+        if name is not None and declared.get_field_index(name) >= 0:
+            one = pa.schema([declared.field(name)])
+            suspects = values.slice(0, row + 1)
+            first = failing_prefix_end(suspects, lambda v: _parse(v, one, False))
+            try:
+                _parse(suspects.slice(first, 1), one, False)
+            except _ERRORS as own:
+                row, problem = first, str(own)
     field = _failed_column_any(problem) or _field_of(values.slice(row, 1), explicit)
     return record_error(context, row, field, f"not a JSON record of the expected shape: {problem}")
 

@@ -105,6 +105,8 @@ RULES = (
     "Retention",
     "Pipelines are isolated",
     "Zero timeouts do not block",
+    "Identity",
+    "End position",
     "Bytes",
     "Threading",
 )
@@ -1188,3 +1190,48 @@ class BackendConformance:
         for t in self.tables:
             assert len(group_snapshots(catalog, t, group_id)) == 1
             assert_exactly_once(catalog, t, source.expected[t])
+
+    # ------------------------------------------------------------------ channel identity
+
+    @rule("Identity")
+    def test_channel_id_is_one_per_storage_and_stable(
+        self,
+        backend_factory: BackendFactory,
+        backend: Backend,
+        group_id: str,
+        channels: list[WriterChannel | CoordinatorChannel],
+    ) -> None:
+        """Every process reaching the same storage sees the same identity, before and after
+        events were published; it names the backend."""
+        first, _ = self.leader(backend, channels, "c1")
+        before = first.channel_id()
+        assert before
+        assert ":" in before, f"channel id {before!r} should start with the backend's name"
+        self.publish_batches(backend, group_id, channels, 2)
+        other = backend_factory(group_id, self.lease_ttl_s)
+        try:
+            second = other.coordinator("c2")
+            channels.append(second)
+            assert second.channel_id() == before
+        finally:
+            other.close()
+        assert first.channel_id() == before
+
+    @rule("End position")
+    def test_end_position_is_past_every_event_read(
+        self,
+        backend: Backend,
+        group_id: str,
+        channels: list[WriterChannel | CoordinatorChannel],
+    ) -> None:
+        """``end_position`` is the reset detector's yardstick: positions a reader reaches
+        (and tables record) never lie beyond it."""
+        batches = self.publish_batches(backend, group_id, channels, 3)
+        coord, _ = self.leader(backend, channels, "c")
+        coord.seek(None)
+        recs = self.read_until(coord, group_id, self.has_events(event_ids(batches)))
+        end = coord.end_position()
+        for partition, offset in position_after(recs).items():
+            assert end.get(partition, 0) >= offset, (
+                f"end {dict(end)} is behind {partition}@{offset}"
+            )

@@ -21,9 +21,11 @@ import pytest
 from pyiceberg.catalog import Catalog
 from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import NamespaceAlreadyExistsError
+from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.transforms import IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.datafiles import write_data_files
@@ -45,6 +47,15 @@ _ROWS_ARROW = pa.schema(
         pa.field("batch_seq", pa.int64(), nullable=True),
     ]
 )
+
+#: The end-to-end tests' table for JSON source records ``{"id", "name", "kind"}``; partitioned,
+#: so a batch writes several files per table as real pipelines do.
+EVENTS_SCHEMA = Schema(
+    NestedField(1, "id", LongType(), required=True),
+    NestedField(2, "name", StringType(), required=False),
+    NestedField(3, "kind", StringType(), required=False),
+)
+EVENTS_SPEC = PartitionSpec(PartitionField(3, 1000, IdentityTransform(), "kind"))
 
 
 def sqlite_catalog_properties(path: Path) -> dict[str, str]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pyiceberg.catalog import Catalog
 from pyiceberg.catalog.sql import SqlCatalog
 
+from icefloe.channel import Backend
 from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings, CycleResult
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.plugins import new_plugins
@@ -161,3 +162,68 @@ def run_doomed_coordinator(spec: DoomedCoordinator) -> None:
     wait_pending(coordinator, spec.pending_files)
     coordinator.commit_now()
     raise SystemExit("the doomed coordinator survived its commit")
+
+
+_IDENTITY_SETTINGS = CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=5.0)
+
+
+def _writer_and_coordinator(
+    backend: Backend, catalog: Catalog, group_id: str, name: str
+) -> tuple[WriterClient, Coordinator]:
+    writer = WriterClient(backend.writer("w"), group_id, "w")
+    writer.start()
+    coordinator = Coordinator(
+        group_id,
+        backend.coordinator(name),
+        catalog,
+        _IDENTITY_SETTINGS,
+        plugins=new_plugins(autoload=False),
+    )
+    return writer, coordinator
+
+
+def commit_batches(
+    backend: Backend, catalog: Catalog, group_id: str, source: RowSource, seqs: Sequence[int]
+) -> str:
+    """Publish ``seqs`` from writer ``w`` and commit them with a coordinator of ``backend``;
+    returns the channel id the commit recorded. For channel reset and swap tests."""
+    writer, coordinator = _writer_and_coordinator(backend, catalog, group_id, "first")
+    try:
+        lead(coordinator)
+        for seq in seqs:
+            source.publish(writer, seq)
+        wait_pending(coordinator, len(seqs) * len(source.tables))
+        cycle = coordinator.commit_now()
+        assert not cycle.failed, cycle.failed
+        return coordinator.channel.channel_id()
+    finally:
+        writer.close()
+        coordinator.close()
+
+
+def refused_restart(
+    backend: Backend, catalog: Catalog, group_id: str, source: RowSource, seq: int
+) -> BaseException:
+    """Publish batch ``seq`` and run a new coordinator of ``backend`` until it raises; returns
+    the exception (a test asserts its type and that the table is unchanged)."""
+    writer, coordinator = _writer_and_coordinator(backend, catalog, group_id, "second")
+    try:
+        # a new batch that must not be taken for committed (its rows are not expected: the
+        # test asserts the table is unchanged)
+        batch = source.batch("w", seq)
+        writer.publish(seq, batch.files, batch.positions)
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            try:
+                coordinator.step(0.2)
+                if coordinator.is_leader and coordinator.pending_files():
+                    coordinator.commit_now()
+                    raise AssertionError("the coordinator committed instead of refusing")
+            except AssertionError:
+                raise
+            except Exception as exc:
+                return exc
+        raise AssertionError("the coordinator neither refused nor failed within 30 s")
+    finally:
+        writer.close()
+        coordinator.close()

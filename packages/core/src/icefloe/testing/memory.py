@@ -65,9 +65,19 @@ class MemoryServer:
     """Shared state of the reference channel. Thread-safe; every method takes and returns only
     picklable plain values so a :class:`multiprocessing.managers.BaseManager` can proxy it."""
 
-    def __init__(self) -> None:
+    def __init__(self, identity: str | None = None) -> None:
         self._cond = threading.Condition()
         self._groups: dict[str, _Group] = {}
+        # created with the storage: a new server is a new channel. ``identity`` makes this
+        # server a restored copy of another one's storage (tests of rollback detection)
+        self._identity = identity or uuid.uuid4().hex
+
+    def identity(self) -> str:
+        return self._identity
+
+    def end(self, group_id: str) -> int:
+        with self._cond:
+            return self._group(group_id).end
 
     def _group(self, group_id: str) -> _Group:
         return self._groups.setdefault(group_id, _Group())
@@ -361,6 +371,12 @@ class MemoryCoordinatorChannel(CoordinatorChannel):
 
     def prune(self, before: ChannelPosition) -> int:
         return self._server.prune(self._group_id, int(before.get(PARTITION, 0)))
+
+    def channel_id(self) -> str:
+        return f"memory:{self._server.identity()}"
+
+    def end_position(self) -> ChannelPosition:
+        return {PARTITION: self._server.end(self._group_id)}
 
     def close(self) -> None:
         self.release()

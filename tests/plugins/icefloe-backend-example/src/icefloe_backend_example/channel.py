@@ -8,6 +8,7 @@ It never prunes (``prune`` returns 0) and is for demonstration only.
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -55,6 +56,16 @@ class _Store:
         root.mkdir(parents=True, exist_ok=True)
         for name in ("events.log", "broadcasts.log", "lock"):
             (root / name).touch()
+        # the channel's identity is born with its directory; link() is atomic and refuses an
+        # existing name, so the first process wins and nobody reads a half-written file
+        tmp = root / f"channel-id.{uuid.uuid4().hex}"
+        tmp.write_text(uuid.uuid4().hex)
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, root / "channel-id")
+        tmp.unlink()
+
+    def identity(self) -> str:
+        return (self.root / "channel-id").read_text().strip()
 
     @contextmanager
     def locked(self) -> Iterator[dict[str, Any]]:
@@ -219,6 +230,12 @@ class FileCoordinator(CoordinatorChannel):
 
     def prune(self, before: ChannelPosition) -> int:
         return 0
+
+    def channel_id(self) -> str:
+        return f"example:{self.store.identity()}"
+
+    def end_position(self) -> ChannelPosition:
+        return {PARTITION: len(self.store.lines("events.log"))}
 
     def close(self) -> None:
         self.release()

@@ -1,0 +1,69 @@
+"""Channel identity and reset detection on the real broker: a control topic deleted and
+recreated is a new channel (topic id), a stored position past the end of the log is refused,
+and a pipeline whose tables were committed through the old topic is refused."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+
+from icefloe.errors import ChannelChangedError, ChannelResetError
+from icefloe.testing.fixtures import assert_exactly_once
+from icefloe.testing.harness import RowSource, commit_batches, refused_restart
+from icefloe_kafka import KafkaBackend
+
+from .conftest import BackendMaker
+
+TABLE = "ns.t"
+
+
+def recreate(backend: KafkaBackend) -> None:
+    """Delete the control topic and wait until the broker no longer lists it."""
+    topic = backend.config.control_topic
+    for f in backend.clients.admin().delete_topics([topic]).values():
+        f.result(timeout=30)
+    deadline = time.monotonic() + 30
+    while topic in backend.clients.existing_topics():
+        assert time.monotonic() < deadline, f"{topic} still listed after deletion"
+        time.sleep(0.2)
+
+
+def test_recreated_topic_is_a_new_channel_and_refuses_positions_past_its_end(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    topic = f"ctl-{uuid.uuid4().hex[:8]}"
+    first = make_backend(group_id, control_topic=topic)
+    coord = first.coordinator("c")
+    old_id = coord.channel_id()
+    assert old_id.startswith("kafka:")
+    assert topic in old_id
+    coord.close()
+    recreate(first)
+
+    second = make_backend(group_id, control_topic=topic)
+    coord = second.coordinator("c")
+    assert coord.channel_id() != old_id
+    assert coord.acquire(20) is not None
+    with pytest.raises(ChannelResetError, match="past the end of the log"):
+        coord.seek({"0": 7})
+    coord.close()
+
+
+def test_pipeline_on_a_recreated_topic_is_refused(
+    make_backend: BackendMaker, group_id: str, sqlite_catalog: SqlCatalog
+) -> None:
+    topic = f"ctl-{uuid.uuid4().hex[:8]}"
+    source = RowSource.create(sqlite_catalog, [TABLE])
+    first = make_backend(group_id, control_topic=topic)
+    old_id = commit_batches(first, sqlite_catalog, group_id, source, range(2))
+    committed = list(source.expected[TABLE])
+    recreate(first)
+    error = refused_restart(
+        make_backend(group_id, control_topic=topic), sqlite_catalog, group_id, source, 2
+    )
+    assert isinstance(error, (ChannelChangedError, ChannelResetError)), error
+    assert old_id in str(error) or "past the end" in str(error)
+    assert_exactly_once(sqlite_catalog, TABLE, committed)

@@ -1,0 +1,329 @@
+"""The commit cycle: broadcast StartCommit, wait for the live writers' answers (or the commit
+timeout, or the memory bound), screen and commit every table with pending files, broadcast
+the results and notify plugins, then store the position and prune the channel.
+
+One table's trouble never stops the others, nor the position:
+
+* files a table refuses for good are quarantined (:mod:`icefloe.quarantine`) before the rest
+  is committed;
+* a failing table is retried with an exponential backoff instead of every cycle, and after
+  ``quarantine_after_failures`` attempts failing with a
+  :class:`~icefloe.errors.PermanentTableError` its pending files are quarantined;
+* the stored position is the read position lowered to the oldest file still pending, so it
+  advances (and the channel is pruned) while a table fails.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from icefloe.channel import CoordinatorChannel
+from icefloe.committer import (
+    IcebergCommitter,
+    PendingFile,
+    TableCommitRequest,
+    TableCommitResult,
+)
+from icefloe.coordination.leadership import Leadership
+from icefloe.coordination.reading import EventReader
+from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
+from icefloe.errors import (
+    ChannelIdentityError,
+    NotLeaderError,
+    PermanentTableError,
+    StaleFencingTokenError,
+)
+from icefloe.events import CommitComplete, CommitToTable, Event, StartCommit
+from icefloe.hookspecs import TableCommitted
+from icefloe.plugins import Plugins, get_plugins
+from icefloe.quarantine import Quarantine, QuarantineEntry
+
+log = logging.getLogger("icefloe.coordinator")
+
+
+@dataclass
+class _Trouble:
+    """A table's consecutive failures, and when to try it again."""
+
+    failures: int
+    retry_at: float
+
+
+class CommitCycle:
+    """Runs cycles for one leadership; shares the reader's state and the leadership's lease."""
+
+    def __init__(
+        self,
+        group_id: str,
+        coordinator_id: str,
+        channel: CoordinatorChannel,
+        committer: IcebergCommitter,
+        reader: EventReader,
+        leadership: Leadership,
+        settings: CoordinatorSettings,
+        hooks: CoordinatorHooks,
+        plugins: Plugins | None,
+        quarantine: Quarantine,
+    ) -> None:
+        self._group_id = group_id
+        self._coordinator_id = coordinator_id
+        self._channel = channel
+        self._committer = committer
+        self._reader = reader
+        self._leadership = leadership
+        self._settings = settings
+        self._hooks = hooks
+        self._plugins = plugins
+        self._quarantine = quarantine
+        self._trouble: dict[str, _Trouble] = {}
+        self.quarantined_files = 0  # since this coordinator started (a metric)
+        reader.backing_off = self.backing_off
+        self.stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
+        self.last_end = time.monotonic()
+
+    def restart_clock(self) -> None:
+        """The interval counts from now (after recovery, or after losing leadership)."""
+        self.last_end = time.monotonic()
+
+    def backing_off(self, table: str) -> bool:
+        """Whether ``table`` failed recently and waits for its next attempt."""
+        trouble = self._trouble.get(table)
+        return trouble is not None and time.monotonic() < trouble.retry_at
+
+    def due(self) -> bool:
+        s = self._settings
+        if time.monotonic() - self.last_end >= s.commit_interval_s:
+            return True
+        # files of tables backing off do not count: they must not make cycles spin
+        files, size = self._reader.pending_size(
+            t for t in self._reader.pending if not self.backing_off(t)
+        )
+        if s.max_pending_files is not None and files and files >= s.max_pending_files:
+            return True
+        return s.max_pending_bytes is not None and files > 0 and size >= s.max_pending_bytes
+
+    def run(self) -> CycleResult:
+        commit_id = str(uuid.uuid4())
+        reader = self._reader
+        expected = reader.prune_writers()
+        reader.cycle_id, reader.answered = commit_id, set()
+        cut_short = ""
+        try:
+            self._channel.broadcast(Event(self._group_id, StartCommit(commit_id)))
+            deadline = time.monotonic() + self._settings.commit_timeout_s
+            while not expected <= reader.answered:
+                left = deadline - time.monotonic()  # > 0 when polled: 0 or less may block
+                if left <= 0:
+                    cut_short = "timeout"
+                elif self.stop is not None and self.stop.is_set():
+                    cut_short = "stop"
+                elif reader.full():
+                    cut_short = "full"
+                if cut_short:
+                    break  # commit what was read, as a partial cycle
+                reader.poll(min(left, POLL_S))
+                self._leadership.renew_if_due()
+            answered = set(reader.answered)
+        finally:
+            reader.cycle_id = None
+        complete = expected <= answered
+        if not complete:
+            silent = sorted(expected - answered)
+            if cut_short == "timeout":
+                log.warning(
+                    "commit %s: no answer from %s within %.1fs; partial commit without VTTS",
+                    commit_id,
+                    silent,
+                    self._settings.commit_timeout_s,
+                )
+            else:  # stopping, or the memory bound: expected, not a fault
+                log.info(
+                    "commit %s: %s before %s answered; partial commit without VTTS",
+                    commit_id,
+                    "stopping" if cut_short == "stop" else "pending files at the bound",
+                    silent,
+                )
+        # the decision point: everything read so far (and only that) goes into this cycle
+        vtts = reader.valid_through(answered) if complete else None
+        return self._commit(commit_id, complete, vtts)
+
+    def _commit(self, commit_id: str, complete: bool, vtts: int | None) -> CycleResult:
+        reader = self._reader
+        position = dict(reader.read_pos)
+        sources: dict[str, dict[int, int]] = {}
+        for (topic, part), p in reader.source_positions().items():
+            sources.setdefault(topic, {})[part] = p.offset
+        results: list[TableCommitResult] = []
+        failed: dict[str, str] = {}
+        quarantined: dict[str, int] = {}
+        deferred: list[str] = []
+        for table in sorted(reader.pending):
+            if self.backing_off(table):
+                deferred.append(table)
+                continue
+            files = tuple(reader.pending[table])
+            try:
+                if self._hooks.before_table_commit is not None:
+                    self._hooks.before_table_commit(table)
+                screening = self._committer.screen(table, files)
+                if screening.refused:
+                    quarantined[table] = self._isolate(commit_id, table, screening.refused)
+                accepted = screening.accepted
+                if accepted:
+                    results.append(
+                        self._committer.commit(
+                            TableCommitRequest(
+                                table=table,
+                                commit_id=commit_id,
+                                files=accepted,
+                                positions=position,
+                                source_offsets=sources,
+                                fencing_token=self._leadership.token(),
+                                valid_through_ms=vtts,
+                                channel_id=reader.channel_id,
+                            )
+                        )
+                    )
+                    reader.committed(table, accepted, position)
+            except (NotLeaderError, StaleFencingTokenError) as exc:
+                # a newer leader exists: stop here, it re-reads and finishes our work
+                raise NotLeaderError(f"{self._coordinator_id}: {exc}") from exc
+            except ChannelIdentityError:
+                raise  # no retry can help: stop and let the operator act on the message
+            except Exception as exc:  # tables commit independently; this one stays pending
+                failed[table] = f"{type(exc).__name__}: {exc}"
+                n = self._failed(commit_id, table, exc)
+                if n:
+                    quarantined[table] = quarantined.get(table, 0) + n
+                continue
+            self._trouble.pop(table, None)
+        cycle = CycleResult(
+            commit_id, complete, vtts, tuple(results), failed, quarantined, tuple(deferred)
+        )
+        if self._hooks.after_iceberg_commits is not None:
+            self._hooks.after_iceberg_commits(cycle)
+        # tell writers and plugins first: a failing store below must not swallow these
+        for r in results:
+            self._channel.broadcast(
+                Event(self._group_id, CommitToTable(commit_id, r.table, r.snapshot_id, vtts))
+            )
+            self._notify(r, vtts)
+        safe = reader.safe_position(position)
+        if safe != reader.stored and any(
+            o > (reader.stored or {}).get(p, 0) for p, o in safe.items()
+        ):
+            self._channel.store_position(safe)
+            reader.stored = safe
+        if not failed and not deferred:
+            self._channel.broadcast(Event(self._group_id, CommitComplete(commit_id, vtts)))
+        if reader.stored:
+            self._channel.prune(reader.stored)
+        self.last_end = time.monotonic()
+        log.info(
+            "commit %s: %s, vtts=%s, %d tables committed (%d files, %d records), "
+            "%d failed%s, %d deferred, %d files quarantined",
+            commit_id,
+            "complete" if complete else "partial",
+            vtts,
+            sum(1 for r in results if r.snapshot_id is not None),
+            sum(r.data_files for r in results),
+            sum(r.records for r in results),
+            len(failed),
+            f": {failed}" if failed else "",
+            len(deferred),
+            sum(quarantined.values()),
+        )
+        return cycle
+
+    def _failed(self, commit_id: str, table: str, exc: Exception) -> int:
+        """Count a table failure and set its backoff; quarantine its pending files once a
+        permanent error repeated often enough. Returns how many files were quarantined."""
+        s = self._settings
+        trouble = self._trouble.get(table) or _Trouble(0, 0.0)
+        trouble.failures += 1
+        wait = min(s.table_retry_base_s * 2 ** (trouble.failures - 1), s.table_retry_max_s)
+        trouble.retry_at = time.monotonic() + wait
+        self._trouble[table] = trouble
+        log.error(
+            "commit %s: table %s failed (%d in a row, next try in %.1fs): %s",
+            commit_id,
+            table,
+            trouble.failures,
+            wait,
+            exc,
+        )
+        if not isinstance(exc, PermanentTableError) or trouble.failures < (
+            s.quarantine_after_failures
+        ):
+            return 0
+        files = tuple(self._reader.pending.get(table, ()))
+        try:
+            n = self._isolate(commit_id, table, [(f, exc) for f in files])
+        except Exception as qexc:  # the files stay pending; retried after the backoff
+            log.error("commit %s: cannot quarantine files of %s: %s", commit_id, table, qexc)
+            return 0
+        del self._trouble[table]
+        return n
+
+    def _isolate(
+        self, commit_id: str, table: str, refused: Sequence[tuple[PendingFile, Exception]]
+    ) -> int:
+        """Record ``refused`` in the quarantine (durably, before anything else happens to the
+        table), then forget them. Raises if the record cannot be written."""
+        now = dt.datetime.now(dt.UTC)
+        entries = [
+            QuarantineEntry(
+                group_id=self._group_id,
+                table_name=table,
+                file_path=f.meta.path,
+                record_count=f.meta.record_count,
+                file_size_in_bytes=f.meta.file_size_in_bytes,
+                writer_id=f.writer_id,
+                batch_seq=f.batch_seq,
+                channel_partition=f.partition,
+                channel_offset=f.offset,
+                table_uuid=f.table_uuid,
+                error_type=type(e).__name__,
+                error_message=str(e),
+                commit_id=commit_id,
+                quarantined_at=now,
+            )
+            for f, e in refused
+        ]
+        new = self._quarantine.add(entries)
+        for e in new:  # logged once: re-reads skip quarantined paths, add() skips known ones
+            log.error(
+                "quarantined %s of table %s (writer %s batch %d, channel %s@%d): %s: %s",
+                e.file_path,
+                table,
+                e.writer_id,
+                e.batch_seq,
+                e.channel_partition,
+                e.channel_offset,
+                e.error_type,
+                e.error_message,
+            )
+        self.quarantined_files += len(new)
+        self._reader.quarantined_paths(table).update(e.file_path for e in entries)
+        self._reader.remove(table, [f for f, _ in refused])
+        return len(new)
+
+    def _notify(self, result: TableCommitResult, vtts: int | None) -> None:
+        plugins = self._plugins or get_plugins()
+        plugins.after_table_commit(
+            TableCommitted(
+                group_id=self._group_id,
+                table=result.table,
+                commit_id=result.commit_id,
+                snapshot_id=result.snapshot_id,
+                data_files=result.data_files,
+                records=result.records,
+                valid_through_ms=vtts,
+            )
+        )

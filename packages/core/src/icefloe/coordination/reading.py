@@ -1,0 +1,330 @@
+"""Reading: turns channel events into the coordinator's state (writers, pending files per
+table, what each table holds already) and rebuilds it on recovery.
+
+* Writer liveness uses the time the coordinator read an event, except while recovering, where
+  the event's own timestamp counts (otherwise every long-dead writer found in the backlog would
+  look live and stall the first cycle until the commit timeout).
+* The same (writer, batch, table) may arrive twice where a backend cannot dedupe at publish
+  (Kafka shows records of aborted transactions on some brokers): the first copy is kept.
+* Files already quarantined (see :mod:`icefloe.quarantine`) are not taken up again when a new
+  leader re-reads their events.
+* Memory is bounded by ``max_pending_files/bytes``: once pending files reach the bound, the
+  reader stops handling events (the rest of a polled chunk is held back, in order) until a
+  cycle has committed, also while recovering and while a cycle waits for answers.
+* Writers not heard from within ``writer_timeout_s`` are dropped at each cycle, so their
+  state does not pile up; the valid-through timestamp needs every source partition ever seen
+  to be covered by a writer that answered the cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from icefloe.channel import ChannelRecord, CoordinatorChannel
+from icefloe.committer import IcebergCommitter, PendingFile
+from icefloe.coordination.settings import POLL_S, CoordinatorSettings
+from icefloe.dedupe import CommitBoundary
+from icefloe.errors import ChannelIdentityError, ChannelResetError
+from icefloe.events import DataComplete, DataWritten, SourcePosition
+from icefloe.quarantine import Quarantine
+from icefloe.writer import merge_positions
+
+log = logging.getLogger("icefloe.coordinator")
+
+_HARD_CAP = 4  # times max_pending_*: the most files kept while some tables back off
+
+
+@dataclass
+class WriterState:
+    """What the coordinator knows about one writer identity."""
+
+    epoch: int
+    last_seen_ms: float
+    positions: dict[tuple[str, int], SourcePosition] = field(default_factory=dict)
+
+
+def now_ms() -> float:
+    return time.time() * 1000.0
+
+
+class EventReader:
+    """The coordinator's read state; single-threaded, rebuilt from the channel by a new leader."""
+
+    def __init__(
+        self,
+        group_id: str,
+        channel: CoordinatorChannel,
+        committer: IcebergCommitter,
+        settings: CoordinatorSettings,
+        quarantine: Quarantine,
+    ) -> None:
+        self._group_id = group_id
+        self._channel = channel
+        self._committer = committer
+        self._settings = settings
+        self._quarantine = quarantine
+        self.backing_off: Callable[[str], bool] = lambda table: False  # set by the cycle
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything read: what a new leader must rebuild from the channel."""
+        self.read_pos: dict[str, int] = {}
+        self.stored: dict[str, int] | None = None
+        self.pending: dict[str, list[PendingFile]] = {}
+        self._bytes: dict[str, int] = {}  # pending bytes per table, kept with ``pending``
+        self._pending_keys: set[tuple[str, int, str]] = set()
+        self.writers: dict[str, WriterState] = {}
+        self._boundaries: dict[str, CommitBoundary] = {}
+        self.quarantined: dict[str, set[str]] = {}  # table -> quarantined paths
+        self._source_partitions: set[tuple[str, int]] = set()
+        self._held: deque[ChannelRecord] = deque()  # polled, not handled: memory bound hit
+        self._recovering = False
+        self.cycle_id: str | None = None
+        self.answered: set[str] = set()
+        self.channel_id: str | None = None  # known once recover() ran
+
+    # ------------------------------------------------------------------ views
+
+    def pending_files(self) -> dict[str, int]:
+        return {t: len(fs) for t, fs in self.pending.items() if fs}
+
+    def pending_bytes(self) -> int:
+        return sum(self._bytes.values())
+
+    def pending_size(self, tables: Iterable[str]) -> tuple[int, int]:
+        """Pending files and bytes of ``tables`` (cheap: per-table counts)."""
+        chosen = [t for t in tables if t in self.pending]
+        return sum(len(self.pending[t]) for t in chosen), sum(self._bytes[t] for t in chosen)
+
+    def full(self) -> bool:
+        """Whether pending files reached ``max_pending_files/bytes`` (stop reading).
+
+        Files of tables backing off after a failure count only against a hard cap of
+        ``_HARD_CAP`` times the bound: below it the other tables keep being read and committed
+        while one table fails; at it memory wins and reading waits (a permanently failing
+        table's files are quarantined after its attempts, which frees it).
+        """
+        s = self._settings
+        if s.max_pending_files is None and s.max_pending_bytes is None:
+            return False
+        every = self.pending_size(self.pending)
+        ready = self.pending_size(t for t in self.pending if not self.backing_off(t))
+        for (files, size), factor in ((ready, 1), (every, _HARD_CAP)):
+            if s.max_pending_files is not None and files >= s.max_pending_files * factor:
+                return True
+            if s.max_pending_bytes is not None and size >= s.max_pending_bytes * factor:
+                return True
+        return False
+
+    def prune_writers(self) -> set[str]:
+        """Drop writers not heard from within ``writer_timeout_s``; returns the live ones."""
+        limit = now_ms() - self._settings.writer_timeout_s * 1000.0
+        for w in [w for w, s in self.writers.items() if s.last_seen_ms < limit]:
+            del self.writers[w]
+        return set(self.writers)
+
+    def source_positions(
+        self, writers: Iterable[str] | None = None
+    ) -> dict[tuple[str, int], SourcePosition]:
+        """Newest source positions, over ``writers`` (default: every known writer)."""
+        merged: dict[tuple[str, int], SourcePosition] = {}
+        for w in self.writers if writers is None else writers:
+            state = self.writers.get(w)
+            if state is not None:
+                merge_positions(merged, tuple(state.positions.values()))
+        return merged
+
+    def valid_through(self, answered: Iterable[str]) -> int | None:
+        """Min over source partitions of their newest record time, as reported by the writers
+        that ``answered``; None if any source partition ever seen is not covered by them or
+        has no record time (the design's rule: no VTTS unless every partition is covered)."""
+        covered = self.source_positions(answered)
+        if not covered or self._source_partitions - set(covered):
+            return None
+        stamps = [p.max_timestamp_ms for p in covered.values()]
+        if any(t is None for t in stamps):
+            return None
+        return min(t for t in stamps if t is not None)
+
+    # ------------------------------------------------------------------ reading
+
+    def recover(self, renew_if_due: Callable[[], None]) -> int:
+        """Re-read everything since the stored position; the backlog rebuilds pending files.
+        Returns how many events were read."""
+        self.reset()
+        self.channel_id = self._channel.channel_id()
+        stored = self._channel.stored_position()
+        self._check_within_log("the position stored in the channel", stored or {})
+        self.stored = None if stored is None else dict(stored)
+        self.read_pos = dict(self.stored or {})
+        self._channel.seek(stored)
+        self._recovering = True
+        read = 0
+        # Bounded: under steady publishing the log never runs dry, so recovery ends after at
+        # most one commit interval and the normal loop reads the rest of the backlog.
+        deadline = time.monotonic() + self._settings.commit_interval_s
+        try:
+            while True:
+                n = self.poll(POLL_S)
+                read += n
+                renew_if_due()
+                if n == 0 or self.full() or time.monotonic() >= deadline:
+                    break
+        finally:
+            self._recovering = False
+        return read
+
+    def poll(self, timeout: float) -> int:
+        """Handle held-back records, then newly polled ones, until the memory bound is hit.
+        Returns how many records were handled."""
+        if self.full():
+            time.sleep(timeout)  # a cycle must commit first; do not spin
+            return 0
+        if not self._held:
+            self._held.extend(self._channel.poll(timeout))
+        handled = 0
+        while self._held and not self.full():
+            self._handle(self._held.popleft())
+            handled += 1
+        return handled
+
+    def _handle(self, rec: ChannelRecord) -> None:
+        self.read_pos[rec.partition] = max(self.read_pos.get(rec.partition, 0), rec.offset + 1)
+        event = rec.event
+        if event.group_id != self._group_id:
+            return  # another pipeline on a shared channel
+        payload = event.payload
+        if not isinstance(payload, (DataWritten, DataComplete)):
+            return  # coordinator broadcasts echoed by a single-log backend
+        ref = event.writer
+        if ref is None:
+            log.warning(
+                "ignoring %s at %s:%d without a writer", event.type, rec.partition, rec.offset
+            )
+            return
+        writer = self.writers.get(ref.writer_id)
+        if writer is not None and ref.epoch < writer.epoch:
+            log.warning(
+                "ignoring %s of fenced writer %s epoch %d (seen epoch %d)",
+                event.type,
+                ref.writer_id,
+                ref.epoch,
+                writer.epoch,
+            )
+            return
+        now = now_ms()
+        seen = min(float(event.timestamp_ms), now) if self._recovering else now
+        if writer is None:
+            writer = self.writers[ref.writer_id] = WriterState(ref.epoch, seen)
+        writer.epoch = ref.epoch
+        writer.last_seen_ms = max(writer.last_seen_ms, seen)
+        if isinstance(payload, DataComplete):
+            merge_positions(writer.positions, payload.positions)
+            self._source_partitions.update((p.topic, p.partition) for p in payload.positions)
+            if payload.commit_id is not None and payload.commit_id == self.cycle_id:
+                self.answered.add(ref.writer_id)
+        elif event.batch_seq is None:
+            log.warning("ignoring DataWritten of %s without a batch sequence", ref.writer_id)
+        else:
+            self._add_files(rec, ref.writer_id, event.batch_seq, payload)
+
+    def _add_files(self, rec: ChannelRecord, writer_id: str, seq: int, dw: DataWritten) -> None:
+        key = (writer_id, seq, dw.table)
+        if key in self._pending_keys:
+            return  # a second copy of a batch (replay the backend could not refuse)
+        quarantined = self.quarantined_paths(dw.table)
+        files = [
+            PendingFile(f, writer_id, seq, rec.partition, rec.offset, dw.table_uuid)
+            for f in dw.files
+            if f.path not in quarantined
+        ]
+        if not files or self.boundary(dw.table).covers(files[0]):
+            return  # the table already holds this batch (all its files share one place)
+        self._pending_keys.add(key)
+        self.pending.setdefault(dw.table, []).extend(files)
+        self._bytes[dw.table] = self._bytes.get(dw.table, 0) + sum(
+            f.meta.file_size_in_bytes for f in files
+        )
+
+    def boundary(self, table: str) -> CommitBoundary:
+        """What ``table`` holds already, read once per leadership from its snapshots.
+
+        Raises a :class:`~icefloe.errors.ChannelIdentityError` when the table's commits came
+        through another, undrained channel, or record positions this channel does not reach
+        (it was reset or rolled back): going on would drop new files as already committed."""
+        if table not in self._boundaries:
+            try:
+                boundary = self._committer.boundary(table, self.channel_id)
+            except ChannelIdentityError:
+                raise
+            except Exception as exc:
+                # skip nothing early; the commit itself reports the problem loudly
+                log.warning("cannot read icefloe state of %s: %s", table, exc)
+                boundary = CommitBoundary(channel_id=self.channel_id)
+            self._check_within_log(f"table '{table}'", boundary.positions)
+            self._boundaries[table] = boundary
+        return self._boundaries[table]
+
+    def _check_within_log(self, what: str, positions: Mapping[str, int]) -> None:
+        """Positions recorded through this channel can never lie past its end; if they do,
+        the channel lost events (restored from a backup, counters rolled back)."""
+        if not positions:
+            return
+        end = self._channel.end_position()
+        beyond = {p: o for p, o in positions.items() if o > end.get(p, 0)}
+        if beyond:
+            raise ChannelResetError(
+                f"{what} records channel positions {beyond} past the end of channel "
+                f"{self.channel_id} ({dict(end)}): the channel was reset or rolled back (e.g. "
+                "restored from a backup) and would number new events below what is already "
+                "committed. Do not restart as is: see docs/operations.md (channel reset)"
+            )
+
+    def quarantined_paths(self, table: str) -> set[str]:
+        """Paths of ``table`` quarantined by this pipeline, read once per leadership."""
+        if table not in self.quarantined:
+            try:
+                paths = self._quarantine.paths(self._group_id, table)
+            except Exception as exc:
+                # worst case a file is screened again; its record is not duplicated
+                log.warning("cannot read the quarantine for %s: %s", table, exc)
+                paths = set()
+            self.quarantined[table] = paths
+        return self.quarantined[table]
+
+    def remove(self, table: str, files: Iterable[PendingFile]) -> None:
+        """Forget ``files`` of ``table`` (committed or quarantined)."""
+        files = list(files)
+        gone = {id(f) for f in files}
+        left = [f for f in self.pending.get(table, []) if id(f) not in gone]
+        if left:
+            self.pending[table] = left
+            self._bytes[table] = sum(f.meta.file_size_in_bytes for f in left)
+        else:
+            self.pending.pop(table, None)
+            self._bytes.pop(table, None)
+        still = {(f.writer_id, f.batch_seq) for f in left}
+        for f in files:
+            if (f.writer_id, f.batch_seq) not in still:
+                self._pending_keys.discard((f.writer_id, f.batch_seq, table))
+
+    def committed(
+        self, table: str, files: tuple[PendingFile, ...], position: dict[str, int]
+    ) -> None:
+        """Forget committed files; remember what the table holds now, for dedupe."""
+        self.remove(table, files)
+        self._boundaries[table] = self.boundary(table).advanced(position, files)
+
+    def safe_position(self, position: dict[str, int]) -> dict[str, int]:
+        """``position`` lowered to the oldest file still pending: everything before the result
+        is committed or quarantined, so it may be stored even while some table fails."""
+        safe = dict(position)
+        for fs in self.pending.values():
+            for f in fs:
+                if f.offset < safe.get(f.partition, 0):
+                    safe[f.partition] = f.offset
+        return safe

@@ -1,0 +1,73 @@
+"""The coordinator's public data types: settings, fault-injection hooks and cycle results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from icefloe.committer import TableCommitResult
+from icefloe.config import CoordinationConfig
+from icefloe.quarantine import DEFAULT_QUARANTINE_TABLE
+
+POLL_S = 0.2  # longest single wait inside a cycle, so lease renewal keeps its pace
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """Commit cadence (the ``[coordination]`` keys of the pipeline configuration)."""
+
+    commit_interval_s: float = 10.0
+    commit_timeout_s: float = 30.0
+    max_pending_bytes: int | None = None
+    max_pending_files: int | None = None
+    writer_timeout_s: float = 120.0
+    branch: str = "main"
+    quarantine_table: str = DEFAULT_QUARANTINE_TABLE
+    """Iceberg table (in the pipeline's catalog) recording quarantined files."""
+    quarantine_after_failures: int = 10
+    """Attempts of a table failing with a PermanentTableError before its pending files are
+    quarantined (so the channel position advances for the others)."""
+    table_retry_base_s: float = 1.0
+    """First wait before retrying a failed table; doubles per failure up to the max."""
+    table_retry_max_s: float = 300.0
+
+    @classmethod
+    def from_config(cls, c: CoordinationConfig) -> CoordinatorSettings:
+        return cls(
+            commit_interval_s=c.commit_interval_s,
+            commit_timeout_s=c.commit_timeout_s,
+            max_pending_bytes=c.max_pending_bytes,
+            max_pending_files=c.max_pending_files,
+            writer_timeout_s=c.writer_timeout_s,
+            branch=c.branch,
+        )
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    """What one commit cycle did."""
+
+    commit_id: str
+    complete: bool  # every live writer answered -> VTTS recorded
+    valid_through_ms: int | None
+    tables: tuple[TableCommitResult, ...]
+    failed: Mapping[str, str]  # table -> error text (left pending, retried after a backoff)
+    quarantined: Mapping[str, int] = field(default_factory=dict)  # table -> files quarantined
+    deferred: tuple[str, ...] = ()  # tables skipped: still backing off after a failure
+
+
+@dataclass(frozen=True)
+class CoordinatorHooks:
+    """Fault-injection points at the dangerous moments of a cycle, for tests.
+
+    Each runs in the coordinator's thread; raising from one (e.g. a ``BaseException`` that
+    nothing catches, or killing the process) simulates a crash exactly there.
+    """
+
+    before_table_commit: Callable[[str], None] | None = None
+    """Before a table's commit; an ``Exception`` fails that table only."""
+    after_lease_check: Callable[[str], None] | None = None
+    """After the lease was renewed right before a catalog commit attempt (a zombie pausing
+    here is the race invariant 3 is about)."""
+    after_iceberg_commits: Callable[[CycleResult], None] | None = None
+    """After every table commit of the cycle, before the broadcasts and ``store_position``."""

@@ -1,0 +1,112 @@
+"""The one "already committed?" rule, shared by the coordinator and the committer.
+
+A table's :class:`CommitBoundary` says which announced files it already holds: every
+DataWritten before its channel ``positions`` and every ``(writer_id, batch_seq)`` at or below
+its writer ``watermarks``. The coordinator uses it to skip replays while reading, the
+committer to drop covered files right before each commit attempt; keeping both on this one
+type (parsed from and written to snapshot summaries only here) means a change to the rule
+cannot land in one of them only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+POSITIONS_KEY = "icefloe.channel-positions"
+WATERMARKS_KEY = "icefloe.writer-watermarks"
+CHANNEL_ID_KEY = "icefloe.channel-id"
+
+
+class Announced(Protocol):
+    """Where a file was announced: its DataWritten's channel place and writer batch."""
+
+    @property
+    def partition(self) -> str: ...
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def writer_id(self) -> str: ...
+
+    @property
+    def batch_seq(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class CommitBoundary:
+    """What a table holds already, for one pipeline. Values only move forward."""
+
+    positions: Mapping[str, int] = field(default_factory=dict)
+    """``{channel partition: next offset}``: every DataWritten before it is committed."""
+    watermarks: Mapping[str, int] = field(default_factory=dict)
+    """``{writer_id: highest batch_seq committed}``."""
+    channel_id: str | None = None
+    """The channel ``positions`` belong to; None in summaries written before channels had an
+    identity (their positions are taken to belong to whatever channel reads them)."""
+
+    @classmethod
+    def from_summary(cls, summary: Mapping[str, str | None]) -> CommitBoundary:
+        """Parse a snapshot summary. Raises ValueError/TypeError/AttributeError when unreadable."""
+        return cls(
+            positions=_int_map(json.loads(summary.get(POSITIONS_KEY) or "{}")),
+            watermarks=_int_map(json.loads(summary.get(WATERMARKS_KEY) or "{}")),
+            channel_id=summary.get(CHANNEL_ID_KEY) or None,
+        )
+
+    def to_summary(self) -> dict[str, str]:
+        """The summary properties recording this boundary."""
+        out = {POSITIONS_KEY: _json(self.positions), WATERMARKS_KEY: _json(self.watermarks)}
+        if self.channel_id is not None:
+            out[CHANNEL_ID_KEY] = self.channel_id
+        return out
+
+    def for_channel(self, channel_id: str | None) -> CommitBoundary:
+        """This boundary as seen by a reader of ``channel_id``.
+
+        Positions number events of one channel only: those recorded through another channel
+        (a swapped backend, a recreated topic or schema) cover nothing here, while writer
+        watermarks (writer ids and batch numbers, which belong to the writers) still apply.
+        """
+        if channel_id is None or self.channel_id == channel_id:
+            return self
+        if self.channel_id is None:  # recorded before identities existed: same channel
+            return CommitBoundary(self.positions, self.watermarks, channel_id)
+        return CommitBoundary({}, self.watermarks, channel_id)
+
+    def covers(self, f: Announced) -> bool:
+        """Whether the table already holds the file announced at ``f``."""
+        if f.offset < self.positions.get(f.partition, 0):
+            return True
+        mark = self.watermarks.get(f.writer_id)
+        return mark is not None and f.batch_seq <= mark
+
+    def advanced(self, positions: Mapping[str, int], files: Iterable[Announced]) -> CommitBoundary:
+        """The boundary after committing ``files`` read up to ``positions``; never regresses."""
+        batches: dict[str, int] = {}
+        for f in files:
+            batches[f.writer_id] = max(batches.get(f.writer_id, f.batch_seq), f.batch_seq)
+        return CommitBoundary(
+            positions=max_merge(self.positions, positions),
+            watermarks=max_merge(self.watermarks, batches),
+            channel_id=self.channel_id,
+        )
+
+
+def max_merge(old: Mapping[Any, int], new: Mapping[Any, int]) -> dict[str, int]:
+    """Per-key maximum of two maps (keys as strings), so recorded progress never regresses."""
+    merged = {str(k): int(v) for k, v in old.items()}
+    for k, v in new.items():
+        merged[str(k)] = max(merged.get(str(k), int(v)), int(v))
+    return merged
+
+
+def _int_map(raw: Any) -> dict[str, int]:
+    return {str(k): int(v) for k, v in raw.items()}
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,155 @@
+"""Channel identity: positions recorded through one channel never decide what is committed
+for another, a switch needs a drained old channel, and a channel that lost events is refused.
+
+Real SQLite catalog and Parquet files; the reference channel stands in for "a backend" (the
+per-backend identity and reset tests live with each backend). Rows are counted by scanning
+the table with pyiceberg (``assert_exactly_once``), not through the committer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+
+from icefloe.committer import IcebergCommitter, drained_property
+from icefloe.coordinator import Coordinator, CoordinatorSettings
+from icefloe.drain import drain
+from icefloe.errors import ChannelChangedError, ChannelResetError
+from icefloe.plugins import new_plugins
+from icefloe.testing.fixtures import assert_exactly_once
+from icefloe.testing.harness import RowSource, drive, lead, wait_pending
+from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.writer import WriterClient
+
+GROUP = "pipe"
+TABLE = "ns.t"
+SETTINGS = CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=5.0)
+
+
+class Pipeline:
+    """One pipeline's writer and coordinator on one channel (a MemoryServer)."""
+
+    def __init__(self, server: MemoryServer, catalog: SqlCatalog, name: str) -> None:
+        self.backend = MemoryBackend(server, GROUP, lease_ttl_s=5.0)
+        self.writer = WriterClient(self.backend.writer("w"), GROUP, "w")
+        self.writer.start()
+        self.coordinator = Coordinator(
+            GROUP,
+            self.backend.coordinator(name),
+            catalog,
+            SETTINGS,
+            coordinator_id=name,
+            plugins=new_plugins(autoload=False),
+        )
+
+    def close(self) -> None:
+        self.writer.close()
+        self.coordinator.close()
+
+
+@pytest.fixture
+def source(sqlite_catalog: SqlCatalog) -> RowSource:
+    return RowSource.create(sqlite_catalog, [TABLE])
+
+
+@pytest.fixture
+def closers() -> Iterator[list[Pipeline]]:
+    todo: list[Pipeline] = []
+    yield todo
+    for p in todo:
+        p.close()
+
+
+def run_on(server: MemoryServer, catalog: SqlCatalog, closers: list[Pipeline]) -> Pipeline:
+    p = Pipeline(server, catalog, f"c{len(closers)}")
+    closers.append(p)
+    return p
+
+
+def commit_batches(p: Pipeline, source: RowSource, seqs: range) -> None:
+    lead(p.coordinator, 10)
+    for seq in seqs:
+        source.publish(p.writer, seq)
+    wait_pending(p.coordinator, len(seqs), 10)
+    assert not p.coordinator.commit_now().failed
+
+
+def test_swap_after_drain_commits_every_row_exactly_once(
+    sqlite_catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
+) -> None:
+    """The new channel numbers events from 0 again, below the positions the table recorded
+    through the old one: its files must still be committed, once."""
+    old_server = MemoryServer()
+    old = run_on(old_server, sqlite_catalog, closers)
+    commit_batches(old, source, range(4))
+    source.publish(old.writer, 4)  # published, not committed when the pipeline stops
+    old.close()
+    closers.remove(old)
+
+    drainer = Coordinator(
+        GROUP,
+        MemoryBackend(old_server, GROUP, 5.0).coordinator("drain"),
+        sqlite_catalog,
+        SETTINGS,
+        plugins=new_plugins(autoload=False),
+    )
+    try:
+        result = drain(drainer, IcebergCommitter(sqlite_catalog, GROUP), [TABLE], 60.0, 0.3)
+    finally:
+        drainer.close()
+    assert result.marked == (TABLE,)
+    assert_exactly_once(sqlite_catalog, TABLE, source.expected[TABLE])
+
+    new = run_on(MemoryServer(), sqlite_catalog, closers)
+    # Spark replays its last batch after a restart: batch 4 again, with new files
+    replay = source.batch("w", 4, ids=source.expected_ids_of("w", 4))
+    new.writer.publish(4, replay.files, replay.positions)
+    source.publish(new.writer, 5)
+    source.publish(new.writer, 6)
+    lead(new.coordinator, 10)
+    wait_pending(new.coordinator, 2, 10)
+    assert not new.coordinator.commit_now().failed
+    assert_exactly_once(sqlite_catalog, TABLE, source.expected[TABLE])
+    state = IcebergCommitter(sqlite_catalog, GROUP).state(TABLE)
+    assert state is not None
+    assert state.boundary.channel_id == new.coordinator.channel.channel_id()
+
+
+def test_swap_without_drain_is_refused_and_commits_nothing(
+    sqlite_catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
+) -> None:
+    old = run_on(MemoryServer(), sqlite_catalog, closers)
+    commit_batches(old, source, range(2))
+    committed = list(source.expected[TABLE])
+    old_id = old.coordinator.channel.channel_id()
+    source.publish(old.writer, 2)  # stranded in the old channel
+    old.close()
+    closers.remove(old)
+
+    new = run_on(MemoryServer(), sqlite_catalog, closers)
+    source.publish(new.writer, 3)
+    with pytest.raises(ChannelChangedError, match="icefloe drain") as refused:
+        drive(new.coordinator, lambda: False, "the refusal", 10)
+    assert old_id in str(refused.value)
+    assert drained_property(GROUP) in str(refused.value)
+    assert_exactly_once(sqlite_catalog, TABLE, committed)
+
+
+def test_rolled_back_channel_is_refused(
+    sqlite_catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
+) -> None:
+    """Same identity (a restored backup), fewer events than the table saw: new events would be
+    numbered below the recorded positions and dropped as committed. Stop instead."""
+    server = MemoryServer()
+    first = run_on(server, sqlite_catalog, closers)
+    commit_batches(first, source, range(3))
+    committed = list(source.expected[TABLE])
+    first.close()
+    closers.remove(first)
+
+    restored = run_on(MemoryServer(identity=server.identity()), sqlite_catalog, closers)
+    source.publish(restored.writer, 3)
+    with pytest.raises(ChannelResetError, match="reset or rolled back"):
+        drive(restored.coordinator, lambda: False, "the refusal", 10)
+    assert_exactly_once(sqlite_catalog, TABLE, committed)

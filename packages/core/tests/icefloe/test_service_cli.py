@@ -1,0 +1,150 @@
+"""The command line as an operator meets it: version, help, TOML output, error messages that
+name the right thing (and never an invented package), logging options."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from icefloe import __version__
+from icefloe import plugins as plugins_module
+from icefloe.backends import backend_config
+from icefloe.cli import app
+from icefloe.config import config_from_dict, load_config
+from icefloe.errors import ConfigError, UnknownBackendError
+from icefloe.logs import JsonFormatter, resolve_level
+
+BASE: dict[str, Any] = {
+    "name": "p",
+    "source": {"topics": ["t"]},
+    "tables": [{"name": "db.t"}],
+    "coordination": {"backend": "memory"},
+}
+
+
+def _icefloe(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "icefloe", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_version_flag() -> None:
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"icefloe {__version__}"
+
+
+def test_boolean_flags_show_no_value_placeholder() -> None:
+    out = _icefloe("coordinator", "--help")
+    assert out.returncode == 0, out.stderr
+    verbose = next(line for line in out.stdout.splitlines() if "--verbose" in line)
+    assert "<bool>" not in verbose
+    assert "<bool>" not in out.stdout
+    assert "<path>" in out.stdout  # options that take a value still show it
+
+
+def test_misspelt_backend_suggests_the_known_one_never_an_invented_package(
+    memory_plugins: plugins_module.Plugins,
+) -> None:
+    cfg = config_from_dict({**BASE, "coordination": {"backend": "postgress"}})
+    with pytest.raises(UnknownBackendError) as info:
+        backend_config(cfg, memory_plugins)
+    text = str(info.value)
+    assert "did you mean 'postgres'?" in text
+    assert "pip install icefloe-backend-postgres`" in text
+    assert "icefloe-backend-postgress" not in text
+
+
+def test_unknown_backend_resembling_nothing_suggests_no_package(
+    memory_plugins: plugins_module.Plugins,
+) -> None:
+    cfg = config_from_dict({**BASE, "coordination": {"backend": "zookeeper"}})
+    with pytest.raises(UnknownBackendError) as info:
+        backend_config(cfg, memory_plugins)
+    assert "pip install" not in str(info.value)
+    assert "did you mean" not in str(info.value)
+
+
+def test_misspelt_installed_backend_suggests_it(memory_plugins: plugins_module.Plugins) -> None:
+    cfg = config_from_dict({**BASE, "coordination": {"backend": "memroy"}})
+    with pytest.raises(UnknownBackendError, match="did you mean 'memory'"):
+        backend_config(cfg, memory_plugins)
+
+
+def test_environment_override_of_the_backend_is_named(
+    memory_plugins: plugins_module.Plugins, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text('name = "p"\n[source]\ntopics = ["t"]\n[[tables]]\nname = "db.t"\n')
+    monkeypatch.setenv("ICEFLOE__COORDINATION__BACKEND", "redsi")
+    cfg = load_config(path)
+    with pytest.raises(UnknownBackendError) as info:
+        backend_config(cfg, memory_plugins)
+    assert "(set by ICEFLOE__COORDINATION__BACKEND)" in str(info.value)
+    assert "did you mean 'redis'?" in str(info.value)
+
+
+def test_misspelt_backend_section_is_named(memory_plugins: plugins_module.Plugins) -> None:
+    cfg = config_from_dict(
+        {**BASE, "coordination": {"backend": "memory", "memroy": {"port": 1, "authkey": "00"}}}
+    )
+    with pytest.raises(ConfigError) as info:
+        backend_config(cfg, memory_plugins)
+    assert info.value.key == "coordination.memroy"
+    assert "did you mean [coordination.memory]" in str(info.value)
+
+
+def test_sections_of_other_known_backends_may_stay(memory_plugins: plugins_module.Plugins) -> None:
+    cfg = config_from_dict(
+        {
+            **BASE,
+            "coordination": {
+                "backend": "memory",
+                "memory": {"port": 1, "authkey": "00"},
+                "postgres": {"dsn": "x"},
+            },
+        }
+    )
+    backend_config(cfg, memory_plugins)  # no error: switching backend is one key
+
+
+def test_table_name_error_says_namespace_table_not_a_regex() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({**BASE, "tables": [{"name": "orders"}]})
+    text = str(info.value)
+    assert info.value.key == "tables.0.name"
+    assert '"namespace.table"' in text
+    assert "^" not in text
+    assert "\\s" not in text
+
+
+def test_log_level_options() -> None:
+    assert resolve_level(None) == logging.INFO
+    assert resolve_level(None, verbose=True) == logging.DEBUG
+    assert resolve_level(None, quiet=True) == logging.WARNING
+    assert resolve_level("ERROR", verbose=True) == logging.ERROR  # explicit level wins
+    with pytest.raises(ConfigError, match="--log-level"):
+        resolve_level("loud")
+
+
+def test_json_log_lines_carry_extra_fields() -> None:
+    record = logging.LogRecord("icefloe.progress", logging.INFO, "f", 1, "x %s", ("y",), None)
+    record.table = "db.t"
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "x y"
+    assert line["level"] == "info"
+    assert line["table"] == "db.t"

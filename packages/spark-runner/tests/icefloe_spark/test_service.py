@@ -1,0 +1,266 @@
+"""``icefloe run`` as a service, against a real process tree: a real broker, Spark JVM,
+SQLite catalog. Signals go to the process group (what Ctrl-C, systemd and ``timeout`` do) or
+to the pid; every case must stop cleanly (exit 0, "stopped cleanly") and leave no JVM behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+from pyiceberg.catalog import load_catalog
+from pyiceberg.schema import Schema
+from pyiceberg.types import LongType, NestedField, StringType
+
+from icefloe.embedded import EmbeddedKafkaBroker
+
+DEADLINE_S = 300.0
+
+
+def _children(pid: int) -> set[int]:
+    """Every descendant of ``pid`` (from /proc: no psutil needed)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry.name))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _is_java(pid: int) -> bool:
+    try:
+        return b"java" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _pipeline(tmp: Path, broker: EmbeddedKafkaBroker, topic: str) -> tuple[Path, dict[str, str]]:
+    catalog = {
+        "type": "sql",
+        "uri": f"sqlite:///{tmp / 'catalog.db'}",
+        "warehouse": f"file://{tmp / 'warehouse'}",
+    }
+    cat = load_catalog("svc", **catalog)
+    cat.create_namespace("svc")
+    cat.create_table(
+        "svc.events",
+        Schema(
+            NestedField(1, "id", LongType(), required=False),
+            NestedField(2, "name", StringType(), required=False),
+        ),
+    )
+    config: dict[str, Any] = {
+        "name": f"svc-{uuid.uuid4().hex[:8]}",
+        "source": {
+            "bootstrap_servers": broker.bootstrap_servers,
+            "topics": [topic],
+            "reader_options": {"probeHighWatermark": "true", "pollTimeoutMs": "20000"},
+        },
+        "tables": [{"name": "svc.events"}],
+        "catalog": {"name": "svc", "properties": catalog},
+        "coordination": {
+            "backend": "kafka",
+            "commit_interval_s": 1.0,
+            "commit_timeout_s": 10.0,
+            "lease_ttl_s": 5.0,
+            "kafka": {
+                "bootstrap_servers": broker.bootstrap_servers,
+                "control_topic": f"ctl-{uuid.uuid4().hex[:8]}",
+            },
+        },
+        "spark": {
+            "checkpoint_location": str(tmp / "checkpoint"),
+            "trigger_interval_s": 0.5,
+            "conf": {
+                "spark.ui.enabled": "false",
+                "spark.sql.shuffle.partitions": "2",
+                "spark.driver.memory": "1g",
+            },
+        },
+    }
+    path = tmp / "pipeline.toml"
+    path.write_text(tomli_w.dumps(config))
+    return path, catalog
+
+
+def _rows(catalog: dict[str, str]) -> int:
+    table = load_catalog("svc", **catalog).load_table("svc.events")
+    return table.scan().to_arrow().num_rows
+
+
+def _start(args: list[str], out: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with out.open("wb") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "icefloe", *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own group, as under a supervisor
+        )
+
+
+def _wait_for(what: str, check: Callable[[], bool], proc: subprocess.Popen[bytes], out: Path):
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"icefloe exited ({proc.returncode}) before {what}:\n{out.read_text()}")
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        time.sleep(1.0)
+    pytest.fail(f"timed out waiting for {what}:\n{out.read_text()}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+@pytest.mark.parametrize(
+    ("sig", "to_group"),
+    [(signal.SIGINT, True), (signal.SIGTERM, True), (signal.SIGTERM, False)],
+    ids=["SIGINT-group", "SIGTERM-group", "SIGTERM-pid"],
+)
+def test_run_stops_cleanly_on_signals(
+    tmp_path: Path,
+    kafka_broker: EmbeddedKafkaBroker,
+    new_topic: Callable[..., str],
+    produce: Callable[..., Any],
+    sig: signal.Signals,
+    to_group: bool,
+) -> None:
+    topic = new_topic(partitions=2)
+    config, catalog = _pipeline(tmp_path, kafka_broker, topic)
+    values = [json.dumps({"id": i, "name": f"n{i}"}).encode() for i in range(40)]
+    produce(topic, values, partitions=2)
+    out = tmp_path / "run.log"
+    proc = _start(["run", "--config", str(config), "--quiet"], out)
+    try:
+        _wait_for("the table to hold every record", lambda: _rows(catalog) == 40, proc, out)
+        tree = _children(proc.pid)
+        jvms = {p for p in tree if _is_java(p)}
+        assert jvms, f"no JVM under icefloe run: {tree}"
+        if to_group:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        rc = proc.wait(DEADLINE_S)
+        text = out.read_text()
+        assert rc == 0, text
+        assert "stopped cleanly" in text, text
+        assert "Traceback" not in text, text
+        assert "stopped SparkContext" not in text, text
+        # nothing from the tree survives (the JVM exits once stopped; allow it time)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_alive(p) for p in tree):
+            time.sleep(0.5)
+        assert not [p for p in tree if _alive(p)], f"left behind: {tree}"
+        assert _rows(catalog) == 40  # exactly once, read by pyiceberg
+    finally:
+        _stop(proc)
+
+
+def test_run_once_catches_up_commits_and_exits_with_metrics(
+    tmp_path: Path,
+    kafka_broker: EmbeddedKafkaBroker,
+    new_topic: Callable[..., str],
+    produce: Callable[..., Any],
+) -> None:
+    """``--once`` reads what is there, commits it and exits 0 on its own; while it runs, the
+    Prometheus endpoint serves the counters (scraped for real)."""
+    topic = new_topic(partitions=2)
+    config, catalog = _pipeline(tmp_path, kafka_broker, topic)
+    values = [json.dumps({"id": i, "name": f"n{i}"}).encode() for i in range(30)]
+    produce(topic, values, partitions=2)
+    out = tmp_path / "once.log"
+    port_file = tmp_path / "port"
+    port = _free_port()
+    port_file.write_text(str(port))
+    proc = _start(
+        [
+            "run",
+            "--config",
+            str(config),
+            "--once",
+            "--log-format",
+            "json",
+            "--metrics-port",
+            str(port),
+        ],
+        out,
+    )
+    scraped: list[str] = []
+
+    def scrape() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            body = r.read().decode()
+        scraped.append(body)
+        return "icefloe_records_written_total 30.0" in body
+
+    try:
+        _wait_for("records_written to reach 30", scrape, proc, out)
+        rc = proc.wait(DEADLINE_S)
+        text = out.read_text()
+        assert rc == 0, text
+        assert "stopped cleanly" in text
+    finally:
+        _stop(proc)
+    assert _rows(catalog) == 30
+    body = scraped[-1]
+    for name in (
+        "icefloe_records_read_total",
+        "icefloe_files_written_total",
+        "icefloe_bytes_written_total",
+        "icefloe_commit_cycles_total",
+        "icefloe_commit_cycle_seconds_bucket",
+        "icefloe_pending_files",
+        "icefloe_leadership_changes_total",
+    ):
+        assert name in body, name
+    # progress without a terminal: JSON lines, one per table commit
+    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    commits = [e for e in events if e.get("event") == "table_commit"]
+    assert commits
+    assert commits[-1]["table"] == "svc.events"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

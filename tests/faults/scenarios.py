@@ -1,0 +1,343 @@
+"""The scenario registry: each scenario breaks one run in its own way, then lets the run finish.
+
+A scenario is a function of a :class:`Run` registered with :func:`scenario`. Adding one is a
+dozen lines: start the pipeline (``run.start_pipeline``), break it (``run.kill`` / an env fault
+point / an operator action), record each fault in ``run.faults``, and call ``run.finish()``;
+the runner counts the keys. ``needs`` names a feature that is not in every tree yet (probed by
+``available``) and ``pending`` marks a scenario that is written but known to fail until the
+named fix lands; neither runs by default, both run when named with ``--scenario``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from pyiceberg.table import StaticTable
+
+from icefloe_spark import faults
+
+from .count import Tally
+from .harness import LEASE_TTL_S, TABLE, Run, RunError
+from .procs import Tree
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    help: str
+    run: Callable[[Run], None]
+    ci: tuple[str, ...] = ()  # the backends the reduced CI run (`--ci`) runs it on
+    needs: str | None = None
+    available: Callable[[], bool] = lambda: True
+    pending: str | None = None
+
+
+REGISTRY: dict[str, Scenario] = {}
+ALL_BACKENDS = ("kafka", "postgres", "redis")
+
+
+def scenario(
+    name: str,
+    *,
+    ci: tuple[str, ...] = (),
+    needs: str | None = None,
+    available: Callable[[], bool] = lambda: True,
+    pending: str | None = None,
+) -> Callable[[Callable[[Run], None]], Callable[[Run], None]]:
+    """Register a scenario; its docstring's first paragraph is its help."""
+
+    def add(fn: Callable[[Run], None]) -> Callable[[Run], None]:
+        first = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
+        REGISTRY[name] = Scenario(name, first, fn, ci, needs, available, pending)
+        return fn
+
+    return add
+
+
+def has_errors_policy() -> bool:
+    """The ``[errors]`` table of issue 10 §1 (branch ``records``) is in this tree."""
+    from icefloe.config import PipelineConfig
+
+    return "errors" in PipelineConfig.model_fields
+
+
+# -- crashes ------------------------------------------------------------------------------
+
+
+def crash_at(run: Run, env_var: str, low: int, high: int, kind: str) -> None:
+    """Run with the fault point ``env_var`` set to a random batch/cycle number in
+    ``[low, high]``; once the driver exits there, ``kill -9`` what it left (its JVM)."""
+    target = run.rng.randint(low, high)
+    tree = run.start_pipeline({env_var: str(target)})
+    code = run.wait_exit(tree, 600.0)
+    if code == faults.EXIT_CODE:
+        run.kill(tree, kind)
+        return
+    run.notes.append(f"{kind} at {target} did not fire (exit {code}); killed at random instead")
+    run.kill(tree, "kill -9 random")
+
+
+def kill_at_random(run: Run, low: float = 0.0, high: float = 30.0) -> None:
+    """Start the pipeline and ``kill -9`` its whole tree a random delay after its query
+    started (a batch being read, written, published or committed: wherever it lands)."""
+    tree = run.start_pipeline()
+    run.wait_query_started(tree)
+    if run.wait_exit(tree, run.rng.uniform(low, high)) is not None:
+        raise RunError(f"the pipeline exited by itself:\n{run.log_tail()}")
+    run.kill(tree, "kill -9 random")
+
+
+@scenario("kill-random")
+def kill_random(run: Run) -> None:
+    """kill -9 of the whole `icefloe run` tree at one or two random moments."""
+    run.start_producer()
+    for _ in range(run.rng.randint(1, 2)):
+        kill_at_random(run)
+    run.finish()
+
+
+@scenario("kill-after-publish")
+def kill_after_publish(run: Run) -> None:
+    """kill -9 right after a writer batch was published, before Spark recorded it."""
+    run.start_producer()
+    crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 4, "kill -9 after publish")
+    run.finish()
+
+
+@scenario("kill-after-commit")
+def kill_after_commit(run: Run) -> None:
+    """kill -9 right after the coordinator's Iceberg commit, before it stored its position."""
+    run.start_producer()
+    crash_at(run, faults.EXIT_AFTER_COMMIT_ENV, 1, 3, "kill -9 after commit")
+    run.finish()
+
+
+@scenario("crash-mix", ci=ALL_BACKENDS)
+def crash_mix(run: Run) -> None:
+    """After a publish, after a commit and at a random moment, one after the other."""
+    run.start_producer()
+    crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 3, "kill -9 after publish")
+    crash_at(run, faults.EXIT_AFTER_COMMIT_ENV, 1, 2, "kill -9 after commit")
+    kill_at_random(run, 0.0, 20.0)
+    run.finish()
+
+
+# -- leadership ---------------------------------------------------------------------------
+
+
+def leader(coordinators: dict[str, Tree], run: Run) -> str | None:
+    """The coordinator that took the lease last (highest fencing token in its log)."""
+    best: tuple[int, str] | None = None
+    for name in coordinators:
+        for line in run.log_tail(f"{name}.log", 200_000).splitlines():
+            if ": leading pipeline " in line and "fencing token " in line:
+                token = int(line.rsplit("fencing token ", 1)[1].split()[0])
+                best = max(best, (token, name)) if best else (token, name)
+    return best[1] if best else None
+
+
+@scenario("paused-leader")
+def paused_leader(run: Run) -> None:
+    """SIGSTOP the leading standalone coordinator past its lease, then SIGCONT it (twice)."""
+    coordinators = {n: run.start_coordinator(n) for n in ("coord-a", "coord-b")}
+    run.start_producer()
+    driver = run.start_pipeline(no_coordinator=True)
+    run.wait_first_commit(driver)
+    for _ in range(2):
+        name = leader(coordinators, run)
+        if name is None:
+            raise RunError("no coordinator leads")
+        coordinators[name].pause()
+        time.sleep(LEASE_TTL_S * 2 + run.rng.uniform(0.5, 3.0))
+        coordinators[name].resume()
+        run.faults.append("paused leader")
+        time.sleep(run.rng.uniform(2.0, 6.0))
+    driver.stop()
+    run.finish(no_coordinator=True)
+    for tree in coordinators.values():
+        tree.stop()
+
+
+# -- operator actions ---------------------------------------------------------------------
+
+
+def last_metadata(location: str, table_uuid: str) -> str:
+    """The newest metadata file of the table with ``table_uuid`` under ``location`` (read
+    after the drop, so a commit that raced the drop is not missed)."""
+    best: tuple[int, str] | None = None
+    for path in Path(location.removeprefix("file://"), "metadata").glob("*.metadata.json"):
+        meta = json.loads(path.read_text())
+        if meta.get("table-uuid") == table_uuid:
+            stamp = (int(meta.get("last-sequence-number", 0)), str(path))
+            best = max(best, stamp) if best else stamp
+    if best is None:
+        raise RunError(f"no metadata of table {table_uuid} under {location}")
+    return f"file://{best[1]}"
+
+
+def quarantined_tally(run: Run, table_uuid: str) -> Tally:
+    """Keys of the files the coordinator quarantined for the dropped table incarnation, read
+    from the quarantine table and the files themselves with pyiceberg and pyarrow."""
+    tally = Tally()
+    catalog = run.catalog()
+    if not catalog.table_exists(QUARANTINE_TABLE):
+        return tally
+    rows = catalog.load_table(QUARANTINE_TABLE).scan().to_arrow().to_pylist()
+    for row in rows:
+        if row["group_id"] != run.config["name"] or row["table_name"] != TABLE:
+            continue
+        if row.get("table_uuid") not in (None, table_uuid):
+            tally.problems.append(f"quarantined {row['file_path']} of another table incarnation")
+        ids = pq.read_table(row["file_path"].removeprefix("file://"), columns=["id"])["id"]
+        if len(ids) != row["record_count"]:
+            tally.problems.append(
+                f"quarantine says {row['record_count']} rows, file has {len(ids)}"
+            )
+        tally.keys.update(int(i) for i in ids.to_pylist())
+        tally.scanned_rows += len(ids)
+    run.notes.append(f"{tally.scanned_rows} records in quarantined files")
+    return tally
+
+
+@scenario("drop-recreate-table")
+def drop_recreate_table(run: Run) -> None:
+    """Drop and recreate the target table while batches are in flight; every key must be in
+    the dropped table, the new one or a quarantined file, exactly once."""
+    run.start_producer()
+    tree = run.start_pipeline()
+    run.wait_first_commit(tree)
+    time.sleep(run.rng.uniform(1.0, 8.0))
+    catalog = run.catalog()
+    old = catalog.load_table(TABLE)
+    old_uuid = str(old.metadata.table_uuid)
+    catalog.drop_table(TABLE)
+    run.create_table()
+    run.faults.append("dropped and recreated table")
+    dropped = Tally()
+    dropped.add_table(StaticTable.from_metadata(last_metadata(old.location(), old_uuid)), "old")
+    run.add_counted(dropped)
+    time.sleep(run.rng.uniform(5.0, 20.0))  # batches in flight meet the new table
+    tree.stop()
+    run.finish()
+    run.add_counted(quarantined_tally(run, old_uuid))
+
+
+@scenario(
+    "checkpoint-loss",
+    pending="ops: a lost checkpoint re-reads batches published but not committed under a new "
+    "writer id (issue 10 §3)",
+)
+def checkpoint_loss(run: Run) -> None:
+    """kill -9 after a publish, delete the Spark checkpoint, restart from the table."""
+    run.start_producer()
+    crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 4, "kill -9 after publish")
+    shutil.rmtree(run.dir / "ckpt", ignore_errors=True)
+    run.config["source"]["starting_offsets"] = "table"
+    run.write_config()
+    run.faults.append("checkpoint lost")
+    run.finish()
+
+
+NEXT_BACKEND = {"kafka": "postgres", "postgres": "redis", "redis": "kafka"}
+
+
+@scenario(
+    "backend-swap",
+    pending="ops: batches on the old channel must be drained (or the switch refused) and "
+    "positions compared within one channel identity (issue 10 §3)",
+)
+def backend_swap(run: Run) -> None:
+    """kill -9 after a publish (a batch left on the old channel), switch
+    `coordination.backend` to the next backend, restart."""
+    run.start_producer()
+    crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 4, "kill -9 after publish")
+    run.config["coordination"]["backend"] = NEXT_BACKEND[run.backend]
+    run.write_config()
+    run.faults.append("backend swap")
+    run.finish()
+
+
+# -- bad records (issue 10 §1: `[errors]` policy) ------------------------------------------
+
+DEAD_LETTER_TABLE = "faults.dead_letters"
+QUARANTINE_TABLE = "icefloe.quarantine"  # where the coordinator quarantines by default
+
+
+def bad_record_maker(run: Run, share: int = 150) -> Callable[[int], bytes | None]:
+    """About one key in ``share`` becomes a bad record: a wrong type or broken JSON. Each
+    carries its key as ``"key": N`` so the verdict knows which keys must not land."""
+    chosen = {k for k in range(run.settings.records) if run.rng.randrange(share) == 0}
+    chosen.add(run.rng.randrange(run.settings.records))  # at least one
+
+    def bad(key: int) -> bytes | None:
+        if key not in chosen:
+            return None
+        if key % 2:
+            return json.dumps({"id": f"bad{key}", "key": key, "kind": "a"}).encode()
+        return f'{{"key": {key}, "id": {key}, "name": '.encode()  # truncated JSON
+
+    return bad
+
+
+def with_errors(run: Run, policy: str) -> None:
+    errors: dict[str, str] = {"policy": policy}
+    if policy == "dead_letter":
+        errors["dead_letter_table"] = DEAD_LETTER_TABLE
+    run.config["errors"] = errors
+    run.write_config()
+
+
+def check_dead_letters(run: Run) -> None:
+    """The dead-letter table holds exactly the bad records, each once (by raw value)."""
+    table = run.catalog().load_table(DEAD_LETTER_TABLE)
+    names = [f.name for f in table.schema().fields]
+    column = next((n for n in ("raw_value", "value") if n in names), None)
+    if column is None:
+        raise RunError(f"dead-letter table has no raw value column: {names}")
+    raw = table.scan(selected_fields=(column,)).to_arrow()[column].to_pylist()
+    got = sorted(v if isinstance(v, bytes) else str(v).encode() for v in raw)
+    want = sorted(run.bad_values)
+    run.dead_lettered = len(got)
+    if got != want:
+        raise RunError(f"dead letters: {len(got)} rows, expected exactly the {len(want)} bad ones")
+
+
+@scenario("bad-records-skip", needs="records", available=has_errors_policy)
+def bad_records_skip(run: Run) -> None:
+    """`[errors] policy = "skip"` with bad records, and a kill -9 after a commit."""
+    with_errors(run, "skip")
+    run.start_producer(bad_record_maker(run))
+    crash_at(run, faults.EXIT_AFTER_COMMIT_ENV, 1, 3, "kill -9 after commit")
+    run.finish()
+
+
+@scenario("bad-records-dead-letter", needs="records", available=has_errors_policy)
+def bad_records_dead_letter(run: Run) -> None:
+    """`policy = "dead_letter"`: a kill -9 after a commit; dead letters exactly once."""
+    with_errors(run, "dead_letter")
+    run.start_producer(bad_record_maker(run))
+    crash_at(run, faults.EXIT_AFTER_COMMIT_ENV, 1, 3, "kill -9 after commit")
+    run.finish()
+    check_dead_letters(run)
+
+
+@scenario("bad-records-fail", needs="records", available=has_errors_policy)
+def bad_records_fail(run: Run) -> None:
+    """`policy = "fail"` stops the run at the bad record; switching to "skip" gets past it
+    without losing or repeating what was already accepted."""
+    with_errors(run, "fail")
+    run.start_producer(bad_record_maker(run))
+    tree = run.start_pipeline()
+    code = run.wait_exit(tree, run.settings.produce_s * 4 + 240)
+    if code in (None, 0):
+        raise RunError(f"policy fail: the pipeline did not stop on a bad record (exit {code})")
+    tree.kill()
+    run.faults.append("stopped on a bad record")
+    with_errors(run, "skip")
+    run.finish()
