@@ -48,6 +48,7 @@ from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettin
 from icefloe.embedded import EmbeddedKafkaBroker
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.hookspecs import BackendContext
+from icefloe.maintenance import recommended_properties
 from icefloe.plugins import get_plugins
 from icefloe.testing.fixtures import create_rows_table, make_sqlite_catalog, write_rows
 from icefloe.testing.harness import drive, lead
@@ -184,11 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2, help="writer processes")
     parser.add_argument("--idle-s", type=float, default=0.0, help="measure idle writer CPU")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--plain-table",
+        action="store_true",
+        help="create the table without icefloe's bounded-metadata properties",
+    )
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="bench-coordinator-"))
     catalog = make_sqlite_catalog(work / "iceberg")
-    create_rows_table(catalog, TABLE)
+    table = create_rows_table(catalog, TABLE)
+    if not args.plain_table:  # as icefloe creates tables (spark-runner tables.py)
+        table.transaction().set_properties(recommended_properties()).commit_transaction()
     broker = (
         EmbeddedKafkaBroker(log_path=work / "broker.log").start()
         if args.backend == "kafka"
@@ -209,15 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         proc.start()
         workers.append((proc, commands, spec))
 
-    commit_started: list[float] = []
+    commit_started: list[tuple[float, float]] = []
     commit_times: list[float] = []
+    commit_cpu: list[float] = []  # this process's CPU seconds: robust on a shared machine
 
     def before(_: str) -> None:
-        commit_started.append(time.perf_counter())
+        commit_started.append((time.perf_counter(), time.process_time()))
 
     def after(_: CycleResult) -> None:
         if commit_started:
-            commit_times.append(time.perf_counter() - commit_started.pop())
+            wall, cpu = commit_started.pop()
+            commit_times.append(time.perf_counter() - wall)
+            commit_cpu.append(time.process_time() - cpu)
 
     backend = open_backend(args.backend, options, group)
     coordinator = Coordinator(
@@ -261,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"cycle {cycle}: complete={result.complete} failed={result.failed}")
             print(
                 f"cycle {cycle}: cycle {cycle_times[-1] * 1000:.0f} ms, "
-                f"commit {commit_times[-1] * 1000:.0f} ms"
+                f"commit {commit_times[-1] * 1000:.0f} ms ({commit_cpu[-1] * 1000:.0f} ms CPU)"
                 if commit_times
                 else "",
                 flush=True,
@@ -280,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         backend.close()
         if broker is not None:
             broker.stop()
-    report(args, cycle_times, commit_times, work, idle_cores)
+    report(args, cycle_times, commit_times, commit_cpu, work, idle_cores)
     if not args.keep:
         import shutil
 
@@ -316,6 +327,7 @@ def report(
     args: argparse.Namespace,
     cycles: list[float],
     commits: list[float],
+    cpu: list[float],
     work: Path,
     idle_cores: float | None,
 ) -> None:
@@ -323,25 +335,33 @@ def report(
         return f"{v * 1000:,.0f} ms"
 
     n = min(10, len(commits) // 2) or 1
-    ratio = statistics.mean(commits[-n:]) / statistics.mean(commits[:n]) if commits else 0.0
+
+    def growth(values: list[float]) -> float:
+        return statistics.mean(values[-n:]) / statistics.mean(values[:n]) if values else 0.0
+
     meta = dir_size(next((work / "iceberg" / "warehouse").rglob("metadata")))
     load = os.getloadavg()[0]
     print()
     print(
         f"backend={args.backend} writers={args.writers} files/cycle={args.files} "
-        f"cycles={args.cycles} processes={args.processes} cpus={os.cpu_count()} "
-        f"python={platform.python_version()} load(1m)={load:.1f}"
+        f"cycles={args.cycles} processes={args.processes} plain_table={args.plain_table} "
+        f"cpus={os.cpu_count()} python={platform.python_version()} load(1m)={load:.1f}"
     )
     print(f"cycle p50 {ms(percentile(cycles, 0.5))}, p99 {ms(percentile(cycles, 0.99))}")
     print(f"commit p50 {ms(percentile(commits, 0.5))}, p99 {ms(percentile(commits, 0.99))}")
-    print(f"commit last-{n} / first-{n}: {ratio:.2f}; metadata dir {meta / 1e6:.1f} MB")
+    print(f"commit CPU p50 {ms(percentile(cpu, 0.5))}, p99 {ms(percentile(cpu, 0.99))}")
+    print(
+        f"last-{n} / first-{n}: commit {growth(commits):.2f}, commit CPU {growth(cpu):.2f}; "
+        f"metadata dir {meta / 1e6:.1f} MB"
+    )
     if idle_cores is not None:
         print(f"idle writers: {idle_cores:.2f} cores")
     date = datetime.now(UTC).strftime("%Y-%m-%d")
     print(
         f"| {date} | {args.backend} | {args.writers} | {args.files:,} | {args.cycles} | "
         f"{ms(percentile(cycles, 0.5))} | {ms(percentile(cycles, 0.99))} | "
-        f"{ms(percentile(commits, 0.5))} | {ratio:.2f} | "
+        f"{ms(percentile(commits, 0.5))} | {ms(percentile(cpu, 0.5))} | "
+        f"{growth(commits):.2f} / {growth(cpu):.2f} | "
         f"{'' if idle_cores is None else f'{idle_cores:.2f}'} | {load:.1f} |"
     )
 

@@ -81,6 +81,10 @@ class KafkaBackend(Backend):
 
     # ------------------------------------------------------------------ doctor
 
+    def probe(self) -> None:
+        """Metadata of the cluster: read-only, creates nothing (raises ChannelError)."""
+        self.clients.existing_topics()
+
     def doctor(self) -> list[str]:
         """Warnings about settings that weaken the guarantees or the recovery window."""
         c = self.config

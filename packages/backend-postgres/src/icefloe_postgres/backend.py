@@ -11,7 +11,9 @@ from __future__ import annotations
 import uuid
 import weakref
 
-from icefloe.channel import Backend
+import psycopg
+
+from icefloe.channel import Backend, BackendStatus
 from icefloe.errors import ChannelError
 from icefloe_postgres.config import PostgresConfig
 from icefloe_postgres.coordinator import PostgresCoordinatorChannel
@@ -49,6 +51,9 @@ class PostgresBackend(Backend):
             weakref.WeakSet()
         )
         try:
+            # one direct connection first: a down server then reads "connection refused"
+            # instead of the pool's retries ending in PoolTimeout
+            self.probe()
             self.db.run("schema migration", lambda c: migrate(c, self.schema))
             self.db.run("group registration", lambda c: c.execute(self.q.ensure_group, (group_id,)))
         except BaseException:
@@ -125,6 +130,43 @@ class PostgresBackend(Backend):
             return self.db.run("doctor", check, timeout=self.config.connect_timeout_s)
         except ChannelError as exc:
             return [f"cannot check PostgreSQL settings: {exc}"]
+
+    def describe(self) -> BackendStatus:
+        """Lease row and registered writers, read in one short transaction."""
+
+        def read(conn: Conn) -> BackendStatus:
+            lease = conn.execute(
+                f"SELECT holder, token, extract(epoch FROM clock_timestamp() - acquired_at),"
+                f" extract(epoch FROM expires_at - clock_timestamp())"
+                f" FROM {self.schema}.leases WHERE group_id = %s",
+                (self.group_id,),
+            ).fetchone()
+            writers = conn.execute(
+                f"SELECT writer_id FROM {self.schema}.writers WHERE group_id = %s"
+                " ORDER BY writer_id",
+                (self.group_id,),
+            ).fetchall()
+            holder, token, age, expires = lease if lease else (None, None, None, None)
+            return BackendStatus(
+                leader=holder,
+                token=None if token is None else int(token),
+                lease_age_s=None if age is None else float(age),
+                lease_expires_in_s=None if expires is None else float(expires),
+                writers=tuple(str(w[0]) for w in writers),
+            )
+
+        return self.db.run("status", read, timeout=self.config.connect_timeout_s)
+
+    def probe(self) -> None:
+        """Open one connection outside the pool (raises ChannelError with libpq's reason)."""
+        try:
+            with psycopg.connect(self.db.dsn, **self.db.connect_kwargs):
+                pass
+        except psycopg.Error as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ChannelError(
+                f"cannot connect to PostgreSQL at {self.db.where}: {reason}"
+            ) from None
 
     def close(self) -> None:
         for ch in list(self._channels):

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from icefloe.channel import (
     Backend,
+    BackendStatus,
     ChannelPosition,
     ChannelRecord,
     CoordinatorChannel,
@@ -166,6 +167,37 @@ class RedisBackend(Backend):
         )
         with _redis_errors("inject"):
             self.client.eval(script, 2, self.keys.event_seq, self.keys.events, data)
+
+    def describe(self) -> BackendStatus:
+        """The lease key (token, holder, TTL) and the registered writers' epochs."""
+        with _redis_errors("status"):
+            raw = self.client.get(self.keys.lease)
+            ttl_ms = self.client.pttl(self.keys.lease)
+            writers = sorted(
+                w.decode() if isinstance(w, bytes) else str(w)
+                for w in self.client.hkeys(self.keys.epochs)
+            )
+        token: int | None = None
+        holder: str | None = None
+        if raw:
+            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            first, _, holder = text.partition("\n")
+            token = int(first)
+        return BackendStatus(
+            leader=holder,
+            token=token,
+            lease_expires_in_s=ttl_ms / 1000 if raw and ttl_ms and ttl_ms > 0 else None,
+            writers=tuple(writers),
+        )
+
+    def probe(self) -> None:
+        """PING the server (raises ChannelError naming the URL and the cause)."""
+        try:
+            self.client.ping()
+        except RedisError as exc:
+            raise ChannelError(
+                f"cannot reach Redis at {self.config.safe_url}: {type(exc).__name__}: {exc}"
+            ) from None
 
     def doctor(self) -> list[str]:
         where = self.config.safe_url

@@ -68,6 +68,19 @@ class Lease:
     expires_at: float = field(default=float("inf"))
 
 
+@dataclass(frozen=True)
+class BackendStatus:
+    """What a backend can tell `icefloe status` without taking part (read-only). ``None``
+    means the backend cannot tell."""
+
+    leader: str | None = None
+    token: int | None = None
+    lease_age_s: float | None = None  # since the current holder acquired it
+    lease_expires_in_s: float | None = None
+    writers: tuple[str, ...] | None = None  # writer ids registered for the pipeline
+    stored_position: Mapping[str, int] | None = None
+
+
 class WriterChannel(abc.ABC):
     """One writer instance's end of the channel."""
 
@@ -182,6 +195,18 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def coordinator(self, coordinator_id: str) -> CoordinatorChannel:
         """A coordinator end; ``coordinator_id`` names this process in the lease."""
+
+    def probe(self) -> None:
+        """Raise :class:`~icefloe.errors.ChannelError` naming the server and the cause (e.g.
+        "connection refused") when it cannot be reached. Read-only, fences nothing; used by
+        `icefloe doctor` and `icefloe status`. Backends that cannot tell raise
+        NotImplementedError (the default): doctor then says the check was skipped."""
+        raise NotImplementedError
+
+    def describe(self) -> BackendStatus:
+        """The pipeline's coordination state for `icefloe status` (leader, token, lease age,
+        writers), read without joining, fencing or renewing anything. Default: unknown."""
+        return BackendStatus()
 
     def doctor(self) -> list[str]:
         """Warnings about the server's setup that weaken guarantees (shown by `icefloe doctor`)."""

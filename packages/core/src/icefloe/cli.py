@@ -108,22 +108,53 @@ def backends() -> None:
 
 
 @app.command()
-def doctor(config: ConfigOption) -> None:
-    """Check the configuration, the backend's server setup and the tables' metadata
-    settings; print warnings."""
-    cfg = load_config(config)
-    get_plugins().check_pending()
-    backend = open_backend(cfg)
-    try:
-        warnings = backend.doctor()
-    finally:
-        backend.close()
-    from icefloe.maintenance import pipeline_table_advice  # pulls in pyiceberg
+def doctor(
+    config: ConfigOption,
+    verbose: VerboseOption = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per check.")] = False,
+) -> None:
+    """Check everything `icefloe run` needs, one line each: plugins, the backend's server and
+    its durability settings, the catalog and every table, the Kafka source and its topics,
+    Java. Exits 1 when anything would make `run` fail."""
+    from icefloe.doctor import run_checks
 
-    warnings += pipeline_table_advice(cfg)
-    for w in warnings:
-        _say("warning: ", "yellow", w)
-    typer.echo("ok" if not warnings else f"{len(warnings)} warning(s)")
+    configure_logging(resolve_level(None, verbose, quiet=not verbose))
+    cfg = load_config(config)
+    checks = run_checks(cfg, verbose=verbose)
+    styles = {"ok": "green", "warn": "yellow", "fail": "red"}
+    for c in checks:
+        if as_json:
+            typer.echo(json.dumps({"check": c.name, "status": c.status, "detail": c.detail}))
+        else:
+            _say(f"{c.status:4s} ", styles[c.status], f"{c.name}: {c.detail}")
+    failed = sum(c.status == "fail" for c in checks)
+    warned = sum(c.status == "warn" for c in checks)
+    summary = f"{failed} failed, {warned} warning(s), {len(checks) - failed - warned} ok"
+    _say("", "", summary if failed else f"ok ({summary})")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def status(
+    config: ConfigOption,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+) -> None:
+    """The pipeline's state from the backend and the catalog (no Spark): leader, token, lease
+    age, writers, and per table the last commit, rows, lag, quarantined files. Exits 1 when a
+    table is stuck or the backend is unreachable."""
+    from icefloe.status import collect, render_lines
+
+    configure_logging(resolve_level(None, quiet=True))
+    cfg = load_config(config)
+    state = collect(cfg)
+    if as_json:
+        typer.echo(json.dumps(state.to_json(), default=str))
+    else:
+        for line in render_lines(state):
+            typer.echo(line)
+    if state.stuck:
+        raise typer.Exit(1)
 
 
 @app.command()

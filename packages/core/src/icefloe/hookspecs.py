@@ -7,7 +7,7 @@ built-in backends and codecs register exactly like a third party's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from icefloe.channel import Backend
+    from icefloe.config import PipelineConfig
+    from icefloe.doctor import Check
 
 PROJECT = "icefloe"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -110,6 +112,16 @@ class IcefloeHookSpecs:
     def icefloe_after_table_commit(self, event: TableCommitted) -> None:
         """Called after each successful table commit, for metrics, lineage or alerts.
         Exceptions are logged and never fail the commit that already happened."""
+
+    @hookspec
+    def icefloe_doctor(self, config: PipelineConfig) -> Sequence[Check]:
+        """Checks `icefloe doctor` runs for this plugin's part of the pipeline (the Spark
+        runner: the Kafka source and its topics, Java). Return ``icefloe.doctor.Check``s."""
+
+    @hookspec
+    def icefloe_source_lag(self, config: PipelineConfig) -> Mapping[str, int | None]:
+        """Source records not yet committed, per target table (for `icefloe status`), from a
+        plugin that knows the source (the Spark runner knows Kafka)."""
 
     @hookspec
     def icefloe_cli(self, app: Any) -> None:

@@ -67,31 +67,6 @@ def table_property_advice(table: str, properties: Mapping[str, str]) -> list[str
     ]
 
 
-def pipeline_table_advice(config: PipelineConfig) -> list[str]:
-    """``doctor``'s warnings about the pipeline's existing tables (missing tables are the
-    runner's to report: it creates or refuses them)."""
-    from pyiceberg.catalog import load_catalog
-    from pyiceberg.exceptions import NoSuchTableError
-
-    if not config.tables:
-        return []
-    try:
-        catalog = load_catalog(config.catalog.name, **config.catalog.properties)
-    except Exception as exc:  # doctor reports; it does not stop at the first problem
-        return [f"catalog '{config.catalog.name}' could not be loaded to check tables: {exc}"]
-    warnings: list[str] = []
-    for t in config.tables:
-        try:
-            properties = catalog.load_table(t.name).properties
-        except NoSuchTableError:
-            continue
-        except Exception as exc:
-            warnings.append(f"table '{t.name}' could not be checked: {exc}")
-            continue
-        warnings.extend(table_property_advice(t.name, properties))
-    return warnings
-
-
 # ---------------------------------------------------------------------- icefloe maintain
 
 

@@ -13,7 +13,7 @@ import os
 import re
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -26,6 +26,10 @@ from icefloe.errors import (
     UnknownCodecError,
 )
 from icefloe.hookspecs import PROJECT, BackendSpec, CodecSpec, TableCommitted
+
+if TYPE_CHECKING:
+    from icefloe.config import PipelineConfig
+    from icefloe.doctor import Check
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +48,24 @@ class Plugins:
     def _distribution_of(self, plugin: object) -> str:
         return self.distributions.get(id(plugin)) or self.pm.get_name(plugin) or repr(plugin)
 
-    def _collect(self, hook: Any, kind: type[Any]) -> list[tuple[Any, str]]:
-        """Call each implementation separately so every spec can be traced to its distribution
-        (``pm.hook`` would merge the results and lose who returned what)."""
+    def _call(self, hook: Any, kind: type[Any]) -> list[Any]:
+        """The hook's specs, called through pluggy (``hook()``), so hook wrappers and
+        ``tryfirst``/``trylast`` of third-party plugins apply. Only when something is wrong
+        are the implementations called one by one, to name the culprit's distribution."""
+        try:
+            merged = [spec for result in hook() for spec in (result or ())]
+        except Exception:
+            self._collect_each(hook, kind)  # raises, naming the implementation
+            raise
+        if any(not isinstance(spec, kind) for spec in merged):
+            self._collect_each(hook, kind)
+            raise PluginError(
+                f"a hook wrapper of {hook.name} returned something else than {kind.__name__}"
+            )
+        return merged
+
+    def _collect_each(self, hook: Any, kind: type[Any]) -> list[tuple[Any, str]]:
+        """Call each implementation separately to trace every spec to its distribution."""
         out: list[tuple[Any, str]] = []
         for impl in hook.get_hookimpls():
             dist = self._distribution_of(impl.plugin)
@@ -68,17 +87,31 @@ class Plugins:
 
     def backends(self) -> dict[str, BackendSpec]:
         """All registered backends by name. Raises DuplicateBackendError on a name clash."""
-        found: dict[str, tuple[BackendSpec, str]] = {}
-        for spec, dist in self._collect(self.pm.hook.icefloe_register_backends, BackendSpec):
+        hook = self.pm.hook.icefloe_register_backends
+        specs: list[BackendSpec] = self._call(hook, BackendSpec)
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names) or not all(re.match(BACKEND_NAME_RE, n) for n in names):
+            self._check_backends(self._collect_each(hook, BackendSpec))
+            seen: set[str] = set()
+            for name in names:  # the implementations are fine: a wrapper added the problem
+                if name in seen or not re.match(BACKEND_NAME_RE, name):
+                    raise DuplicateBackendError(name, "a hook wrapper", "a hook wrapper")
+                seen.add(name)
+        return {spec.name: spec for spec in specs}
+
+    @staticmethod
+    def _check_backends(found_specs: list[tuple[BackendSpec, str]]) -> None:
+        """Raise the error naming the distributions of a bad name or a name clash."""
+        found: dict[str, str] = {}
+        for spec, dist in found_specs:
             if not re.match(BACKEND_NAME_RE, spec.name):
                 raise PluginError(
                     f"'{dist}' registers a backend named {spec.name!r}; a backend name is "
                     "letters, digits, '-' and '_' (it names the [coordination.<name>] table)"
                 )
             if spec.name in found:
-                raise DuplicateBackendError(spec.name, found[spec.name][1], dist)
-            found[spec.name] = (spec, dist)
-        return {name: spec for name, (spec, _) in found.items()}
+                raise DuplicateBackendError(spec.name, found[spec.name], dist)
+            found[spec.name] = dist
 
     def backend(self, name: str) -> BackendSpec:
         """The backend called ``name``, or UnknownBackendError naming what is installed."""
@@ -90,7 +123,7 @@ class Plugins:
     def codecs(self) -> dict[str, CodecSpec]:
         """All registered record codecs by name (a later plugin may not shadow an earlier)."""
         found: dict[str, CodecSpec] = {}
-        for spec, _dist in self._collect(self.pm.hook.icefloe_register_codecs, CodecSpec):
+        for spec in self._call(self.pm.hook.icefloe_register_codecs, CodecSpec):
             found.setdefault(spec.name, spec)
         return found
 
@@ -103,13 +136,45 @@ class Plugins:
 
     def after_table_commit(self, event: TableCommitted) -> None:
         """Notify plugins; their failures are logged, never raised (the commit already
-        happened)."""
-        for impl in self.pm.hook.icefloe_after_table_commit.get_hookimpls():
+        happened), and one failing plugin does not keep the others from being told.
+
+        Each implementation is called through pluggy (a subset caller without the other
+        implementations), in pluggy's order (``tryfirst``/``trylast``), with every hook
+        wrapper around it: wrappers thus run once per notified plugin.
+        """
+        name = "icefloe_after_table_commit"
+        impls = self.pm.hook.icefloe_after_table_commit.get_hookimpls()
+        wrappers = {id(i.plugin) for i in impls if i.hookwrapper or i.wrapper}
+        for impl in reversed(impls):  # pluggy calls the last registered first
+            if impl.hookwrapper or impl.wrapper:
+                continue
+            others = [
+                i.plugin
+                for i in impls
+                if i.plugin is not impl.plugin and id(i.plugin) not in wrappers
+            ]
             try:
-                # pluggy lets an implementation accept fewer arguments than the spec
-                impl.function(*[event for _ in impl.argnames])
+                self.pm.subset_hook_caller(name, remove_plugins=others)(event=event)
             except Exception:
-                log.exception("plugin %s failed in icefloe_after_table_commit", impl.plugin_name)
+                log.exception("plugin %s failed in %s", impl.plugin_name, name)
+
+    def source_lag(self, config: PipelineConfig) -> dict[str, int | None]:
+        """Per-table source lag from the plugins that know the source (empty: unknown)."""
+        out: dict[str, int | None] = {}
+        try:
+            for result in self.pm.hook.icefloe_source_lag(config=config):
+                out.update(result or {})
+        except Exception:
+            log.warning("source lag unavailable", exc_info=True)
+        return out
+
+    def doctor_checks(self, config: PipelineConfig) -> list[Check]:
+        """The plugins' `icefloe doctor` checks (a plugin that fails is a failed check)."""
+        try:
+            results = self.pm.hook.icefloe_doctor(config=config)
+        except Exception as exc:
+            return [Check("plugin checks", "fail", f"{type(exc).__name__}: {exc}")]
+        return [check for result in results for check in (result or ())]
 
     def extend_cli(self, app: Any) -> None:
         """Let plugins add CLI commands."""

@@ -21,7 +21,6 @@ from icefloe.maintenance import (
     announced_files,
     expire_snapshots,
     parse_age,
-    pipeline_table_advice,
     recommended_properties,
     remove_orphan_files,
     table_property_advice,
@@ -114,9 +113,11 @@ def test_doctor_advice_covers_existing_pipeline_tables_only(tmp_path: Path) -> N
             "tables": [{"name": "db.bare"}, {"name": "db.good"}, {"name": "db.missing"}],
         }
     )
-    advice = pipeline_table_advice(cfg)
+    from icefloe.doctor import catalog_checks
+
+    advice = [c for c in catalog_checks(cfg) if c.name.endswith(" metadata")]
     assert len(advice) == len(RECOMMENDED_TABLE_PROPERTIES)
-    assert all("'db.bare'" in a for a in advice)
+    assert all(c.status == "warn" and c.name == "table db.bare metadata" for c in advice)
 
 
 # --- icefloe maintain next to a live pipeline --------------------------------------------

@@ -442,3 +442,46 @@ def test_backend_name_that_cannot_name_a_config_table_is_refused() -> None:
     plugins.pm.register(Dotted(), name="dotted-plugin")
     with pytest.raises(PluginError, match=r"dotted-plugin.*'my\.backend'"):
         plugins.backends()
+
+
+# --------------------------------------------------------------------------- through pluggy
+
+
+def test_hook_wrappers_and_ordering_apply_to_backend_registration() -> None:
+    """A third party's wrapper sees (and may change) what every plugin registered."""
+    seen: list[list[str]] = []
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def icefloe_register_backends(self) -> Any:
+            results = yield
+            seen.append([spec.name for result in results for spec in result])
+            return [[s for s in result if s.name != "beta"] for result in results]
+
+    plugins = _plugins(TwoBackends(), Wrapper())
+    assert sorted(plugins.backends()) == ["alpha"]
+    assert seen == [["alpha", "beta"]]
+
+
+def test_after_table_commit_goes_through_pluggy_with_wrappers_and_tryfirst() -> None:
+    calls: list[str] = []
+
+    class Late:
+        @hookimpl
+        def icefloe_after_table_commit(self, event: TableCommitted) -> None:
+            calls.append("late")
+
+    class First:
+        @hookimpl(tryfirst=True)
+        def icefloe_after_table_commit(self, event: TableCommitted) -> None:
+            calls.append("first")
+
+    class Around:
+        @hookimpl(wrapper=True)
+        def icefloe_after_table_commit(self, event: TableCommitted) -> Any:
+            calls.append("wrap")
+            return (yield)
+
+    plugins = _plugins(First(), Late(), Around())
+    plugins.after_table_commit(COMMITTED)
+    assert calls == ["wrap", "first", "wrap", "late"]

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +18,7 @@ from icefloe.cli import app
 from icefloe.config import config_from_dict, load_config
 from icefloe.errors import ConfigError, UnknownBackendError
 from icefloe.logs import JsonFormatter, resolve_level
+from icefloe.testing.cli import run_icefloe
 
 BASE: dict[str, Any] = {
     "name": "p",
@@ -30,18 +28,6 @@ BASE: dict[str, Any] = {
 }
 
 
-def _icefloe(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "icefloe", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_version_flag() -> None:
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0
@@ -49,7 +35,7 @@ def test_version_flag() -> None:
 
 
 def test_boolean_flags_show_no_value_placeholder() -> None:
-    out = _icefloe("coordinator", "--help")
+    out = run_icefloe("coordinator", "--help")
     assert out.returncode == 0, out.stderr
     verbose = next(line for line in out.stdout.splitlines() if "--verbose" in line)
     assert "<bool>" not in verbose

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from icefloe.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from icefloe.config import PipelineConfig
+    from icefloe.doctor import Check
 
 
 @hookimpl
@@ -13,3 +17,28 @@ def icefloe_cli(app: Any) -> None:
     from icefloe_spark.cli import register
 
     register(app)
+
+
+@hookimpl
+def icefloe_source_lag(config: PipelineConfig) -> dict[str, int | None]:
+    """`icefloe status`: Kafka partition ends against each table's committed source offsets."""
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe_spark.progress import Monitor
+    from icefloe_spark.source import source_options
+
+    catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+    probe = source_options(config).get("probeHighWatermark", "").lower() == "true"
+    monitor = Monitor(config, catalog, probe_end=probe)
+    try:
+        return {t.name: t.lag for t in monitor.tables()}
+    finally:
+        monitor.close()
+
+
+@hookimpl
+def icefloe_doctor(config: PipelineConfig) -> list[Check]:
+    """`icefloe doctor`: the Kafka source and its topics, and Java for Spark."""
+    from icefloe_spark.checks import java_check, source_checks
+
+    return [*source_checks(config), java_check()]

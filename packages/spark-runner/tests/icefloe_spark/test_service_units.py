@@ -84,3 +84,50 @@ def test_spark_log_goes_to_a_file_unless_debugging() -> None:
     assert "appender.out.type = Console" in text
     mine = {"spark.driver.extraJavaOptions": "-Dlog4j2.configurationFile=/etc/x.properties"}
     assert sparklog.java_options(mine, "p", logging.INFO) == {}  # the user's choice stays
+
+
+def test_kept_demo_prints_where_things_are_and_a_snippet_that_reads_the_table(
+    tmp_path: Path,
+) -> None:
+    import io
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    from pyiceberg.catalog import load_catalog
+    from rich.console import Console
+
+    from icefloe_spark.demo import catalog_properties, create_table, where_things_are
+
+    table = create_table(load_catalog("demo", **catalog_properties(tmp_path)))
+    rows = pa.table(
+        {
+            "id": pa.array([1, 2], pa.int64()),
+            "user": pa.array(["a", "b"]),
+            "action": pa.array(["view", "buy"]),
+            "amount": pa.array([None, 2.5], pa.float64()),
+            "ts": pa.array([0, 1], pa.timestamp("us", "UTC")),
+        }
+    )
+    table.append(rows)
+    out = io.StringIO()
+    where_things_are(tmp_path, True, Console(file=out, width=300))
+    text = out.getvalue()
+    assert str(tmp_path / "catalog.db") in text
+    assert str(tmp_path / "pipeline.toml") in text
+    lines = text.splitlines()
+    start = lines.index("read the table with pyiceberg:") + 1
+    snippet = lines[start : start + 3]
+    run = subprocess.run(
+        [sys.executable, "-c", "\n".join(snippet)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "view" in run.stdout
+    assert "buy" in run.stdout
+    removed = io.StringIO()
+    where_things_are(tmp_path, False, Console(file=removed, width=300))
+    assert "--keep" in removed.getvalue()

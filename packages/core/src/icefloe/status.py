@@ -1,0 +1,203 @@
+"""``icefloe status``: the pipeline's state from the backend and the catalog, without Spark and
+without taking part (nothing is joined, fenced or renewed).
+
+Per table: the last icefloe commit (time, rows it added, total rows, snapshot), source lag
+(from plugins that know the source, through the ``icefloe_source_lag`` hook), quarantined
+files and dead-lettered records. A table is **stuck** when the source holds records the table
+has not committed and no commit came for longer than a few commit cycles: the exit status
+says so, for monitoring scripts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pyiceberg.catalog import Catalog
+
+from icefloe.channel import BackendStatus
+from icefloe.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TableStatus:
+    """One target table. ``None``: unknown (not reachable, or no source of that fact)."""
+
+    name: str
+    exists: bool
+    snapshot_id: int | None = None
+    committed_at_ms: int | None = None
+    commit_rows: int | None = None  # rows added by the last icefloe commit
+    rows: int | None = None  # total rows in that snapshot
+    source_lag: int | None = None
+    pending_files: int | None = None  # announced, not committed (no read-only source yet)
+    pending_bytes: int | None = None
+    quarantined_files: int | None = None
+    stuck: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class PipelineStatus:
+    name: str
+    backend: str
+    backend_status: BackendStatus | None
+    backend_error: str | None
+    tables: list[TableStatus] = field(default_factory=list)
+    dead_lettered: int | None = None  # rows in the dead-letter table
+
+    @property
+    def stuck(self) -> bool:
+        return any(t.stuck for t in self.tables) or self.backend_error is not None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["stuck"] = self.stuck
+        return out
+
+
+def stuck_after_s(config: PipelineConfig) -> float:
+    """How long without a commit, while the source is ahead, counts as stuck."""
+    c = config.coordination
+    return max(60.0, 3 * c.commit_interval_s + c.commit_timeout_s)
+
+
+def table_status(
+    catalog: Catalog,
+    config: PipelineConfig,
+    name: str,
+    lag: int | None,
+    now_ms: float,
+) -> TableStatus:
+    """What the newest snapshot of this pipeline on the branch says, and whether it is stuck."""
+    from icefloe.committer import IcebergCommitter
+
+    if not catalog.table_exists(name):
+        return TableStatus(name, False, stuck=True, reason="the table does not exist")
+    committer = IcebergCommitter(catalog, config.name, branch=config.coordination.branch)
+    state = committer.state(name)
+    table = catalog.load_table(name)
+    snap = table.snapshot_by_id(state.snapshot_id) if state else None
+    summary = snap.summary.additional_properties if snap and snap.summary else {}
+    at = snap.timestamp_ms if snap else None
+    quiet_s = None if at is None else (now_ms - at) / 1000
+    stuck = bool(lag) and (quiet_s is None or quiet_s > stuck_after_s(config))
+    reason = ""
+    if stuck:
+        reason = f"{lag} source records not committed and " + (
+            "no commit yet" if quiet_s is None else f"no commit for {quiet_s:.0f}s"
+        )
+    return TableStatus(
+        name,
+        True,
+        snapshot_id=state.snapshot_id if state else None,
+        committed_at_ms=at,
+        commit_rows=_int(summary.get("added-records")),
+        rows=_int(summary.get("total-records")),
+        source_lag=lag,
+        quarantined_files=_quarantined(catalog, config.name, name),
+        stuck=stuck,
+        reason=reason,
+    )
+
+
+def _int(raw: Any) -> int | None:
+    return None if raw is None else int(raw)
+
+
+def _quarantined(catalog: Catalog, group_id: str, table: str) -> int | None:
+    try:
+        from icefloe.quarantine import Quarantine
+
+        return len(Quarantine(catalog).list(group_id, table))
+    except Exception:
+        log.debug("quarantine unavailable", exc_info=True)
+        return None
+
+
+def _dead_lettered(catalog: Catalog, config: PipelineConfig) -> int | None:
+    errors = getattr(config, "errors", None)
+    name = getattr(errors, "dead_letter_table", None)
+    if not name:
+        return None
+    try:
+        snap = catalog.load_table(name).current_snapshot()
+    except Exception:
+        return None
+    if snap is None or snap.summary is None:
+        return 0
+    return _int(snap.summary.additional_properties.get("total-records")) or 0
+
+
+def collect(config: PipelineConfig) -> PipelineStatus:
+    """Read everything ``icefloe status`` shows."""
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe.backends import open_backend
+    from icefloe.doctor import cause_of, quiet_clients
+    from icefloe.plugins import get_plugins
+
+    plugins = get_plugins()
+    with quiet_clients(verbose=False):
+        backend_status: BackendStatus | None = None
+        backend_error: str | None = None
+        try:
+            backend = open_backend(config, plugins)
+            try:
+                backend_status = backend.describe()
+            finally:
+                backend.close()
+        except Exception as exc:
+            backend_error = cause_of(exc)
+        lags = plugins.source_lag(config)
+    catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+    now_ms = time.time() * 1000
+    tables = [
+        table_status(catalog, config, t.name, lags.get(t.name), now_ms) for t in config.tables
+    ]
+    return PipelineStatus(
+        config.name,
+        config.coordination.backend,
+        backend_status,
+        backend_error,
+        tables,
+        _dead_lettered(catalog, config),
+    )
+
+
+def render_lines(status: PipelineStatus) -> list[str]:
+    """The text view: a few lines for the pipeline, one per table."""
+    b = status.backend_status
+    out = [f"pipeline {status.name}  backend {status.backend}"]
+    if status.backend_error:
+        out.append(f"  backend unreachable: {status.backend_error}")
+    elif b is not None:
+        age = "?" if b.lease_age_s is None else f"{b.lease_age_s:.0f}s"
+        left = "?" if b.lease_expires_in_s is None else f"{b.lease_expires_in_s:.0f}s"
+        out.append(
+            f"  leader {b.leader or '-'}  token {b.token if b.token is not None else '-'}"
+            f"  lease age {age}, expires in {left}"
+        )
+        writers = "?" if b.writers is None else f"{len(b.writers)} ({', '.join(b.writers)})"
+        out.append(f"  writers {writers}")
+    if status.dead_lettered is not None:
+        out.append(f"  dead-lettered records {status.dead_lettered}")
+    now = time.time()
+    for t in status.tables:
+        if not t.exists:
+            out.append(f"  table {t.name}: STUCK: {t.reason}")
+            continue
+        ago = "never" if t.committed_at_ms is None else f"{now - t.committed_at_ms / 1000:.0f}s ago"
+        lag = "?" if t.source_lag is None else str(t.source_lag)
+        quarantined = "?" if t.quarantined_files is None else str(t.quarantined_files)
+        line = (
+            f"  table {t.name}: last commit {ago} (+{t.commit_rows or 0} rows, snapshot "
+            f"{t.snapshot_id or '-'}), {t.rows if t.rows is not None else '-'} rows, "
+            f"lag {lag}, quarantined files {quarantined}"
+        )
+        out.append(line + (f"  STUCK: {t.reason}" if t.stuck else ""))
+    return out
