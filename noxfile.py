@@ -97,3 +97,12 @@ def version(session: nox.Session) -> None:
     """Set every package's version and internal pins from VERSION (`nox -s version -- 0.2.0`
     writes VERSION first)."""
     session.run(sys.executable, "tools/bump_version.py", *session.posargs)
+
+
+@nox.session(name="bench-coordinator", default=False)
+def bench_coordinator(session: nox.Session) -> None:
+    """Coordinator benchmark (not run by default): cycle and Iceberg commit time with many
+    writers and files, no Spark; e.g. `nox -s bench-coordinator -- --backend redis --writers 64
+    --files 10000 --cycles 10`. Results go to docs/benchmarks.md by hand."""
+    session.install(*ALL_WITH_TEST_EXTRAS)
+    session.run("python", "benchmarks/bench_coordinator.py", *session.posargs)

@@ -62,7 +62,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ci", action="store_true", help="only the scenarios marked for CI")
     parser.add_argument("--records", type=int, default=3000, help="keys produced per run")
     parser.add_argument("--produce-seconds", type=float, default=30.0)
-    parser.add_argument("--catch-up-seconds", type=float, default=300.0)
+    parser.add_argument("--catch-up-seconds", type=float, default=900.0)
     parser.add_argument("--workdir", type=Path, default=None, help="keep run files here")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     args = parser.parse_args(argv)

@@ -46,7 +46,7 @@ class RunError(Exception):
 class Settings:
     records: int = 3000
     produce_s: float = 30.0
-    catch_up_s: float = 300.0
+    catch_up_s: float = 900.0
     workdir: Path = Path(".")
     bootstrap: str = ""
 
@@ -189,6 +189,7 @@ class Run:
         self, env: dict[str, str] | None = None, *, no_coordinator: bool = False
     ) -> Tree:
         argv = [sys.executable, "-m", "icefloe", "run", "--config", str(self.config_file), "-q"]
+        argv += ["--log-level", "INFO"]
         argv += [a for k, v in SOURCE_OPTIONS.items() for a in ("--source-option", f"{k}={v}")]
         if no_coordinator:
             argv.append("--no-coordinator")
@@ -246,7 +247,20 @@ class Run:
                 raise RunError(f"timed out after {timeout:.0f}s waiting for {what}")
             time.sleep(1.0)
 
-    def wait_first_commit(self, tree: Tree, timeout: float = 240.0) -> None:
+    def wait_query_started(self, tree: Tree, timeout: float = 600.0) -> None:
+        """Until this tree's driver logged that its streaming query runs."""
+        mark = f"pipeline {self.config['name']} started"
+
+        def started() -> bool:
+            if not tree.alive():
+                raise RunError(f"the pipeline exited early:\n{self.log_tail()}")
+            with open(tree.log, "rb") as log:
+                log.seek(tree.log_offset)
+                return mark.encode() in log.read()
+
+        self.wait_for(started, timeout, "the streaming query to start")
+
+    def wait_first_commit(self, tree: Tree, timeout: float = 600.0) -> None:
         def committed() -> bool:
             if not tree.alive():
                 raise RunError(f"the pipeline exited early:\n{self.log_tail()}")

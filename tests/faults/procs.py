@@ -27,6 +27,7 @@ class Tree:
     def __init__(self, argv: Sequence[str], log: Path, env: dict[str, str], marker: str) -> None:
         self.marker = marker
         self.log = log
+        self.log_offset = log.stat().st_size if log.exists() else 0  # where its output starts
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 list(argv),

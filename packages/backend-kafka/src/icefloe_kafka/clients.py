@@ -31,6 +31,7 @@ FENCED_CODES = frozenset(
     {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
 )
 
+DEFAULT_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 STATE_SEGMENT_MS = 3_600_000  # roll state segments hourly so compaction can bound them
 
 
@@ -98,6 +99,12 @@ class KafkaClients:
         }
         conf.update(self.config.client_settings())
         return conf
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The largest record producers may send: librdkafka's message.max.bytes."""
+        raw = self.config.client_settings().get("message.max.bytes", DEFAULT_MESSAGE_MAX_BYTES)
+        return int(raw)
 
     def transactional_id(self, member: str) -> str:
         return f"{self.config.transactional_id_prefix}-{self.group_id}-{member}"

@@ -370,7 +370,7 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
     def broadcast(self, event: Event) -> None:
         with self._lock:
             value = encode_event(event)
-            key = record_key(self._group_id, "coordinator")
+            key = record_key(self._group_id, "coordinator")  # writers read only this key
 
             def body(producer: Producer) -> None:
                 producer.produce(

@@ -36,9 +36,14 @@ from icefloe_kafka.clients import (
     record_key,
     run_transaction,
 )
+from icefloe_kafka.errors import BatchTooLargeError
 from icefloe_kafka.state import StateValue, epoch_key, highest_value, next_value, produce_state
 
 log = logging.getLogger(__name__)
+
+# Room for the key, headers and record framing next to the value (librdkafka checks the whole
+# message against message.max.bytes).
+_RECORD_OVERHEAD_BYTES = 1024
 
 
 class KafkaWriterChannel(WriterChannel):
@@ -49,6 +54,7 @@ class KafkaWriterChannel(WriterChannel):
         self._group_id = clients.group_id
         self._writer_id = writer_id
         self._key = record_key(self._group_id, writer_id)
+        self._broadcast_key = record_key(self._group_id, "coordinator")
         self._txn_id = clients.transactional_id(writer_id)
         self._lock = threading.Lock()  # one transaction at a time on the producer
         self._producer: Producer | None = None
@@ -134,12 +140,24 @@ class KafkaWriterChannel(WriterChannel):
         return self._producer, self._epoch
 
     def _produce(self, producer: Producer, event: Event) -> None:
+        self._produce_value(producer, encode_event(event))
+
+    def _produce_value(self, producer: Producer, value: bytes) -> None:
         producer.produce(
             self._clients.control_topic,
-            value=encode_event(event),
+            value=value,
             key=self._key,
             headers=group_headers(self._group_id),
         )
+
+    def _checked(self, event: Event) -> bytes:
+        """``event`` encoded, or BatchTooLargeError when it cannot be one Kafka record."""
+        value = encode_event(event)
+        limit = self._clients.max_record_bytes
+        if len(value) + _RECORD_OVERHEAD_BYTES > limit:
+            table = getattr(event.payload, "table", "?")
+            raise BatchTooLargeError(self._writer_id, table, len(value), limit)
+        return value
 
     def publish(self, batch: WriterBatch) -> bool:
         with self._lock:
@@ -147,9 +165,11 @@ class KafkaWriterChannel(WriterChannel):
             if batch.writer != WriterRef(self._writer_id, epoch):
                 raise ValueError(f"batch of {batch.writer} published through {self._writer_id}")
 
+            records = [self._checked(event) for event in batch.events]
+
             def body() -> None:
-                for event in batch.events:
-                    self._produce(producer, event)
+                for value in records:
+                    self._produce_value(producer, value)
                 self._send_source_offsets(producer, batch)
 
             self._transact(producer, body)
@@ -193,6 +213,10 @@ class KafkaWriterChannel(WriterChannel):
                 if err.fatal():
                     raise ChannelError(f"reading broadcasts failed: {err.str()}")
                 log.warning("writer %s: broadcast read error: %s", self._writer_id, err.str())
+                continue
+            if msg.key() != self._broadcast_key:
+                # every writer's batches share the topic: skip them undecoded (decoding them
+                # all cost each writer O(all writers' files) per poll, under its publish lock)
                 continue
             if header_group(msg.headers()) != self._group_id:
                 continue  # another pipeline's record (or not icefloe's at all)

@@ -259,3 +259,67 @@ def test_a_takeover_fences_the_old_leader_even_before_its_lease_runs_out(
     assert dict(c2.stored_position() or {}) == {"0": 3}
     c1.close()
     c2.close()
+
+
+def test_writers_skip_other_writers_batches_without_decoding_them(
+    make_backend: BackendMaker, group_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each writer reads the whole control topic for broadcasts: decoding every other writer's
+    batches made a cycle with many writers take seconds."""
+    import icefloe_kafka.writer as writer_module
+
+    backend = make_backend(group_id)
+    listener, busy = backend.writer("listener"), backend.writer("busy")
+    listener.open()
+    ref = WriterRef("busy", busy.open())
+    for seq in range(30):
+        busy.publish(batch(group_id, ref, seq))
+    coordinator = leader(make_backend, group_id, "c1")
+    coordinator.broadcast(Event(group_id, StartCommit("cycle-1")))
+
+    decoded: list[bytes] = []
+    real_decode = writer_module.decode_event
+
+    def counting_decode(data: bytes) -> Event:
+        decoded.append(data)
+        return real_decode(data)
+
+    monkeypatch.setattr(writer_module, "decode_event", counting_decode)
+    got: list[Event] = []
+    deadline = time.monotonic() + DEADLINE_S
+    while not any(isinstance(e.payload, StartCommit) for e in got):
+        assert time.monotonic() < deadline, "the StartCommit broadcast never arrived"
+        got.extend(listener.poll_broadcasts(0.2))
+    assert [e.payload for e in got] == [StartCommit("cycle-1")]
+    assert len(decoded) == 1, f"decoded {len(decoded)} records to find 1 broadcast"
+
+
+def test_a_batch_above_the_record_limit_is_refused_whole_and_clearly(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    from icefloe_kafka.errors import BatchTooLargeError
+
+    limit = 100_000
+    backend = make_backend(group_id, kafka={"message.max.bytes": str(limit)})
+    writer = backend.writer("wide")
+    ref = WriterRef("wide", writer.open())
+
+    def files(n: int) -> tuple[DataFileMeta, ...]:  # random names: compression cannot hide them
+        return tuple(
+            DataFileMeta(f"file:///t/{uuid.uuid4().hex}{uuid.uuid4().hex}.parquet", 1, 1)
+            for _ in range(n)
+        )
+
+    small = Event(group_id, DataWritten("ns.small", files(3)), ref, 0)
+    huge = Event(group_id, DataWritten("ns.huge", files(3000)), ref, 0)
+    done = Event(group_id, DataComplete(()), ref, 0)
+    with pytest.raises(BatchTooLargeError, match=r"'ns\.huge'.*100,000 bytes") as info:
+        writer.publish(WriterBatch(ref, 0, (small, huge, done)))
+    assert info.value.size > limit
+    assert info.value.table == "ns.huge"
+
+    ok = batch(group_id, ref, 1)  # the writer is still usable; the refused batch left nothing
+    assert writer.publish(ok)
+    coordinator = leader(make_backend, group_id, "c1")
+    got = {r.event.event_id for r in read_until(coordinator, {e.event_id for e in ok.events})}
+    assert not got & {small.event_id, huge.event_id, done.event_id}

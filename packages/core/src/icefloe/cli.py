@@ -22,6 +22,7 @@ from icefloe.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve
 from icefloe.logs import configure as configure_logging
 from icefloe.metrics import MetricsPortOption, start_metrics
 from icefloe.plugins import get_plugins
+from icefloe.quarantine_cli import app as quarantine_app
 
 app = typer.Typer(
     name="icefloe",
@@ -29,6 +30,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
+app.add_typer(quarantine_app)
 console = Console(stderr=True)
 
 
@@ -152,6 +154,35 @@ def status(
             typer.echo(line)
     if state.stuck:
         raise typer.Exit(1)
+
+
+@app.command()
+def maintain(
+    config: ConfigOption,
+    table: Annotated[
+        list[str] | None, typer.Option("--table", help="Only this table (repeatable).")
+    ] = None,
+    expire_older_than: Annotated[
+        str, typer.Option(help="Expire snapshots older than this (e.g. 7d, 12h).")
+    ] = "7d",
+    retain_last: Annotated[int, typer.Option(help="Always keep this many newest.")] = 1,
+    orphans_older_than: Annotated[
+        str, typer.Option(help="Delete unreferenced files only when older than this.")
+    ] = "3d",
+    dry_run: Annotated[bool, typer.Option(help="Report, change nothing.")] = False,
+) -> None:
+    """Expire old snapshots and delete orphan files; safe next to a running pipeline."""
+    from icefloe import maintenance  # pulls in pyiceberg
+
+    for line in maintenance.maintain(
+        load_config(config),
+        table or (),
+        maintenance.parse_age(expire_older_than),
+        retain_last,
+        maintenance.parse_age(orphans_older_than),
+        dry_run,
+    ):
+        typer.echo(line)
 
 
 @app.command("coordinator")

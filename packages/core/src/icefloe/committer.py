@@ -3,16 +3,17 @@
 For each :class:`TableCommitRequest` the committer, inside its retry loop and after reloading
 the table from the catalog on every attempt:
 
-1. refuses files written for another incarnation of the table (``table_uuid`` differs:
-   :class:`~icefloe.errors.TableMismatchError`) or lying outside the table's location
-   (:class:`~icefloe.errors.FileOutsideTableError`);
-2. finds the newest snapshot of this group (``icefloe.group-id``) in the branch's ancestry,
+1. finds the newest snapshot of this group (``icefloe.group-id``) in the branch's ancestry,
    skipping snapshots of foreign writers and other pipelines, and refuses a request whose
    fencing token is below the one the table records
    (:class:`~icefloe.errors.StaleFencingTokenError`: a zombie coordinator);
-3. drops files that snapshot already covers (channel offset before its
-   ``icefloe.channel-positions`` or batch at or below its ``icefloe.writer-watermarks``),
-   zero-record files and repeated paths;
+2. drops files that snapshot already covers (:class:`~icefloe.dedupe.CommitBoundary`:
+   channel offset before its ``icefloe.channel-positions`` or batch at or below its
+   ``icefloe.writer-watermarks``), zero-record files and repeated paths;
+3. refuses the request if a remaining file can never be committed (a
+   :class:`~icefloe.errors.RefusedFileError`; :meth:`IcebergCommitter.screen` sorts those out
+   per file beforehand, so this only catches a table changed in between), and drops files
+   the branch head already references as live data files;
 4. appends what is left in one fast append on the branch, with the summary properties of
    ``docs/architecture.md``, and raises the table property ``icefloe.fencing-token.<group>``
    in the same transaction.
@@ -30,8 +31,8 @@ first adds one empty, unreferenced root snapshot (summary ``icefloe.branch-root`
 branch from it.
 
 Delete files (row deltas) are not supported yet: pyiceberg 0.12 has no public API to add
-position or equality delete files to a snapshot. A request that carries any is refused with
-:class:`~icefloe.errors.RowDeltaNotSupportedError` instead of appending them as data.
+position or equality delete files to a snapshot. Such a file is refused with
+:class:`~icefloe.errors.RowDeltaNotSupportedError` instead of being appended as data.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
-from icefloe.datafiles import to_data_file
+from icefloe.datafiles import DataFileBuilder
 from icefloe.dedupe import POSITIONS_KEY as POSITIONS_KEY  # re-exported: summary keys
 from icefloe.dedupe import WATERMARKS_KEY as WATERMARKS_KEY
 from icefloe.dedupe import CommitBoundary, max_merge
@@ -240,8 +241,9 @@ class IcebergCommitter:
         boundary = _boundary(self._own_state(loaded, head))
         accepted: list[PendingFile] = []
         refused: list[tuple[PendingFile, RefusedFileError]] = []
+        rules = _FileRules.of(loaded)
         for f in files:
-            error = None if boundary.covers(f) else _refusal(loaded, f)
+            error = None if boundary.covers(f) else _refusal(loaded, f, rules)
             if error is None:
                 accepted.append(f)
             else:
@@ -423,8 +425,9 @@ class IcebergCommitter:
                 "a newer coordinator has taken over"
             )
         files, skipped = _select(request.files, state)
+        rules = _FileRules.of(table)
         for f in files:
-            error = _refusal(table, f)
+            error = _refusal(table, f, rules)
             if error is not None:
                 # screen() sorts these out first; reaching here means the table changed in
                 # between (e.g. recreated): refuse the whole request, the next cycle re-screens
@@ -460,9 +463,14 @@ class IcebergCommitter:
                 {fencing_token_property(self._group_id): plan.summary[FENCING_TOKEN_KEY]}
             )
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
-        with snapshot.fast_append() as append:
+        # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
+        # read, which made this loop cost seconds per 10,000 files, growing with history
+        build = DataFileBuilder(tx.table_metadata).build
+        # pyiceberg's merge append is a fast append unless the table enables manifest merging
+        # (commit.manifest-merge.enabled, set on tables icefloe creates): see icefloe.maintenance
+        with snapshot.merge_append() as append:
             for f in plan.files:
-                append.append_data_file(to_data_file(f.meta, tx.table_metadata))
+                append.append_data_file(build(f.meta))
         return tx, append.snapshot_id
 
     def _live_paths(self, table: Table, head: Snapshot | None, paths: set[str]) -> set[str]:
@@ -499,7 +507,29 @@ def _name(table: Table) -> str:
     return ".".join(table.name())
 
 
-def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
+@dataclass(frozen=True)
+class _FileRules:
+    """What every file's check against one loaded table shares, prepared once: a commit
+    carries up to 100,000s of files, and per-file setup cost as much as the checks."""
+
+    roots: tuple[_Root, ...]
+    table_uuid: str
+    build: Callable[[DataFileMeta], object]
+
+    @classmethod
+    def of(cls, table: Table) -> _FileRules:
+        metadata = table.metadata
+        roots = [metadata.location] + [
+            metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
+        ]
+        return cls(
+            tuple(_split_root(r) for r in roots),
+            str(metadata.table_uuid),
+            DataFileBuilder(metadata).build,
+        )
+
+
+def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileError | None:
     """Why ``table`` can never take ``f``, or None. Each reason concerns this file alone."""
     metadata = table.metadata
     path = f.meta.path
@@ -509,16 +539,17 @@ def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
             "row delta commit, which icefloe does not support yet (pyiceberg 0.12 cannot add "
             "delete files); write data files only"
         )
-    if f.table_uuid is not None and not _same_uuid(f.table_uuid, metadata.table_uuid):
+    if (
+        f.table_uuid is not None
+        and f.table_uuid != rules.table_uuid
+        and not _same_uuid(f.table_uuid, metadata.table_uuid)
+    ):
         return TableMismatchError(
             f"table '{_name(table)}' has UUID {metadata.table_uuid}, but {path} was "
             f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
             "commit it"
         )
-    roots = [metadata.location] + [
-        metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
-    ]
-    if not any(_inside(path, root) for root in roots):
+    if not any(_inside(path, root) for root in rules.roots):
         return FileOutsideTableError(
             f"table '{_name(table)}': {path} lies outside the table location "
             f"{metadata.location}; refusing to commit it"
@@ -531,7 +562,7 @@ def _refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
             f"{metadata.default_spec_id}; rewrite the file under the current spec"
         )
     try:
-        to_data_file(f.meta, metadata)
+        rules.build(f.meta)
     except (ValueError, KeyError, TypeError) as e:
         return InvalidDataFileError(f"table '{_name(table)}': cannot describe {path}: {e}")
     return None
@@ -550,12 +581,22 @@ def _split(uri: str) -> tuple[str, str, str]:
     return _SCHEME_ALIASES.get(scheme, scheme), parts.netloc, posixpath.normpath(parts.path)
 
 
-def _inside(path: str, root: str) -> bool:
+_Root = tuple[str, str, str, str]  # raw prefix, then scheme, netloc, path (ending in "/")
+
+
+def _split_root(root: str) -> _Root:
+    """``root`` prepared for :func:`_inside`."""
+    scheme, netloc, path = _split(root)
+    return root.rstrip("/") + "/", scheme, netloc, path.rstrip("/") + "/"
+
+
+def _inside(path: str, root: _Root) -> bool:
     """Whether ``path`` lies under ``root``, normalising '..' so it cannot escape."""
+    raw = root[0]
+    if path.startswith(raw) and "/." not in path[len(raw) - 1 :] and "//" not in path[len(raw) :]:
+        return True  # the common case, decided without parsing: nothing to normalise
     scheme, netloc, file_path = _split(path)
-    root_scheme, root_netloc, root_path = _split(root)
-    prefix = root_path.rstrip("/") + "/"
-    return scheme == root_scheme and netloc == root_netloc and file_path.startswith(prefix)
+    return (scheme, netloc) == root[1:3] and file_path.startswith(root[3])
 
 
 def _find_state(

@@ -86,6 +86,7 @@ class TableConfig(_Model):
     auto_create: bool = False
     partition_by: list[str] = Field(default_factory=list)
     id_columns: list[str] = Field(default_factory=list)
+    properties: dict[str, str] = Field(default_factory=dict)
 
 
 class CatalogConfig(_Model):

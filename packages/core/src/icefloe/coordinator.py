@@ -189,6 +189,8 @@ class Coordinator:
         for r in cycle.tables:
             if r.snapshot_id is not None:
                 metrics.TABLE_COMMITS.labels(r.table).inc()
+        for table, n in cycle.quarantined.items():
+            metrics.FILES_QUARANTINED.labels(table).inc(n)
         self._update_pending_gauges()
         return cycle
 

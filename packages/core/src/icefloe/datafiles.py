@@ -19,7 +19,7 @@ from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.typedef import Record
-from pyiceberg.types import DecimalType
+from pyiceberg.types import DecimalType, StructType
 
 from icefloe.events import DataFileMeta, FileContent, PartitionScalar, PartitionValue
 
@@ -74,38 +74,60 @@ def to_meta(data_file: DataFile, table_metadata: TableMetadata) -> DataFileMeta:
 
 def to_data_file(meta: DataFileMeta, table_metadata: TableMetadata) -> DataFile:
     """The pyiceberg DataFile for ``meta``, typed by the table's partition spec ``spec_id``."""
-    specs = table_metadata.specs()
-    if meta.spec_id not in specs:
-        raise ValueError(f"{meta.path}: partition spec {meta.spec_id} is not in the table")
-    spec = specs[meta.spec_id]
-    by_id = {p.field_id: p.value for p in meta.partition}
-    ptype = spec.partition_type(table_metadata.schema())
-    values: list[Any] = []
-    for f in ptype.fields:
-        v: Any = by_id.get(f.field_id)
-        if isinstance(f.field_type, DecimalType) and isinstance(v, str):
-            v = Decimal(v)
-        values.append(v)
-    df = DataFile.from_args(
-        _table_format_version=table_metadata.format_version,
-        content=_CONTENT_TO_ICEBERG[meta.content],
-        file_path=meta.path,
-        file_format=FileFormat[meta.file_format],
-        partition=Record(*values),
-        record_count=meta.record_count,
-        file_size_in_bytes=meta.file_size_in_bytes,
-        column_sizes=meta.column_sizes,
-        value_counts=meta.value_counts,
-        null_value_counts=meta.null_value_counts,
-        nan_value_counts=meta.nan_value_counts,
-        lower_bounds=meta.lower_bounds,
-        upper_bounds=meta.upper_bounds,
-        split_offsets=None if meta.split_offsets is None else list(meta.split_offsets),
-        equality_ids=None if meta.equality_ids is None else list(meta.equality_ids),
-        sort_order_id=meta.sort_order_id,
-    )
-    df.spec_id = meta.spec_id
-    return df
+    return DataFileBuilder(table_metadata).build(meta)
+
+
+class DataFileBuilder:
+    """Builds DataFiles for one table version, computing each spec's partition type once.
+
+    Why: a commit converts every file of a cycle (10,000s), and building the partition type
+    per file cost as much as the rest of the conversion.
+    """
+
+    def __init__(self, table_metadata: TableMetadata) -> None:
+        self._metadata = table_metadata
+        self._specs = table_metadata.specs()
+        self._types: dict[int, StructType] = {}
+
+    def _partition_type(self, meta: DataFileMeta) -> StructType:
+        ptype = self._types.get(meta.spec_id)
+        if ptype is None:
+            if meta.spec_id not in self._specs:
+                raise ValueError(f"{meta.path}: partition spec {meta.spec_id} is not in the table")
+            ptype = self._specs[meta.spec_id].partition_type(self._metadata.schema())
+            self._types[meta.spec_id] = ptype
+        return ptype
+
+    def build(self, meta: DataFileMeta) -> DataFile:
+        """The DataFile for ``meta``; ValueError when its spec is not in the table."""
+        ptype = self._partition_type(meta)
+        by_id = {p.field_id: p.value for p in meta.partition}
+        values: list[Any] = []
+        for f in ptype.fields:
+            v: Any = by_id.get(f.field_id)
+            if isinstance(f.field_type, DecimalType) and isinstance(v, str):
+                v = Decimal(v)
+            values.append(v)
+        df = DataFile.from_args(
+            _table_format_version=self._metadata.format_version,
+            content=_CONTENT_TO_ICEBERG[meta.content],
+            file_path=meta.path,
+            file_format=FileFormat[meta.file_format],
+            partition=Record(*values),
+            record_count=meta.record_count,
+            file_size_in_bytes=meta.file_size_in_bytes,
+            column_sizes=meta.column_sizes,
+            value_counts=meta.value_counts,
+            null_value_counts=meta.null_value_counts,
+            nan_value_counts=meta.nan_value_counts,
+            lower_bounds=meta.lower_bounds,
+            upper_bounds=meta.upper_bounds,
+            split_offsets=None if meta.split_offsets is None else list(meta.split_offsets),
+            equality_ids=None if meta.equality_ids is None else list(meta.equality_ids),
+            sort_order_id=meta.sort_order_id,
+        )
+        df.spec_id = meta.spec_id
+        return df
 
 
 def write_data_files(

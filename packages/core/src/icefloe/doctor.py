@@ -144,6 +144,17 @@ def catalog_checks(config: PipelineConfig) -> list[Check]:
     return out
 
 
+def advice_checks(config: PipelineConfig) -> list[Check]:
+    """Table metadata settings that let metadata grow without bound (warnings)."""
+    from icefloe.maintenance import pipeline_table_advice
+
+    try:
+        advice = pipeline_table_advice(config)
+    except Exception as exc:
+        return [Check("table settings", "warn", f"not checked: {cause_of(exc)}")]
+    return [Check("table settings", "warn", a) for a in advice]
+
+
 def run_checks(config: PipelineConfig, verbose: bool = False) -> list[Check]:
     """Every check, core's then the plugins'."""
     from icefloe.plugins import get_plugins
@@ -153,6 +164,7 @@ def run_checks(config: PipelineConfig, verbose: bool = False) -> list[Check]:
         out = [attempt("plugins", lambda: _plugins_ok(plugins))]
         out += backend_checks(config)
         out += catalog_checks(config)
+        out += advice_checks(config)
         out += plugins.doctor_checks(config)
     return out
 

@@ -49,6 +49,11 @@ COMMIT_CYCLE_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 TABLE_COMMITS = Counter("icefloe_table_commits", "Iceberg commits made, per table.", ["table"])
+FILES_QUARANTINED = Counter(
+    "icefloe_files_quarantined",
+    "Announced files recorded in the quarantine instead of committed, per table.",
+    ["table"],
+)
 PENDING_FILES = Gauge("icefloe_pending_files", "Data files read by the coordinator, uncommitted.")
 PENDING_BYTES = Gauge("icefloe_pending_bytes", "Bytes of data files read, uncommitted.")
 SOURCE_LAG = Gauge(

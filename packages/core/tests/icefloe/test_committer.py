@@ -768,3 +768,41 @@ def test_expired_foreign_history_alone_is_fine(catalog: SqlCatalog, table: Table
     catalog.load_table("db.events").maintenance.expire_snapshots().by_id(first.snapshot_id).commit()
     IcebergCommitter(catalog, GROUP).commit(request(pending(write(table, [1]), table), {"0": 1}))
     assert ids_in(catalog) == [1, 100, 101]
+
+
+# --- cost that must not grow with the files of a commit ---------------------------------
+
+
+def test_commit_reads_transaction_metadata_a_fixed_number_of_times(
+    catalog: SqlCatalog, table: Table, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyiceberg rebuilds (deep-copies) a transaction's metadata on every read: a read per file
+    made a 10,000-file commit take seconds, growing with the table's history."""
+    from pyiceberg.table import Transaction
+
+    reads: list[int] = []
+    original = Transaction.table_metadata
+
+    def counted(tx: Transaction) -> Any:
+        reads.append(1)
+        return original.fget(tx)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(Transaction, "table_metadata", property(counted))
+
+    def reads_for(files: int, seq: int) -> int:
+        [meta] = write(table, [seq])
+        copies = []
+        for i in range(files):  # distinct paths of one real file (hard links)
+            path = meta.path.replace(".parquet", f"-{i}.parquet")
+            Path(path.removeprefix("file://")).hardlink_to(meta.path.removeprefix("file://"))
+            copies.append(dataclasses.replace(meta, path=path))
+        reads.clear()
+        IcebergCommitter(catalog, GROUP).commit(
+            request(pending(copies, table, batch_seq=seq, offset=seq), {"0": seq + 1})
+        )
+        return len(reads)
+
+    reads_for(1, 0)  # the table's first snapshot: later commits all have a parent
+    few, many = reads_for(2, 1), reads_for(200, 2)
+    assert many == few, f"metadata read {few} times for 2 files, {many} times for 200"
+    assert ids_in(catalog) == [0] + [1] * 2 + [2] * 200

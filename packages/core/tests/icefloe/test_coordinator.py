@@ -15,19 +15,21 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import ChannelRecord, WriterBatch
 from icefloe.committer import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
 from icefloe.config import CoordinationConfig
-from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings, CycleResult
 from icefloe.errors import ChannelError, CommitError, EventDecodeError, NotLeaderError
 from icefloe.events import (
+    CommitToTable,
     DataComplete,
     DataWritten,
     Event,
@@ -37,12 +39,15 @@ from icefloe.events import (
 )
 from icefloe.hookspecs import TableCommitted, hookimpl
 from icefloe.plugins import DISABLE_AUTOLOAD_ENV, Plugins, new_plugins
+from icefloe.quarantine import Quarantine
 from icefloe.testing.fixtures import (
     assert_exactly_once,
+    create_rows_table,
     group_snapshots,
     make_sqlite_catalog,
     sqlite_catalog_properties,
     table_ids,
+    write_rows,
 )
 from icefloe.testing.harness import (
     DoomedCoordinator,
@@ -542,7 +547,7 @@ def test_standalone_coordinator_command_commits_and_stops_on_sigterm(tmp_path: P
         try:
             source.publish(writer, 0)
             source.publish(writer, 1)
-            drive_until_rows(catalog, source)
+            drive_until_rows(catalog, source, timeout=120.0)  # a cold subprocess start
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
         finally:
@@ -630,3 +635,307 @@ def test_recovery_ends_under_steady_publishing(make: _Factory, source: RowSource
         thread.join(timeout=30)
     for t in TABLES:
         assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+# --- issue 10 §2: one bad or obsolete control event never stops a table ------------------
+
+
+def _fault_settings(**kw: Any) -> dict[str, Any]:
+    """No backoff between attempts, so a test's cycles retry failing tables at once."""
+    return {"table_retry_base_s": 0.0, "table_retry_max_s": 0.0, **kw}
+
+
+def test_file_outside_the_table_is_quarantined_and_the_rest_committed(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    table, other = TABLES
+    w = make.writer("w")
+    coord = make.coordinator(**_fault_settings())
+    lead(coord)
+    good = source.batch("w", 0)
+    # a file of the other table announced for ``table``: outside its location
+    stray = write_rows(make.catalog.load_table(other), [999_001, 999_002], "w", 0)
+    files = {t: list(fs) for t, fs in good.files.items()}
+    files[table] = files[table] + stray
+    w.publish(0, files, good.positions)
+    for t, ids in good.ids.items():
+        source.expected.setdefault(t, []).extend(ids)
+    wait_pending(coord, good.file_count + len(stray))
+
+    def counted() -> float:
+        sample = REGISTRY.get_sample_value("icefloe_files_quarantined_total", {"table": table})
+        return sample or 0.0
+
+    before = counted()
+    first = coord.commit_now()
+    assert first.failed == {}
+    assert first.quarantined == {table: len(stray)}
+    assert coord.quarantined_files == len(stray)
+    assert counted() == before + len(stray)
+    entries = Quarantine(make.catalog).list(group_id)
+    assert [(e.table_name, e.file_path, e.error_type) for e in entries] == [
+        (table, f.path, "FileOutsideTableError") for f in stray
+    ]
+    assert [e.record_count for e in entries] == [f.record_count for f in stray]
+    # the position advanced past the bad event: nothing blocks the table's later batches
+    assert make.backend.server.stored_position(group_id) == coord.read_position
+    wait_pending(coord, source.publish(w, 1).file_count)
+    second = coord.commit_now()
+    assert second.failed == {}
+    assert second.quarantined == {}
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def test_files_of_a_dropped_and_recreated_table_are_quarantined(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    table = TABLES[0]
+    w = make.writer("w")
+    coord = make.coordinator(**_fault_settings())
+    lead(coord)
+    old = source.batch("w", 0)
+    old_uuid = str(make.catalog.load_table(table).metadata.table_uuid)
+    w.publish(0, old.files, old.positions, table_uuids={table: old_uuid})
+    for t in TABLES[1:]:
+        source.expected.setdefault(t, []).extend(old.ids[t])
+    make.catalog.drop_table(table)  # while the batch is in flight
+    create_rows_table(make.catalog, table)
+    new = source.batch("w", 1)
+    new_uuid = str(make.catalog.load_table(table).metadata.table_uuid)
+    w.publish(1, new.files, new.positions, table_uuids={table: new_uuid})
+    for t, ids in new.ids.items():
+        source.expected.setdefault(t, []).extend(ids)
+    wait_pending(coord, old.file_count + new.file_count)
+
+    result = coord.commit_now()
+    assert result.failed == {}
+    assert result.quarantined == {table: len(old.files[table])}
+    entries = Quarantine(make.catalog).list(group_id, table)
+    assert sorted(e.file_path for e in entries) == sorted(f.path for f in old.files[table])
+    assert {e.error_type for e in entries} == {"TableMismatchError"}
+    assert {e.table_uuid for e in entries} == {old_uuid}
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def test_missing_table_backs_off_then_is_quarantined_and_the_others_keep_committing(
+    make: _Factory, sqlite_catalog: SqlCatalog, group_id: str
+) -> None:
+    gone = "db.gone"
+    source = RowSource.create(sqlite_catalog, (*TABLES, gone))
+    w = make.writer("w")
+    attempts = 3
+    coord = make.coordinator(**_fault_settings(quarantine_after_failures=attempts))
+    lead(coord)
+    b0 = source.publish(w, 0)
+    sqlite_catalog.drop_table(gone)  # missing for good from now on
+    wait_pending(coord, b0.file_count)
+    for n in range(1, attempts):
+        result = coord.commit_now()
+        assert set(result.failed) == {gone}
+        assert "TableMissingError" in result.failed[gone]
+        assert result.quarantined == {}
+        assert coord.pending_files() == {gone: len(b0.files[gone])}, f"attempt {n}"
+        # the others committed, and the position does not pass the missing table's event
+        stored = make.backend.server.stored_position(group_id)
+        assert stored is None or stored["0"] < coord.read_position["0"]
+    last = coord.commit_now()
+    assert last.quarantined == {gone: len(b0.files[gone])}
+    assert coord.pending_files() == {}
+    assert make.backend.server.stored_position(group_id) == coord.read_position
+    entries = Quarantine(make.catalog).list(group_id, gone)
+    assert sorted(e.file_path for e in entries) == sorted(f.path for f in b0.files[gone])
+    assert {e.error_type for e in entries} == {"TableMissingError"}
+    # the other tables' later batches commit as usual
+    source.tables = list(TABLES)
+    wait_pending(coord, source.publish(w, 1).file_count)
+    coord.commit_now()
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def test_failing_table_backs_off_instead_of_spinning_cycles(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    """A table that keeps failing holds more files than ``max_pending_files``: no cycle may
+    run back to back for it, and the other table's files are still read and committed."""
+    failing, healthy = TABLES
+    calls: list[str] = []
+
+    def always_fail(table: str) -> None:
+        calls.append(table)
+        if table == failing:
+            raise CommitError("injected: catalog unavailable")
+
+    w = make.writer("w")
+    # a backoff far beyond the test's own duration
+    coord = make.coordinator(
+        hooks=CoordinatorHooks(before_table_commit=always_fail),
+        max_pending_files=1,
+        table_retry_base_s=3600.0,
+        table_retry_max_s=3600.0,
+    )
+    lead(coord)
+    source.publish(w, 0)
+    cycles: list[CycleResult] = []
+
+    def healthy_committed() -> bool:
+        return sorted(table_ids(make.catalog, healthy)) == sorted(source.expected[healthy])
+
+    def step() -> bool:
+        result = coord.step(0.05)
+        if result is not None:
+            cycles.append(result)
+        return healthy_committed() and failing in calls
+
+    deadline = time.monotonic() + 60
+    while not step():
+        assert time.monotonic() < deadline, f"no commit and failure yet; cycles {cycles}"
+    for _ in range(20):  # the failing table's file exceeds the bound, yet no cycle runs
+        assert coord.step(0.01) is None
+    assert calls.count(failing) == 1
+    assert coord.pending_files() == {failing: len(source.expected[failing]) // 5}
+    later = coord.commit_now()
+    assert later.deferred == (failing,)
+    assert later.failed == {}
+    assert calls.count(failing) == 1
+    assert_exactly_once(make.catalog, healthy, source.expected[healthy])
+
+
+def test_same_file_announced_by_another_writer_is_not_appended_again(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    a, b = make.writer("a"), make.writer("b")
+    coord = make.coordinator()
+    lead(coord)
+    first = source.publish(a, 0)
+    wait_pending(coord, first.file_count)
+    coord.commit_now()
+    # the same DataFileMeta published again under another writer id, in a later cycle
+    b.publish(0, first.files, [])
+    wait_pending(coord, first.file_count)
+    result = coord.commit_now()
+    assert result.failed == {}
+    assert sum(r.data_files for r in result.tables) == 0
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+# --- issue 10 §4 --------------------------------------------------------------------------
+
+
+class _StoreFailsChannel(MemoryCoordinatorChannel):
+    """Fails every store_position, as a backend losing its connection right then would."""
+
+    def store_position(self, position: Mapping[str, int]) -> None:
+        raise ChannelError("injected: store_position failed")
+
+
+def test_commit_broadcasts_and_plugin_hook_run_before_store_position(
+    make: _Factory, source: RowSource, group_id: str, recorder: _Recorder
+) -> None:
+    w = make.writer("w")
+    listener = make.backend.writer("listener")
+    listener.open()
+    channel = _StoreFailsChannel(make.backend.server, group_id, "c1", TTL)
+    coord = Coordinator(
+        group_id,
+        channel,
+        make.catalog,
+        CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0),
+        coordinator_id="c1",
+        plugins=make.plugins,
+    )
+    try:
+        lead(coord)
+        wait_pending(coord, source.publish(w, 0).file_count)
+        with pytest.raises(ChannelError, match="store_position"):
+            coord.commit_now()
+    finally:
+        coord.close()
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert sorted(e.table for e in recorder.events) == sorted(TABLES)
+    told: list[str] = []
+    deadline = time.monotonic() + 30
+    while len(told) < len(TABLES):
+        assert time.monotonic() < deadline, f"CommitToTable seen for {told} only"
+        told += [
+            e.payload.table
+            for e in listener.poll_broadcasts(0.2)
+            if isinstance(e.payload, CommitToTable)
+        ]
+    assert sorted(told) == sorted(TABLES)
+    listener.close()
+
+
+def test_vtts_needs_every_source_partition_covered_by_a_live_writer(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    live = make.writer("live")
+    # a writer that publishes once (its own source partition) and then dies
+    dead = make.backend.writer("dead")
+    ref = WriterRef("dead", dead.open())
+    timeout_s = 1.0
+    coord = make.coordinator(commit_timeout_s=0.5, writer_timeout_s=timeout_s)
+    lead(coord)
+    b = source.batch("dead", 0)
+    events = [Event(group_id, DataWritten(t, tuple(fs)), ref, 0) for t, fs in b.files.items()]
+    events.append(Event(group_id, DataComplete(tuple(b.positions)), ref, 0))
+    assert dead.publish(WriterBatch(ref, 0, tuple(events)))
+    for t, ids in b.ids.items():
+        source.expected.setdefault(t, []).extend(ids)
+    files = b.file_count + source.publish(live, 0).file_count
+    wait_pending(coord, files)
+    assert not coord.commit_now().complete  # 'dead' never answers
+    time.sleep(timeout_s * 2)  # 'dead' is now past the writer timeout
+    wait_pending(coord, source.publish(live, 1).file_count)
+    result = coord.commit_now()
+    assert result.complete  # only live writers are waited for...
+    assert result.valid_through_ms is None  # ...but dead's source partition is not covered
+    assert "dead" not in coord.known_writers()  # and its state was dropped
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def test_recovery_and_reading_stop_at_max_pending_files(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    w = make.writer("w")
+    batches = [source.publish(w, seq) for seq in range(4)]
+    per_batch = batches[0].file_count
+    bound = per_batch  # one batch's worth
+    coord = make.coordinator(max_pending_files=bound)
+    lead(coord)
+    assert sum(coord.pending_files().values()) == bound, "recovery read past the bound"
+    peak = 0
+
+    def done() -> bool:
+        nonlocal peak
+        peak = max(peak, sum(coord.pending_files().values()))
+        return all(sorted(table_ids(make.catalog, t)) == sorted(source.expected[t]) for t in TABLES)
+
+    drive(coord, done, "every batch committed")
+    assert peak <= bound
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def test_stop_cutting_a_cycle_short_is_not_a_timeout_warning(
+    make: _Factory, source: RowSource, group_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    silent = make.backend.writer("silent")
+    ref = WriterRef("silent", silent.open())
+    assert silent.publish(WriterBatch(ref, 0, (Event(group_id, DataComplete(()), ref, 0),)))
+    coord = make.coordinator(commit_timeout_s=3600.0)
+    lead(coord)
+    drive(coord, lambda: "silent" in coord.known_writers(), "the silent writer")
+    stop = threading.Event()
+    stop.set()
+    coord._cycle.stop = stop  # what run() does; the stop arrives during the wait
+    with caplog.at_level("INFO", logger="icefloe.coordinator"):
+        result = coord.commit_now()
+    assert not result.complete
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("stopping" in r.getMessage() for r in caplog.records)

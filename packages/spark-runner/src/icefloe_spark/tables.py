@@ -27,6 +27,7 @@ from pyiceberg.types import (
 
 from icefloe.config import PipelineConfig, TableConfig
 from icefloe.errors import ConfigError
+from icefloe.maintenance import recommended_properties
 from icefloe.plugins import Plugins, get_plugins
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ def record_schema(config: PipelineConfig, plugins: Plugins | None = None) -> pa.
 
 
 def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> None:
-    """Create ``table`` with its partition spec and identifier fields in one transaction."""
+    """Create ``table`` with its partition spec, identifier fields and properties (icefloe's
+    bounded-metadata recommendations, then ``tables.properties``) in one transaction."""
     missing = [c for c in table.id_columns if c not in schema.names]
     if missing:
         raise ConfigError(
@@ -96,7 +98,9 @@ def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> Non
     fields = [f.with_nullable(False) if f.name in table.id_columns else f for f in schema]
     namespace = table.name.rsplit(".", 1)[0]
     catalog.create_namespace_if_not_exists(namespace)
-    txn = catalog.create_table_transaction(table.name, schema=pa.schema(fields))
+    txn = catalog.create_table_transaction(
+        table.name, schema=pa.schema(fields), properties=recommended_properties(table.properties)
+    )
     if table.partition_by:
         with txn.update_spec() as spec:
             for entry in table.partition_by:

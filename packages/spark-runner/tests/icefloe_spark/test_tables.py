@@ -100,3 +100,23 @@ def test_unknown_id_column_is_named(catalog: Catalog) -> None:
     cfg = config([{"name": "sales.orders", "auto_create": True, "id_columns": ["nope"]}])
     with pytest.raises(ConfigError, match="nope"):
         ensure_tables(catalog, cfg)
+
+
+def test_auto_created_tables_keep_metadata_bounded_and_take_configured_properties(
+    catalog: Catalog,
+) -> None:
+    cfg = config(
+        [
+            {
+                "name": "sales.orders",
+                "auto_create": True,
+                "properties": {"write.metadata.previous-versions-max": "7", "owner": "sales"},
+            }
+        ]
+    )
+    ensure_tables(catalog, cfg)
+    props = catalog.load_table("sales.orders").properties
+    assert props["commit.manifest-merge.enabled"] == "true"
+    assert props["write.metadata.delete-after-commit.enabled"] == "true"
+    assert props["write.metadata.previous-versions-max"] == "7"  # the configured value wins
+    assert props["owner"] == "sales"

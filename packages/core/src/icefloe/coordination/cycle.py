@@ -78,6 +78,7 @@ class CommitCycle:
         self._quarantine = quarantine
         self._trouble: dict[str, _Trouble] = {}
         self.quarantined_files = 0  # since this coordinator started (a metric)
+        reader.backing_off = self.backing_off
         self.stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
         self.last_end = time.monotonic()
 
@@ -85,7 +86,8 @@ class CommitCycle:
         """The interval counts from now (after recovery, or after losing leadership)."""
         self.last_end = time.monotonic()
 
-    def _backing_off(self, table: str) -> bool:
+    def backing_off(self, table: str) -> bool:
+        """Whether ``table`` failed recently and waits for its next attempt."""
         trouble = self._trouble.get(table)
         return trouble is not None and time.monotonic() < trouble.retry_at
 
@@ -94,16 +96,12 @@ class CommitCycle:
         if time.monotonic() - self.last_end >= s.commit_interval_s:
             return True
         # files of tables backing off do not count: they must not make cycles spin
-        ready = [
-            f for t, fs in self._reader.pending.items() if not self._backing_off(t) for f in fs
-        ]
-        if s.max_pending_files is not None and ready and len(ready) >= s.max_pending_files:
-            return True
-        return (
-            s.max_pending_bytes is not None
-            and bool(ready)
-            and sum(f.meta.file_size_in_bytes for f in ready) >= s.max_pending_bytes
+        files, size = self._reader.pending_size(
+            t for t in self._reader.pending if not self.backing_off(t)
         )
+        if s.max_pending_files is not None and files and files >= s.max_pending_files:
+            return True
+        return s.max_pending_bytes is not None and files > 0 and size >= s.max_pending_bytes
 
     def run(self) -> CycleResult:
         commit_id = str(uuid.uuid4())
@@ -160,7 +158,7 @@ class CommitCycle:
         quarantined: dict[str, int] = {}
         deferred: list[str] = []
         for table in sorted(reader.pending):
-            if self._backing_off(table):
+            if self.backing_off(table):
                 deferred.append(table)
                 continue
             files = tuple(reader.pending[table])

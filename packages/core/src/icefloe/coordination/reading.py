@@ -34,6 +34,8 @@ from icefloe.writer import merge_positions
 
 log = logging.getLogger("icefloe.coordinator")
 
+_HARD_CAP = 4  # times max_pending_*: the most files kept while some tables back off
+
 
 @dataclass
 class WriterState:
@@ -64,6 +66,7 @@ class EventReader:
         self._committer = committer
         self._settings = settings
         self._quarantine = quarantine
+        self.backing_off: Callable[[str], bool] = lambda table: False  # set by the cycle
         self.reset()
 
     def reset(self) -> None:
@@ -71,6 +74,7 @@ class EventReader:
         self.read_pos: dict[str, int] = {}
         self.stored: dict[str, int] | None = None
         self.pending: dict[str, list[PendingFile]] = {}
+        self._bytes: dict[str, int] = {}  # pending bytes per table, kept with ``pending``
         self._pending_keys: set[tuple[str, int, str]] = set()
         self.writers: dict[str, WriterState] = {}
         self._boundaries: dict[str, CommitBoundary] = {}
@@ -87,16 +91,32 @@ class EventReader:
         return {t: len(fs) for t, fs in self.pending.items() if fs}
 
     def pending_bytes(self) -> int:
-        return sum(f.meta.file_size_in_bytes for fs in self.pending.values() for f in fs)
+        return sum(self._bytes.values())
+
+    def pending_size(self, tables: Iterable[str]) -> tuple[int, int]:
+        """Pending files and bytes of ``tables`` (cheap: per-table counts)."""
+        chosen = [t for t in tables if t in self.pending]
+        return sum(len(self.pending[t]) for t in chosen), sum(self._bytes[t] for t in chosen)
 
     def full(self) -> bool:
-        """Whether pending files reached ``max_pending_files/bytes`` (stop reading)."""
+        """Whether pending files reached ``max_pending_files/bytes`` (stop reading).
+
+        Files of tables backing off after a failure count only against a hard cap of
+        ``_HARD_CAP`` times the bound: below it the other tables keep being read and committed
+        while one table fails; at it memory wins and reading waits (a permanently failing
+        table's files are quarantined after its attempts, which frees it).
+        """
         s = self._settings
-        if s.max_pending_files is not None and (
-            sum(len(fs) for fs in self.pending.values()) >= s.max_pending_files
-        ):
-            return True
-        return s.max_pending_bytes is not None and self.pending_bytes() >= s.max_pending_bytes
+        if s.max_pending_files is None and s.max_pending_bytes is None:
+            return False
+        every = self.pending_size(self.pending)
+        ready = self.pending_size(t for t in self.pending if not self.backing_off(t))
+        for (files, size), factor in ((ready, 1), (every, _HARD_CAP)):
+            if s.max_pending_files is not None and files >= s.max_pending_files * factor:
+                return True
+            if s.max_pending_bytes is not None and size >= s.max_pending_bytes * factor:
+                return True
+        return False
 
     def prune_writers(self) -> set[str]:
         """Drop writers not heard from within ``writer_timeout_s``; returns the live ones."""
@@ -222,6 +242,9 @@ class EventReader:
             return  # the table already holds this batch (all its files share one place)
         self._pending_keys.add(key)
         self.pending.setdefault(dw.table, []).extend(files)
+        self._bytes[dw.table] = self._bytes.get(dw.table, 0) + sum(
+            f.meta.file_size_in_bytes for f in files
+        )
 
     def boundary(self, table: str) -> CommitBoundary:
         """What ``table`` holds already, read once per leadership from its snapshots."""
@@ -254,8 +277,10 @@ class EventReader:
         left = [f for f in self.pending.get(table, []) if id(f) not in gone]
         if left:
             self.pending[table] = left
+            self._bytes[table] = sum(f.meta.file_size_in_bytes for f in left)
         else:
             self.pending.pop(table, None)
+            self._bytes.pop(table, None)
         still = {(f.writer_id, f.batch_seq) for f in left}
         for f in files:
             if (f.writer_id, f.batch_seq) not in still:

@@ -112,6 +112,22 @@ RULES = (
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+@contextlib.contextmanager
+def broken(name: str) -> Iterator[None]:
+    """Report any failure inside the block as rule ``name`` being broken (the first rule
+    named wins when checks nest)."""
+    assert name in RULES, f"unknown rule {name!r}"
+    prefix = f"rule '{name}' of docs/backend-authors.md is broken: "
+    try:
+        yield
+    except Exception as exc:  # any failure breaks the rule
+        pytest.fail(f"{prefix}{type(exc).__name__}: {exc}")
+    except pytest.fail.Exception as exc:
+        if str(exc).startswith("rule '"):
+            raise
+        pytest.fail(f"{prefix}{exc}")
+
+
 def rule(name: str) -> Callable[[_F], _F]:
     """Mark a test as the check of one documented rule: any failure (assertion, timeout or an
     exception of the backend) is reported as that rule being broken, so an author knows which
@@ -121,15 +137,8 @@ def rule(name: str) -> Callable[[_F], _F]:
     def decorate(test: _F) -> _F:
         @functools.wraps(test)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            try:
+            with broken(name):
                 return test(*args, **kwargs)
-            except Exception as exc:  # any failure breaks the rule
-                pytest.fail(
-                    f"rule '{name}' of docs/backend-authors.md is broken: "
-                    f"{type(exc).__name__}: {exc}"
-                )
-            except pytest.fail.Exception as exc:
-                pytest.fail(f"rule '{name}' of docs/backend-authors.md is broken: {exc}")
 
         checked.rule = name  # type: ignore[attr-defined]
         return checked  # type: ignore[return-value]
@@ -547,6 +556,27 @@ class BackendConformance:
         assert l2 is not None, "no takeover after the leader died"
         assert l2.token > l1.token
 
+    @rule("One leader")
+    def test_paused_leader_is_fenced_after_takeover(
+        self, backend: Backend, group_id: str, channels: list[WriterChannel | CoordinatorChannel]
+    ) -> None:
+        """A leader that stops renewing (a long GC pause) and wakes up after another took over
+        must fail to renew, broadcast or store a position."""
+        c1, l1 = self.leader(backend, channels, "c1")
+        c1.store_position({"0": 0})
+        c2 = backend.coordinator("c2")
+        channels.append(c2)
+        l2 = c2.acquire(self.read_timeout_s)
+        assert l2 is not None, "no takeover after the leader stopped renewing"
+        assert l2.token > l1.token
+        with pytest.raises(NotLeaderError):
+            c1.store_position({"0": 1})
+        with pytest.raises(NotLeaderError):
+            c1.broadcast(Event(group_id, StartCommit("zombie")))
+        with pytest.raises(NotLeaderError):
+            c1.renew()
+        assert_same_position(c2.stored_position(), {"0": 0})
+
     @rule("Broadcasts")
     def test_broadcasts_reach_writers_opened_before_them(
         self, backend: Backend, group_id: str, channels: list[WriterChannel | CoordinatorChannel]
@@ -722,8 +752,8 @@ class BackendConformance:
             assert order == [i for b in batches for i in b], (
                 f"writer {writer_id}'s events are not its batches whole and in publish order"
             )
-        for batches in published.values():
-            for b in batches:
+        for b in (b for batches in published.values() for b in batches):
+            with broken("Atomic batches"):
                 where = {poll_of[e] for e in b}
                 assert len(where) == 1 or None in where, (
                     "a batch became visible in parts: its events came in separate polls "
@@ -857,11 +887,17 @@ class BackendConformance:
             c1.release()
             with pytest.raises(NotLeaderError):
                 c1.renew()
-            c2, l2 = self.leader(b, channels, "c2")
+            c2 = b.coordinator("c2")
+            channels.append(c2)
+            l2 = c2.acquire(self.read_timeout_s)
+            assert l2 is not None, "release() did not free the lease"
             assert l2.token > l1.token
             c2.close()
-            _, l3 = self.leader(b, channels, "c3")
-            assert l3.token > l2.token, "close() did not release the lease"
+            c3 = b.coordinator("c3")
+            channels.append(c3)
+            l3 = c3.acquire(self.read_timeout_s)
+            assert l3 is not None, "close() did not release the lease"
+            assert l3.token > l2.token
 
     @rule("One leader")
     def test_two_channels_with_one_coordinator_id_are_two_contenders(

@@ -108,14 +108,20 @@ class MemoryServer:
         """Append a batch atomically; False if its key was published before."""
         with self._cond:
             g = self._group(group_id)
-            self._check_epoch(g, writer_id, epoch)
-            key = (writer_id, batch_seq)
-            if key in g.published:
+            if not self._claim_key(g, writer_id, epoch, batch_seq):
                 return False
-            g.published.add(key)
             g.log.extend(events)
             self._cond.notify_all()
             return True
+
+    def _claim_key(self, g: _Group, writer_id: str, epoch: int, batch_seq: int) -> bool:
+        """Under the lock: check the epoch and record the batch key; False if it was seen."""
+        self._check_epoch(g, writer_id, epoch)
+        key = (writer_id, batch_seq)
+        if key in g.published:
+            return False
+        g.published.add(key)
+        return True
 
     def append(self, group_id: str, writer_id: str, epoch: int, event: bytes) -> None:
         """Append one writer event that is not a batch (a DataComplete answer)."""

@@ -1,0 +1,350 @@
+"""The coordinator under many writers and many files: cycle and Iceberg commit time.
+
+    nox -s bench-coordinator -- --backend redis --writers 64 --files 1000 --cycles 20
+    # or: python benchmarks/bench_coordinator.py --backend kafka --writers 256 --files 100
+
+A simulation of a pipeline without Spark, on the real code paths:
+
+* writers: real :class:`~icefloe.writer.WriterClient` objects (each with its responder thread)
+  on the chosen backend, spread over ``--processes`` child processes;
+* coordinator: the real :class:`~icefloe.coordinator.Coordinator` and committer in this
+  process, committing to a real SQLite-catalog table;
+* files: every published file is a real Parquet file inside the table location. Each writer
+  process writes one small Parquet file through pyiceberg's writer and hard-links it under a
+  new name for every file it publishes, so 100,000 files per cycle cost no Parquet writing
+  (the committer never opens data files; a reader of the table reads real Parquet).
+
+Per cycle: every writer publishes one batch (``--files`` spread over the writers), the
+coordinator reads until all are pending, then runs one commit cycle (StartCommit, every
+writer answers, one Iceberg commit). "cycle" is that whole commit cycle; "commit" is the
+Iceberg commit alone (from the coordinator's ``before_table_commit`` hook to its
+``after_iceberg_commits`` hook). Reports p50/p99 of both, the last-10 / first-10 ratio of the
+commit time (growth with table history), the metadata directory's size, and with ``--idle-s``
+the CPU the writer processes burn while nothing happens. At the end it checks that the table
+holds exactly the published files, and every row, with a pyarrow scan of the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from icefloe.channel import Backend
+from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings, CycleResult
+from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe.events import DataFileMeta, SourcePosition
+from icefloe.hookspecs import BackendContext
+from icefloe.plugins import get_plugins
+from icefloe.testing.fixtures import create_rows_table, make_sqlite_catalog, write_rows
+from icefloe.testing.harness import drive, lead
+from icefloe.writer import WriterClient
+
+TABLE = "bench.events"
+ROWS_PER_FILE = 10
+
+
+def backend_options(name: str, bootstrap: str | None) -> dict[str, Any]:
+    """Options of a private namespace on the machine's servers (or the embedded broker)."""
+    tag = uuid.uuid4().hex[:10]
+    if name == "redis":
+        url = os.environ.get("ICEFLOE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+        return {
+            "url": url,
+            "key_prefix": f"bench-{tag}",
+            "max_block_s": 0.5,
+            "warn_no_persistence": False,
+        }
+    if name == "postgres":
+        dsn = os.environ.get("ICEFLOE_TEST_POSTGRES_DSN", "postgresql://127.0.0.1:5432/test")
+        return {"dsn": dsn, "schema": f"bench_{tag}"}
+    if name == "kafka":
+        return {
+            "bootstrap_servers": bootstrap,
+            "control_topic": f"bench-control-{tag}",
+            "partitions": 4,
+            "fetch_wait_max_ms": 20,
+            "transaction_timeout_ms": 30_000,
+        }
+    raise SystemExit(f"unknown backend {name!r}: use redis, postgres or kafka")
+
+
+def open_backend(name: str, options: dict[str, Any], group: str) -> Backend:
+    spec = get_plugins().backend(name)
+    return spec.factory(
+        spec.config_model.model_validate(options), BackendContext(group, lease_ttl_s=15.0)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    backend: str
+    options: dict[str, Any]
+    group: str
+    catalog_dir: str
+    writers: list[tuple[int, str]]  # (index, writer id)
+
+
+def _local_path(uri: str) -> str:
+    return urlsplit(uri).path if uri.startswith("file:") else uri
+
+
+class Templates:
+    """Real Parquet files to hard-link from, a new one before a file system's link limit."""
+
+    LINKS_PER_FILE = 20_000  # ext4 allows 65,000 links to one inode
+
+    def __init__(self, table: Any) -> None:
+        self._table = table
+        self._lock = threading.Lock()
+        self._links = self.LINKS_PER_FILE
+
+    def link(self, name: str) -> DataFileMeta:
+        with self._lock:
+            if self._links >= self.LINKS_PER_FILE:
+                self._meta = write_rows(self._table, range(ROWS_PER_FILE), "template", 0)[0]
+                self._path = _local_path(self._meta.path)
+                self._links = 0
+            self._links += 1
+            meta, source = self._meta, self._path
+        path = os.path.join(os.path.dirname(source), name)
+        os.link(source, path)
+        return dataclasses.replace(meta, path=f"file://{path}")
+
+
+def worker_main(spec: WorkerSpec, commands: Any, replies: Any) -> None:
+    """One writer process: its writers publish when told to; replies with CPU seconds used."""
+    catalog = make_sqlite_catalog(Path(spec.catalog_dir))
+    table = catalog.load_table(TABLE)
+    templates = Templates(table)
+    backend = open_backend(spec.backend, spec.options, spec.group)
+    clients = [
+        (index, WriterClient(backend.writer(wid), spec.group, wid)) for index, wid in spec.writers
+    ]
+    for _, client in clients:
+        client.start()
+
+    def publish(index: int, client: WriterClient, cycle: int, count: int) -> None:
+        metas: list[DataFileMeta] = []
+        for i in range(count):
+            metas.append(templates.link(f"bench-{client.writer_id}-{cycle}-{i}.parquet"))
+        position = SourcePosition("bench", index, cycle + 1, int(time.time() * 1000))
+        client.publish(cycle, {TABLE: metas} if metas else {}, [position])
+
+    replies.put(("ready", time.process_time()))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        while True:
+            command = commands.get()
+            if command[0] == "stop":
+                break
+            if command[0] == "cpu":
+                replies.put(("cpu", time.process_time()))
+                continue
+            _, cycle, counts = command
+            jobs = [
+                pool.submit(publish, index, client, cycle, count)
+                for (index, client), count in zip(clients, counts, strict=True)
+            ]
+            for job in jobs:
+                job.result()
+            replies.put(("published", time.process_time()))
+    for _, client in clients:
+        client.close()
+    backend.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="redis", choices=("redis", "postgres", "kafka"))
+    parser.add_argument("--writers", type=int, default=8)
+    parser.add_argument("--files", type=int, default=100, help="files per cycle, all writers")
+    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--processes", type=int, default=2, help="writer processes")
+    parser.add_argument("--idle-s", type=float, default=0.0, help="measure idle writer CPU")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-coordinator-"))
+    catalog = make_sqlite_catalog(work / "iceberg")
+    create_rows_table(catalog, TABLE)
+    broker = (
+        EmbeddedKafkaBroker(log_path=work / "broker.log").start()
+        if args.backend == "kafka"
+        else None
+    )
+    group = f"bench-{uuid.uuid4().hex[:8]}"
+    options = backend_options(args.backend, broker.bootstrap_servers if broker else None)
+    ids = [(i, f"w{i:05d}") for i in range(args.writers)]
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    workers = []
+    for p in range(args.processes):
+        commands = ctx.Queue()
+        spec = WorkerSpec(
+            args.backend, options, group, str(work / "iceberg"), ids[p :: args.processes]
+        )
+        proc = ctx.Process(target=worker_main, args=(spec, commands, replies), daemon=True)
+        proc.start()
+        workers.append((proc, commands, spec))
+
+    commit_started: list[float] = []
+    commit_times: list[float] = []
+
+    def before(_: str) -> None:
+        commit_started.append(time.perf_counter())
+
+    def after(_: CycleResult) -> None:
+        if commit_started:
+            commit_times.append(time.perf_counter() - commit_started.pop())
+
+    backend = open_backend(args.backend, options, group)
+    coordinator = Coordinator(
+        group,
+        backend.coordinator("bench-coordinator"),
+        catalog,
+        CoordinatorSettings(commit_interval_s=3600, commit_timeout_s=60, writer_timeout_s=3600),
+        hooks=CoordinatorHooks(before_table_commit=before, after_iceberg_commits=after),
+    )
+    cycle_times: list[float] = []
+    publish_times: list[float] = []
+    idle_cores: float | None = None
+    try:
+        for _ in workers:
+            kind, _cpu = replies.get(timeout=300)
+            assert kind == "ready", kind
+        lead(coordinator, timeout=120)
+        total_files = 0
+        for cycle in range(args.cycles):
+            started = time.perf_counter()
+            for _, commands, spec in workers:
+                counts = [
+                    args.files // args.writers + (1 if index < args.files % args.writers else 0)
+                    for index, _ in spec.writers
+                ]
+                commands.put(("publish", cycle, counts))
+            for _ in workers:
+                replies.get(timeout=600)
+            total_files += args.files
+            drive(
+                coordinator,
+                lambda: sum(coordinator.pending_files().values()) >= args.files,
+                f"{args.files} pending files",
+                timeout=600,
+            )
+            publish_times.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            result = coordinator.commit_now()
+            cycle_times.append(time.perf_counter() - started)
+            if not result.complete or result.failed:
+                print(f"cycle {cycle}: complete={result.complete} failed={result.failed}")
+            print(
+                f"cycle {cycle}: cycle {cycle_times[-1] * 1000:.0f} ms, "
+                f"commit {commit_times[-1] * 1000:.0f} ms"
+                if commit_times
+                else "",
+                flush=True,
+            )
+        if args.idle_s > 0:
+            idle_cores = measure_idle(workers, replies, args.idle_s)
+        check_table(catalog, total_files)
+    finally:
+        for _, commands, _ in workers:
+            commands.put(("stop",))
+        for proc, _, _ in workers:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+        coordinator.close()
+        backend.close()
+        if broker is not None:
+            broker.stop()
+    report(args, cycle_times, commit_times, work, idle_cores)
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def measure_idle(workers: list[Any], replies: Any, seconds: float) -> float:
+    """CPU cores the writer processes use while no batch is published and no cycle runs."""
+
+    def cpu() -> float:
+        for _, commands, _ in workers:
+            commands.put(("cpu",))
+        return sum(replies.get(timeout=60)[1] for _ in workers)
+
+    before, started = cpu(), time.perf_counter()
+    time.sleep(seconds)
+    return (cpu() - before) / (time.perf_counter() - started)
+
+
+def check_table(catalog: Any, files: int) -> None:
+    """The table holds exactly the published files and their rows (pyarrow scan)."""
+    table = catalog.load_table(TABLE)
+    snapshot = table.current_snapshot()
+    summary = snapshot.summary if snapshot else None
+    got = int(summary["total-data-files"]) if summary else 0
+    rows = table.scan(selected_fields=("id",)).to_arrow().num_rows
+    if got != files or rows != files * ROWS_PER_FILE:
+        raise SystemExit(f"table holds {got} files / {rows} rows, expected {files} files")
+
+
+def report(
+    args: argparse.Namespace,
+    cycles: list[float],
+    commits: list[float],
+    work: Path,
+    idle_cores: float | None,
+) -> None:
+    def ms(v: float) -> str:
+        return f"{v * 1000:,.0f} ms"
+
+    n = min(10, len(commits) // 2) or 1
+    ratio = statistics.mean(commits[-n:]) / statistics.mean(commits[:n]) if commits else 0.0
+    meta = dir_size(next((work / "iceberg" / "warehouse").rglob("metadata")))
+    load = os.getloadavg()[0]
+    print()
+    print(
+        f"backend={args.backend} writers={args.writers} files/cycle={args.files} "
+        f"cycles={args.cycles} processes={args.processes} cpus={os.cpu_count()} "
+        f"python={platform.python_version()} load(1m)={load:.1f}"
+    )
+    print(f"cycle p50 {ms(percentile(cycles, 0.5))}, p99 {ms(percentile(cycles, 0.99))}")
+    print(f"commit p50 {ms(percentile(commits, 0.5))}, p99 {ms(percentile(commits, 0.99))}")
+    print(f"commit last-{n} / first-{n}: {ratio:.2f}; metadata dir {meta / 1e6:.1f} MB")
+    if idle_cores is not None:
+        print(f"idle writers: {idle_cores:.2f} cores")
+    date = datetime.now(UTC).strftime("%Y-%m-%d")
+    print(
+        f"| {date} | {args.backend} | {args.writers} | {args.files:,} | {args.cycles} | "
+        f"{ms(percentile(cycles, 0.5))} | {ms(percentile(cycles, 0.99))} | "
+        f"{ms(percentile(commits, 0.5))} | {ratio:.2f} | "
+        f"{'' if idle_cores is None else f'{idle_cores:.2f}'} | {load:.1f} |"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Bounded table metadata: the committer merges manifests and drops old metadata files when
+the table asks for it, and ``doctor`` names the tables that do not; on a real SqlCatalog."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+
+from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.config import config_from_dict
+from icefloe.coordinator import Coordinator, CoordinatorSettings
+from icefloe.errors import ConfigError
+from icefloe.maintenance import (
+    RECOMMENDED_TABLE_PROPERTIES,
+    announced_files,
+    expire_snapshots,
+    parse_age,
+    pipeline_table_advice,
+    recommended_properties,
+    remove_orphan_files,
+    table_property_advice,
+)
+from icefloe.testing.fixtures import (
+    ROWS_SCHEMA,
+    create_rows_table,
+    sqlite_catalog_properties,
+    table_ids,
+    write_rows,
+)
+from icefloe.testing.harness import RowSource, lead, wait_pending
+from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.writer import WriterClient
+
+TABLE = "db.events"
+
+
+def commit_cycles(catalog: SqlCatalog, cycles: int) -> None:
+    """One real file and one commit per cycle, as a pipeline would."""
+    committer = IcebergCommitter(catalog, "pipe")
+    table = catalog.load_table(TABLE)
+    for seq in range(cycles):
+        [meta] = write_rows(table, [seq], "w1", seq)
+        pending = PendingFile(meta, "w1", seq, "0", seq, str(table.metadata.table_uuid))
+        result = committer.commit(
+            TableCommitRequest(TABLE, str(uuid.uuid4()), (pending,), {"0": seq + 1}, {}, 1)
+        )
+        assert result.data_files == 1
+
+
+def test_manifests_are_merged_when_the_table_enables_it(sqlite_catalog: SqlCatalog) -> None:
+    create_rows_table(sqlite_catalog, TABLE)
+    sqlite_catalog.load_table(TABLE).transaction().set_properties(
+        {"commit.manifest-merge.enabled": "true", "commit.manifest.min-count-to-merge": "4"}
+    ).commit_transaction()
+
+    commit_cycles(sqlite_catalog, 12)
+
+    table = sqlite_catalog.load_table(TABLE)
+    snapshot = table.current_snapshot()
+    assert snapshot is not None
+    manifests = snapshot.manifests(table.io)
+    assert len(manifests) < 4, f"{len(manifests)} manifests after 12 commits: none merged"
+    assert table_ids(sqlite_catalog, TABLE) == list(range(12))  # merging lost nothing
+
+
+def test_old_metadata_files_are_deleted_when_the_table_asks(sqlite_catalog: SqlCatalog) -> None:
+    create_rows_table(sqlite_catalog, TABLE)
+    sqlite_catalog.load_table(TABLE).transaction().set_properties(
+        {
+            "write.metadata.delete-after-commit.enabled": "true",
+            "write.metadata.previous-versions-max": "3",
+        }
+    ).commit_transaction()
+
+    commit_cycles(sqlite_catalog, 10)
+
+    location = sqlite_catalog.load_table(TABLE).location().removeprefix("file://")
+    kept = list((Path(location) / "metadata").glob("*.metadata.json"))
+    assert len(kept) <= 4, f"{len(kept)} metadata files kept; previous-versions-max is 3"
+    assert table_ids(sqlite_catalog, TABLE) == list(range(10))
+
+
+def test_advice_names_each_missing_property_and_respects_explicit_values() -> None:
+    assert table_property_advice("db.t", recommended_properties()) == []
+    advice = table_property_advice("db.t", {"write.metadata.delete-after-commit.enabled": "false"})
+    assert len(advice) == len(RECOMMENDED_TABLE_PROPERTIES) - 1
+    assert all(a.startswith("table 'db.t': property ") for a in advice)
+    assert any("commit.manifest-merge.enabled" in a and "set it to true" in a for a in advice)
+    assert (
+        recommended_properties({"write.metadata.previous-versions-max": "9"})[
+            "write.metadata.previous-versions-max"
+        ]
+        == "9"
+    )
+
+
+def test_doctor_advice_covers_existing_pipeline_tables_only(tmp_path: Path) -> None:
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = SqlCatalog("doc", **props)
+    catalog.create_namespace("db")
+    catalog.create_table("db.bare", schema=ROWS_SCHEMA)
+    catalog.create_table("db.good", schema=ROWS_SCHEMA, properties=recommended_properties())
+    cfg = config_from_dict(
+        {
+            "name": "p",
+            "source": {"topics": ["t"]},
+            "catalog": {"name": "doc", "properties": props},
+            "tables": [{"name": "db.bare"}, {"name": "db.good"}, {"name": "db.missing"}],
+        }
+    )
+    advice = pipeline_table_advice(cfg)
+    assert len(advice) == len(RECOMMENDED_TABLE_PROPERTIES)
+    assert all("'db.bare'" in a for a in advice)
+
+
+# --- icefloe maintain next to a live pipeline --------------------------------------------
+
+
+def _age_everything(location: str, seconds: float) -> None:
+    """Make every file under the table look ``seconds`` old (a long-running table)."""
+    stamp = time.time() - seconds
+    for path in Path(location.removeprefix("file://")).rglob("*"):
+        if path.is_file():
+            os.utime(path, (stamp, stamp))
+
+
+def test_maintain_keeps_what_dedupe_and_uncommitted_batches_need(
+    sqlite_catalog: SqlCatalog, memory_server: MemoryServer
+) -> None:
+    source = RowSource.create(sqlite_catalog, [TABLE])
+    backend = MemoryBackend(memory_server, "pipe")
+    writer = WriterClient(backend.writer("w1"), "pipe", "w1")
+    writer.start()
+    coordinator = Coordinator(
+        "pipe", backend.coordinator("c1"), sqlite_catalog, CoordinatorSettings(3600, 30)
+    )
+    try:
+        lead(coordinator)
+        ours = []
+        for seq in range(3):
+            batch = source.publish(writer, seq)
+            wait_pending(coordinator, batch.file_count)
+            [result] = coordinator.commit_now().tables
+            ours.append(result.snapshot_id)
+        foreign = []
+        for rows in ([900], [901]):  # another tool appends on top of the pipeline's snapshots
+            table = sqlite_catalog.load_table(TABLE)
+            table.append(pa.table({"id": pa.array(rows, pa.int64())}, schema=_ids_schema()))
+            snapshot = sqlite_catalog.load_table(TABLE).current_snapshot()
+            assert snapshot is not None
+            foreign.append(snapshot.snapshot_id)
+        uncommitted = source.publish(writer, 3)  # published, not committed yet
+        wait_pending(coordinator, uncommitted.file_count)
+        table = sqlite_catalog.load_table(TABLE)
+        [stray] = write_rows(table, [999], "crashed-task", 0)  # never announced
+        _age_everything(table.location(), 10 * 86_400)
+        [young] = write_rows(table, [998], "running-task", 0)  # written just now
+
+        now_ms = int(time.time() * 1000)
+        expiry = expire_snapshots(table, now_ms + 1000, retain_last=0)
+        reader = backend.coordinator("maintain")
+        pending = announced_files(reader, "pipe")
+        reader.close()
+        orphans = remove_orphan_files(
+            sqlite_catalog.load_table(TABLE), now_ms - 86_400_000, pending
+        )
+
+        assert expiry.expired == tuple(sorted(ours[:2]))
+        assert expiry.kept_for_dedupe == tuple(sorted([ours[2], foreign[0]]))
+        announced = {_key(f.path) for f in uncommitted.files[TABLE]}
+        assert pending == {f.path for f in uncommitted.files[TABLE]}
+        assert set(orphans.kept_pending) == announced
+        deleted_data = {p for p in orphans.deleted if "/data/" in p}
+        assert deleted_data == {_key(stray.path)}, "only the stray data file is an orphan"
+        assert Path(_key(young.path)).exists()
+
+        # the pipeline goes on: commits the pending batch, nothing lost or doubled
+        [result] = coordinator.commit_now().tables
+        assert result.data_files == uncommitted.file_count
+        assert table_ids(sqlite_catalog, TABLE) == sorted(source.expected[TABLE] + [900, 901])
+    finally:
+        writer.close()
+        coordinator.close()
+
+
+def _key(uri: str) -> str:
+    return uri.removeprefix("file://")
+
+
+def _ids_schema() -> pa.Schema:
+    return pa.schema([pa.field("id", pa.int64(), nullable=True)])
+
+
+def test_ages_parse_and_bad_ones_are_config_errors() -> None:
+    assert parse_age("7d") == 7 * 86_400
+    assert parse_age("12h") == 12 * 3_600
+    assert parse_age("90") == 90
+    with pytest.raises(ConfigError, match="not an age"):
+        parse_age("soon")

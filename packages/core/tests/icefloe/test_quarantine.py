@@ -1,0 +1,82 @@
+"""The quarantine table and the ``icefloe quarantine`` command, on a real SQLite catalog."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+from pyiceberg.catalog.sql import SqlCatalog
+from typer.testing import CliRunner
+
+from icefloe.cli import app
+from icefloe.quarantine import Quarantine, QuarantineEntry
+from icefloe.testing.fixtures import make_sqlite_catalog, sqlite_catalog_properties
+
+GROUP = "pipe-q"
+
+
+def _entry(table: str, path: str, group: str = GROUP) -> QuarantineEntry:
+    return QuarantineEntry(
+        group_id=group,
+        table_name=table,
+        file_path=path,
+        record_count=3,
+        file_size_in_bytes=100,
+        writer_id="w",
+        batch_seq=7,
+        channel_partition="0",
+        channel_offset=12,
+        table_uuid=None,
+        error_type="FileOutsideTableError",
+        error_message="outside",
+        commit_id="c",
+        quarantined_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+    )
+
+
+def test_entries_are_recorded_once_per_pipeline_table_and_path(sqlite_catalog: SqlCatalog) -> None:
+    q = Quarantine(sqlite_catalog)
+    assert q.list(GROUP) == []  # no table yet: nothing, and nothing created
+    assert not sqlite_catalog.table_exists(q.identifier)
+    first = [_entry("db.a", "/x/1"), _entry("db.a", "/x/2"), _entry("db.a", "/x/1")]
+    assert [e.file_path for e in q.add(first)] == ["/x/1", "/x/2"]
+    assert q.add([_entry("db.a", "/x/2"), _entry("db.b", "/x/2")]) == [_entry("db.b", "/x/2")]
+    assert q.add([_entry("db.a", "/x/1", group="other")]) != []  # another pipeline's own
+    assert q.paths(GROUP, "db.a") == {"/x/1", "/x/2"}
+    assert [e.file_path for e in q.list(GROUP, "db.b")] == ["/x/2"]
+    assert len(q.list(GROUP)) == 3
+    assert q.list(GROUP)[0] == _entry("db.a", "/x/1")
+    assert q.drop(GROUP, "db.a", "/x/1") == 1
+    assert q.paths(GROUP, "db.a") == {"/x/2"}
+    assert q.paths("other", "db.a") == {"/x/1"}
+
+
+def test_cli_lists_and_drops_entries(tmp_path: Path) -> None:
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    Quarantine(catalog).add([_entry("db.a", "/x/1"), _entry("db.b", "/x/2")])
+    config = tmp_path / "pipeline.toml"
+    config.write_text(
+        f'name = "{GROUP}"\n[source]\ntopics = ["t"]\n[[tables]]\nname = "db.a"\n'
+        f'[catalog]\nname = "{catalog.name}"\n'
+        f'[catalog.properties]\nuri = "{props["uri"]}"\nwarehouse = "{props["warehouse"]}"\n'
+    )
+    runner = CliRunner()
+    listed = runner.invoke(app, ["quarantine", "list", "--config", str(config), "--json"])
+    assert listed.exit_code == 0, listed.output
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["table_name"], r["file_path"], r["error_type"]) for r in rows] == [
+        ("db.a", "/x/1", "FileOutsideTableError"),
+        ("db.b", "/x/2", "FileOutsideTableError"),
+    ]
+    refused = runner.invoke(app, ["quarantine", "drop", "--config", str(config)])
+    assert refused.exit_code != 0  # dropping everything needs --all
+    dropped = runner.invoke(app, ["quarantine", "drop", "-c", str(config), "--table", "db.a"])
+    assert dropped.exit_code == 0, dropped.output
+    assert "dropped 1" in dropped.stdout
+    text = runner.invoke(app, ["quarantine", "list", "--config", str(config)])
+    assert text.exit_code == 0
+    assert "/x/2" in text.stdout
+    assert "/x/1" not in text.stdout
+    assert Quarantine(catalog).paths(GROUP, "db.b") == {"/x/2"}
