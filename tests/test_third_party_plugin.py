@@ -166,24 +166,39 @@ def test_config_name_selects_the_third_party_backend_and_it_works(
     assert again["events"] == []
 
 
+def _check_lines(stdout: str, prefix: str) -> list[str]:
+    """``doctor``'s lines (on stderr) about the checks whose name starts with ``prefix``."""
+    return [
+        line
+        for line in stdout.splitlines()
+        if line.split(maxsplit=1)[1:] and line.split(maxsplit=1)[1].startswith(prefix)
+    ]
+
+
 def test_uninstalled_backend_gives_one_clean_error_line(site: Path, tmp_path: Path) -> None:
     config = _pipeline(tmp_path, "cassandra")
     out = _run(site, "-m", "icefloe", "doctor", "--config", str(config))
-    assert out.returncode == 2
-    assert out.stdout == ""
-    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = _check_lines(out.stderr, "backend")
     assert len(lines) == 1, out.stderr
     line = lines[0]
-    assert line.startswith("error: coordination backend 'cassandra' is not installed")
+    assert line.startswith("fail") and "backend 'cassandra'" in line
+    assert "is not installed" in line
     assert "example" in line  # the installed ones are listed
-    assert "pip install icefloe-backend-cassandra" in line
-    assert "Traceback" not in out.stderr
+    # no package is invented for an unknown name (a typosquatting invitation)
+    assert "pip install" not in line
+    assert "Traceback" not in out.stdout + out.stderr
 
 
 def test_doctor_accepts_the_third_party_backend(site: Path, tmp_path: Path) -> None:
+    """The example backend's own checks pass; the catalog and the Kafka source of this
+    bare pipeline are not set up here, and doctor says so in their own lines."""
     out = _run(site, "-m", "icefloe", "doctor", "--config", str(_pipeline(tmp_path, "example")))
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    backend = _check_lines(out.stderr, "backend example")
+    assert backend, out.stderr
+    assert all(not line.startswith("fail") for line in backend), out.stderr
+    assert any(line.startswith("ok   backend example:") for line in backend), out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
 
 
 CONFORMANCE = """
