@@ -7,6 +7,7 @@ Every test counts the table's rows against the records produced: each id exactly
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -272,6 +273,31 @@ def driver(config_file: Path, log: Path, env: dict[str, str]) -> Iterator[subpro
             os.killpg(proc.pid, signal.SIGKILL)  # a JVM left behind by the dead driver
 
 
+def crash_after_publishing_batch_1(
+    config_file: Path, log: Path, ckpt: Path, timeout: float
+) -> None:
+    """Run ``icefloe run`` until it exits right after publishing batch 1, before Spark
+    recorded that batch in the checkpoint."""
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, faults.EXIT_AFTER_PUBLISH_ENV: "1"}
+    with driver(config_file, log, env) as first:
+        code = first.wait(timeout)
+    assert code == faults.EXIT_CODE, f"driver exited {code}; log:\n{log.read_text()[-3000:]}"
+    assert (ckpt / "offsets" / "1").exists(), "Spark never planned batch 1"
+    assert not (ckpt / "commits" / "1").exists(), "Spark recorded batch 1: the crash came late"
+
+
+def run_driver_until(
+    config_file: Path, log: Path, done: Callable[[], bool], timeout: float, what: str
+) -> None:
+    """Run ``icefloe run`` until ``done()``, then stop it with SIGTERM: it must exit 0."""
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    with driver(config_file, log, env) as proc:
+        wait_until(lambda: done() or proc.poll() is not None, timeout, what)
+        assert proc.poll() is None, f"the driver died; log:\n{log.read_text()[-3000:]}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "the driver did not stop cleanly on SIGTERM"
+
+
 def test_driver_killed_after_publish_before_spark_recorded_the_batch(
     kafka_broker: EmbeddedKafkaBroker, catalog_properties: dict[str, str], tmp_path: Path
 ) -> None:
@@ -294,25 +320,12 @@ def test_driver_killed_after_publish_before_spark_recorded_the_batch(
     config_file = tmp_path / "pipeline.toml"
     config_file.write_text(tomli_w.dumps(data))
     produce_json(bootstrap, topic, range(1000))
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
     log = tmp_path / "driver.log"
-
-    with driver(config_file, log, {**env, faults.EXIT_AFTER_PUBLISH_ENV: "1"}) as first:
-        code = first.wait(WAIT_S)
-    assert code == faults.EXIT_CODE, f"driver exited {code}; log:\n{log.read_text()[-3000:]}"
-    assert (ckpt / "offsets" / "1").exists(), "Spark never planned batch 1"
-    assert not (ckpt / "commits" / "1").exists(), "Spark recorded batch 1: the crash came late"
+    crash_after_publishing_batch_1(config_file, log, ckpt, WAIT_S)
     assert committed_rows(catalog) <= 400
-
-    with driver(config_file, log, env) as second:
-        wait_until(
-            lambda: committed_rows(catalog) >= 1000 or second.poll() is not None,
-            WAIT_S,
-            "all 1000 rows after the restart",
-        )
-        assert second.poll() is None, f"restarted driver died; log:\n{log.read_text()[-3000:]}"
-        second.send_signal(signal.SIGTERM)
-        assert second.wait(60) == 0, "the driver did not stop cleanly on SIGTERM"
+    run_driver_until(
+        config_file, log, lambda: committed_rows(catalog) >= 1000, WAIT_S, "all 1000 rows"
+    )
     assert (ckpt / "commits" / "1").exists()
     assert_exactly_once(catalog, TABLE, range(1000))
     paths = committed_paths(catalog)
@@ -376,3 +389,208 @@ def test_hand_wired_sink_publishes_from_the_commit_worker(
         coordinator.stop()
         backend.close()
     assert_exactly_once(catalog, TABLE, range(300))
+
+
+# --------------------------------------------------------------------------- bad records
+
+DEAD = "e2e.bad_records"
+ROUTED_TABLE = {"name": TABLE, "route_field": "kind", "route_values": ["a", "b", "c"]}
+BAD_KINDS: list[tuple[bytes, str]] = [
+    (b'{"id": 7, "name": ', "decode"),  # malformed JSON
+    (b'{"id": "abc", "name": "x", "kind": "a"}', "conform"),  # wrong type for a long column
+    (b'{"id": null, "name": "x", "kind": "b"}', "conform"),  # null in a required field
+    (b'{"name": "x", "kind": "c"}', "conform"),  # required field missing
+    (b'{"id": 123456, "kind": "zzz"}', "route"),  # a value no table lists
+    (b'{"id": 123457}', "route"),  # no route field
+]
+
+
+def produce_with_bad(
+    bootstrap: str, topic: str, good: int, every: int = 23, first_kind: int = 0
+) -> dict[tuple[int, int], str]:
+    """Good JSON records ``0..good-1`` over two partitions with a bad one (cycling through
+    :data:`BAD_KINDS`) after every ``every``-th; returns ``{(partition, offset): error type}``
+    of the bad ones, from the broker's delivery reports."""
+    from confluent_kafka import Producer
+
+    values: list[tuple[bytes, str | None]] = []
+    for i in range(good):
+        values.append((json.dumps({"id": i, "name": f"n{i}", "kind": "abc"[i % 3]}).encode(), None))
+        if i % every == every - 1:
+            values.append(BAD_KINDS[(first_kind + i // every) % len(BAD_KINDS)])
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    bad: dict[tuple[int, int], str] = {}
+    failures: list[Any] = []
+
+    def report(kind: str | None) -> Callable[[Any, Any], None]:
+        def done(err: Any, msg: Any) -> None:
+            if err is not None:
+                failures.append(err)
+            elif kind is not None:
+                bad[(msg.partition(), msg.offset())] = kind
+
+        return done
+
+    for n, (value, kind) in enumerate(values):
+        producer.produce(topic, value=value, partition=n % 2, on_delivery=report(kind))
+        producer.poll(0)
+    assert producer.flush(30) == 0
+    assert not failures, failures
+    assert len(bad) == sum(1 for _, k in values if k is not None)
+    return bad
+
+
+@dataclasses.dataclass
+class BadRecordsRun:
+    """A topic of good records with bad ones mixed in, its table and a pipeline config."""
+
+    topic: str
+    catalog: Catalog
+    name: str
+    data: dict[str, Any]
+    bad: dict[tuple[int, int], str]  # (partition, offset) -> error type
+
+
+def bad_records_run(
+    broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+    policy: str,
+    good: int,
+    batch: int = 100,
+    **mix: int,
+) -> BadRecordsRun:
+    topic = new_topic(broker)
+    catalog = make_table(catalog_properties)
+    name = f"e2e-{policy}-{tmp_path.name[-12:]}".replace("_", "-")
+    ckpt = tmp_path / "ckpt"
+    data = pipeline_dict(name, broker, topic, catalog_properties, FAULT_BACKEND, ckpt, batch)
+    data["tables"] = [ROUTED_TABLE]
+    data["errors"] = {"policy": policy}
+    if policy == "dead_letter":
+        data["errors"]["dead_letter_table"] = DEAD
+    bad = produce_with_bad(broker.bootstrap_servers, topic, good, **mix)
+    return BadRecordsRun(topic, catalog, name, data, bad)
+
+
+def dead_letter_rows(catalog: Catalog) -> list[dict[str, Any]]:
+    """The dead-letter table as a reader other than the committer sees it (pyiceberg scan)."""
+    return catalog.load_table(DEAD).scan().to_arrow().to_pylist()
+
+
+def table_records(catalog: Catalog, name: str) -> int:
+    snap = catalog.load_table(name).current_snapshot()
+    return 0 if snap is None or snap.summary is None else int(snap.summary["total-records"] or 0)
+
+
+def assert_dead_letters_exact(
+    catalog: Catalog, topic: str, bad: dict[tuple[int, int], str], name: str
+) -> None:
+    rows = dead_letter_rows(catalog)
+    got = [(r["partition"], r["offset"]) for r in rows]
+    assert len(got) == len(set(got)), "a bad record was dead-lettered twice"
+    assert set(got) == set(bad), f"missing {set(bad) - set(got)}, unexpected {set(got) - set(bad)}"
+    assert {(r["partition"], r["offset"]): r["error_type"] for r in rows} == bad
+    assert {(r["pipeline"], r["topic"]) for r in rows} == {(name, topic)}
+    assert all(f"[{r['partition']}]@{r['offset']}" in r["error_message"] for r in rows)
+    assert all(r["value"] for r in rows)  # the raw bytes are kept
+
+
+def test_policy_fail_stops_naming_the_bad_record_and_the_fix(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    # one bad record: "abc" for a long column
+    run = bad_records_run(
+        kafka_broker, catalog_properties, tmp_path, "fail", 60, every=40, first_kind=1
+    )
+    catalog, topic, bad = run.catalog, run.topic, run.bad
+    ((partition, offset),) = bad
+    with Pipeline(
+        config_from_dict(run.data), spark=spark, source_extra_options=SOURCE_OPTIONS
+    ) as p:
+        query = p.query
+        assert query is not None
+        wait_until(lambda: not query.isActive, WAIT_S, "the query to stop on the bad record")
+        message = str(query.exception())
+    assert f"{topic}[{partition}]@{offset} field 'id'" in message, message[-2000:]
+    assert "RecordDecodeError" in message or "RecordConformError" in message
+    assert "[errors] policy" in message
+    assert committed_rows(catalog) < 60  # the batch with the bad record was not committed
+
+
+def test_policy_skip_commits_exactly_the_good_records_and_counts_the_bad(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    run = bad_records_run(kafka_broker, catalog_properties, tmp_path, "skip", 400)
+    catalog, bad = run.catalog, run.bad
+    with Pipeline(
+        config_from_dict(run.data), spark=spark, source_extra_options=SOURCE_OPTIONS
+    ) as p:
+        wait_until(
+            lambda: committed_rows(catalog) >= 400 and p.stats.skipped >= len(bad),
+            2 * WAIT_S,  # first batches are slow on a loaded machine
+            "the 400 good records and every bad one skipped",
+        )
+        assert p.stats.batches >= 3  # bad records in several batches
+        assert p.stats.skipped == len(bad)
+        assert p.stats.dead_lettered == 0
+    assert_exactly_once(catalog, TABLE, range(400))
+
+
+def test_policy_dead_letter_commits_the_good_records_and_exactly_the_bad_ones_aside(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    run = bad_records_run(kafka_broker, catalog_properties, tmp_path, "dead_letter", 400)
+    catalog, bad = run.catalog, run.bad
+    with Pipeline(
+        config_from_dict(run.data), spark=spark, source_extra_options=SOURCE_OPTIONS
+    ) as p:
+        wait_until(
+            lambda: committed_rows(catalog) >= 400 and table_records(catalog, DEAD) >= len(bad),
+            2 * WAIT_S,  # first batches are slow on a loaded machine
+            "the 400 good records and every bad one dead-lettered",
+        )
+        assert p.stats.dead_lettered == len(bad)
+        assert p.stats.skipped == 0
+    assert_exactly_once(catalog, TABLE, range(400))
+    assert_dead_letters_exact(catalog, run.topic, bad, run.name)
+
+
+def test_dead_letters_survive_a_driver_crash_after_publish_without_duplicates(
+    kafka_broker: EmbeddedKafkaBroker, catalog_properties: dict[str, str], tmp_path: Path
+) -> None:
+    """Batch 1 (with bad records) is published, then the driver dies before Spark records it.
+    The restarted driver re-runs batch 1 and writes its dead-letter rows again: the replay must
+    not commit them a second time, and nothing may be lost."""
+    run = bad_records_run(
+        kafka_broker, catalog_properties, tmp_path, "dead_letter", 800, batch=200, every=19
+    )
+    catalog, bad = run.catalog, run.bad
+    config_file = tmp_path / "pipeline.toml"
+    config_file.write_text(tomli_w.dumps(run.data))
+    log = tmp_path / "driver.log"
+    crash_after_publishing_batch_1(config_file, log, tmp_path / "ckpt", 2 * WAIT_S)
+    run_driver_until(
+        config_file,
+        log,
+        lambda: committed_rows(catalog) >= 800 and table_records(catalog, DEAD) >= len(bad),
+        2 * WAIT_S,  # a fresh JVM on a busy machine
+        "every record after the restart",
+    )
+    assert_exactly_once(catalog, TABLE, range(800))
+    assert_dead_letters_exact(catalog, run.topic, bad, run.name)
+    dead = catalog.load_table(DEAD)
+    committed = {t.file.file_path for t in dead.scan().plan_files()}
+    on_disk = {
+        "file://" + str(p) for p in Path(dead.location().removeprefix("file://")).rglob("*.parquet")
+    }
+    assert committed < on_disk, "batch 1's dead letters were not written twice: no replay tested"

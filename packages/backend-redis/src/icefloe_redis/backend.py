@@ -80,13 +80,25 @@ def _offset_of(entry_id: Any) -> int | None:
     return int(seq)
 
 
+POOL_MAX_CONNECTIONS = 100  # per backend (process); callers beyond it wait their turn
+
+
 def connect(config: RedisConfig) -> Client:
     """A redis-py client for ``config``; errors name the key and never show the password."""
     kwargs = config.client_kwargs()
     try:
         if config.cluster:
             return RedisCluster.from_url(config.url, **kwargs)
-        return redis.Redis.from_url(config.url, **kwargs)
+        # a blocking pool: many writers of one process (each polling broadcasts with a
+        # blocking read) share the pool; redis-py's default pool raises MaxConnectionsError
+        # past 100 concurrent calls instead of waiting for a connection
+        pool = redis.BlockingConnectionPool.from_url(
+            config.url,
+            max_connections=POOL_MAX_CONNECTIONS,
+            timeout=config.socket_timeout_s,
+            **kwargs,
+        )
+        return redis.Redis(connection_pool=pool)
     except ValueError as exc:
         raise ConfigError(
             "coordination.redis.url",

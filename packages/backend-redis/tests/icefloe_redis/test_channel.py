@@ -376,3 +376,30 @@ def test_resp3_connections_work(make_backend, batch_of, group_id, config):
     assert [r.event.batch_seq for r in c.poll(0.5)] == [1, 1]
     assert [e.payload for e in w.poll_broadcasts(0.5)] == [StartCommit("x")]
     assert [p.offset for p in w.source_positions()] == [11]
+
+
+def test_more_concurrent_writers_than_pooled_connections_wait_instead_of_failing(make_backend):
+    """Many writers in one process share the backend's client: with redis-py's default pool,
+    more than 100 concurrent broadcast polls failed with MaxConnectionsError."""
+    from icefloe_redis.backend import POOL_MAX_CONNECTIONS
+
+    backend = make_backend()
+    writers = [backend.writer(f"w{i}") for i in range(POOL_MAX_CONNECTIONS + 30)]
+    for w in writers:
+        w.open()
+    start = threading.Barrier(len(writers))
+    errors = []
+
+    def poll(w):
+        start.wait()
+        try:
+            w.poll_broadcasts(0.3)  # a blocking read: holds a connection for its timeout
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=poll, args=(w,)) for w in writers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []

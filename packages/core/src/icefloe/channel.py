@@ -141,7 +141,9 @@ class CoordinatorChannel(abc.ABC):
 
     @abc.abstractmethod
     def store_position(self, position: ChannelPosition) -> None:
-        """Durably record that everything before ``position`` is committed to every table.
+        """Durably record that everything before ``position`` is committed to its table or
+        quarantined (the coordinator may store while one table is failing, never past that
+        table's oldest pending event).
         Raises NotLeaderError when fenced."""
 
     @abc.abstractmethod

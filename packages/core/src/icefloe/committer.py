@@ -200,6 +200,7 @@ class _Plan:
     summary: dict[str, str]
     raise_token: bool
     fork_from: int | None  # create the branch from this snapshot first
+    clear_drained: bool = False  # the drained channel is in use again: its mark is stale
 
 
 class IcebergCommitter:
@@ -341,7 +342,7 @@ class IcebergCommitter:
                 self._before_commit()
             tx, snapshot_id = self._stage(table, plan)
             try:
-                tx.commit_transaction()
+                committed = tx.commit_transaction()
             except CommitFailedException as e:
                 last_error = e
                 logger.warning(
@@ -371,6 +372,7 @@ class IcebergCommitter:
                 snapshot_id,
                 request.commit_id,
             )
+            self._remember_added(committed, snapshot_id, plan)
             return _result(request, plan, snapshot_id)
         # the last attempt may have landed even though its outcome was unknown
         if unknown:
@@ -555,6 +557,9 @@ class IcebergCommitter:
             summary=_summary(self._group_id, request, state),
             raise_token=switched or prop is None or request.fencing_token > prop,
             fork_from=fork_from,
+            clear_drained=request.channel_id is not None
+            and table.metadata.properties.get(drained_property(self._group_id))
+            == request.channel_id,
         )
 
     def _stage(self, table: Table, plan: _Plan) -> tuple[Transaction, int]:
@@ -567,6 +572,10 @@ class IcebergCommitter:
             tx.set_properties(
                 {fencing_token_property(self._group_id): plan.summary[FENCING_TOKEN_KEY]}
             )
+        if plan.clear_drained:
+            # committing through the drained channel again: it holds work once more, so a
+            # later switch away from it needs a new drain
+            tx.remove_properties(drained_property(self._group_id))
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
         # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
         # read, which made this loop cost seconds per 10,000 files, growing with history
@@ -598,11 +607,37 @@ class IcebergCommitter:
                     e.data_file.file_path
                     for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
                 )
-                if len(self._manifest_paths) >= _MANIFEST_CACHE_SIZE:
-                    self._manifest_paths.pop(next(iter(self._manifest_paths)))
-                self._manifest_paths[manifest.manifest_path] = cached
+                self._cache_manifest(manifest.manifest_path, cached)
             found |= paths & cached
         return found
+
+    def _cache_manifest(self, location: str, paths: frozenset[str]) -> None:
+        if len(self._manifest_paths) >= _MANIFEST_CACHE_SIZE:
+            self._manifest_paths.pop(next(iter(self._manifest_paths)))
+        self._manifest_paths[location] = paths
+
+    def _remember_added(self, table: Table, snapshot_id: int, plan: _Plan) -> None:
+        """Cache the paths of the manifest this commit wrote: it holds exactly the files just
+        appended, and otherwise the next commit's live-path check decodes it again (as costly
+        as writing it: the commit's cost doubled)."""
+        try:
+            snapshot = table.metadata.snapshot_by_id(snapshot_id)
+            manifests = [] if snapshot is None else snapshot.manifests(table.io)
+        except Exception as exc:  # the commit landed; the cache is only an optimisation
+            logger.debug("cannot list the manifests of snapshot %d: %s", snapshot_id, exc)
+            return
+        added = [
+            m
+            for m in manifests
+            if m.added_snapshot_id == snapshot_id and m.content == ManifestContent.DATA
+        ]
+        if (
+            len(added) == 1
+            and not added[0].existing_files_count  # a merged manifest holds older files too
+            and not added[0].deleted_files_count
+            and added[0].added_files_count == len(plan.files)
+        ):
+            self._cache_manifest(added[0].manifest_path, frozenset(f.meta.path for f in plan.files))
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep

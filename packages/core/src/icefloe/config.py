@@ -112,6 +112,12 @@ class CoordinationConfig(BaseModel):
     writer_timeout_s: float = Field(default=120.0, gt=0)
     lease_ttl_s: float = Field(default=10.0, gt=0)
     branch: str = "main"
+    # where refused files are recorded (an Iceberg table of the pipeline's catalog) and when a
+    # permanently failing table's pending files join them (see docs/reliability.md)
+    quarantine_table: str = Field(default="icefloe.quarantine", pattern=TABLE_NAME_RE)
+    quarantine_after_failures: int = Field(default=10, ge=1)
+    table_retry_base_s: float = Field(default=1.0, gt=0)
+    table_retry_max_s: float = Field(default=300.0, gt=0)
 
     def backend_options(self) -> dict[str, Any]:
         """The raw section of the selected backend (empty when absent)."""

@@ -539,14 +539,16 @@ def decode_hint(
     return pa.schema(list(fields.values()), metadata=meta)
 
 
-def kafka_context(batch: pa.RecordBatch | pa.Table) -> DecodeContext:
+def kafka_context(batch: pa.RecordBatch | pa.Table, locate: bool = True) -> DecodeContext:
     """The DecodeContext of a batch in Spark's Kafka column layout."""
 
     def col(name: str) -> pa.Array:
         c = batch.column(name)
         return c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c
 
-    return DecodeContext(topics=col("topic"), partitions=col("partition"), offsets=col("offset"))
+    return DecodeContext(
+        topics=col("topic"), partitions=col("partition"), offsets=col("offset"), locate=locate
+    )
 
 
 def filter_context(context: DecodeContext, mask: pa.Array) -> DecodeContext:
@@ -554,6 +556,7 @@ def filter_context(context: DecodeContext, mask: pa.Array) -> DecodeContext:
         topics=context.topics.filter(mask),
         partitions=context.partitions.filter(mask),
         offsets=context.offsets.filter(mask),
+        locate=context.locate,
     )
 
 
@@ -614,9 +617,11 @@ class RecordConverter:
         codec = (plugins or get_plugins()).codec(source.format).factory(options)
         return cls(codec, targets, case_insensitive=case_insensitive, tombstones=tombstones)
 
-    def decode(self, batch: pa.RecordBatch | pa.Table) -> tuple[pa.Table, DecodeContext]:
+    def decode(
+        self, batch: pa.RecordBatch | pa.Table, locate: bool = True
+    ) -> tuple[pa.Table, DecodeContext]:
         """Decode the ``value`` column of a Kafka-layout batch (tombstones handled)."""
-        context = kafka_context(batch)
+        context = kafka_context(batch, locate)
         values = batch.column("value")
         if isinstance(values, pa.ChunkedArray):
             values = values.combine_chunks()
@@ -638,13 +643,14 @@ class RecordConverter:
             )
         return decoded, context
 
-    def convert(self, batch: pa.RecordBatch | pa.Table) -> dict[str, pa.Table]:
+    def convert(self, batch: pa.RecordBatch | pa.Table, locate: bool = True) -> dict[str, pa.Table]:
         """table name -> rows for it in its exact Arrow schema (tables with no rows included,
         empty). The first record that cannot be decoded (RecordDecodeError), that no table
-        takes (RecordRouteError) or that does not fit a table (RecordConformError) fails it."""
+        takes (RecordRouteError) or that does not fit a table (RecordConformError) fails it.
+        ``locate`` False lets the codec skip naming the record (see :meth:`convert_tolerant`)."""
         from icefloe.routing import route_masks, unrouted_problem
 
-        decoded, context = self.decode(batch)
+        decoded, context = self.decode(batch, locate)
         configs = [t.config for t in self.targets]
         masks = route_masks(decoded, configs, self.case_insensitive)
         unrouted = unrouted_problem(decoded, masks, configs, self.case_insensitive)
@@ -691,7 +697,8 @@ class RecordConverter:
         while stack:
             lo, hi = stack.pop()
             try:
-                parts.append(self.convert(batch.slice(lo, hi - lo)))
+                # a part of several records will be split anyway: no need to name one
+                parts.append(self.convert(batch.slice(lo, hi - lo), locate=hi - lo == 1))
             except RecordConversionError as exc:
                 if hi - lo == 1:
                     rejected.append(Rejected(lo, exc))

@@ -56,11 +56,15 @@ class BackendSpec:
 
 @dataclass(frozen=True)
 class DecodeContext:
-    """Where a batch of raw values came from, for error messages that name the record."""
+    """Where a batch of raw values came from, for error messages that name the record.
+
+    ``locate`` False: the caller finds the failing record itself (it splits the batch), so a
+    codec may raise for the batch without spending time on naming the record."""
 
     topics: pa.Array
     partitions: pa.Array
     offsets: pa.Array
+    locate: bool = True
 
 
 class RecordCodec(Protocol):

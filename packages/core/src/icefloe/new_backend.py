@@ -189,6 +189,12 @@ class ${cls}CoordinatorChannel(CoordinatorChannel):
     def prune(self, before: ChannelPosition) -> int:
         raise _todo("CoordinatorChannel.prune")
 
+    def channel_id(self) -> str:
+        raise _todo("CoordinatorChannel.channel_id")
+
+    def end_position(self) -> ChannelPosition:
+        raise _todo("CoordinatorChannel.end_position")
+
     def close(self) -> None:
         raise _todo("CoordinatorChannel.close")
 

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from icefloe.config import load_config
-from icefloe.quarantine import DEFAULT_QUARANTINE_TABLE, Quarantine
+from icefloe.quarantine import Quarantine
 
 app = typer.Typer(
     name="quarantine",
@@ -26,17 +26,21 @@ TableOption = Annotated[
     str | None, typer.Option("--table", "-t", help="Only entries of this target table.")
 ]
 QuarantineTableOption = Annotated[
-    str, typer.Option("--quarantine-table", help="Where the coordinator records them.")
+    str | None,
+    typer.Option(
+        "--quarantine-table",
+        help="Where the coordinator records them (default: coordination.quarantine_table).",
+    ),
 ]
 
 
-def _open(config: Path, quarantine_table: str) -> tuple[str, Quarantine]:
+def _open(config: Path, quarantine_table: str | None) -> tuple[str, Quarantine]:
     # imported here: pyiceberg's catalog loading is slow, other commands stay quick
     from pyiceberg.catalog import load_catalog
 
     cfg = load_config(config)
     catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
-    return cfg.name, Quarantine(catalog, quarantine_table)
+    return cfg.name, Quarantine(catalog, quarantine_table or cfg.coordination.quarantine_table)
 
 
 @app.command("list")
@@ -44,7 +48,7 @@ def list_command(
     config: ConfigOption,
     table: TableOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
-    quarantine_table: QuarantineTableOption = DEFAULT_QUARANTINE_TABLE,
+    quarantine_table: QuarantineTableOption = None,
 ) -> None:
     """List the pipeline's quarantined files, oldest first."""
     group_id, quarantine = _open(config, quarantine_table)
@@ -75,7 +79,7 @@ def drop_command(
         str | None, typer.Option("--path", "-p", help="Only the entry of this file.")
     ] = None,
     drop_all: Annotated[bool, typer.Option("--all", help="Every entry of the pipeline.")] = False,
-    quarantine_table: QuarantineTableOption = DEFAULT_QUARANTINE_TABLE,
+    quarantine_table: QuarantineTableOption = None,
 ) -> None:
     """Acknowledge entries: delete them from the quarantine (the data files stay in place;
     add them to a table yourself, e.g. with pyiceberg's add_files, if they are wanted)."""

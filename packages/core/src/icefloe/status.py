@@ -99,7 +99,9 @@ def table_status(
         commit_rows=_int(summary.get("added-records")),
         rows=_int(summary.get("total-records")),
         source_lag=lag,
-        quarantined_files=_quarantined(catalog, config.name, name),
+        quarantined_files=_quarantined(
+            catalog, config.name, name, config.coordination.quarantine_table
+        ),
         stuck=stuck,
         reason=reason,
     )
@@ -109,11 +111,11 @@ def _int(raw: Any) -> int | None:
     return None if raw is None else int(raw)
 
 
-def _quarantined(catalog: Catalog, group_id: str, table: str) -> int | None:
+def _quarantined(catalog: Catalog, group_id: str, table: str, quarantine_table: str) -> int | None:
     try:
         from icefloe.quarantine import Quarantine
 
-        return len(Quarantine(catalog).list(group_id, table))
+        return len(Quarantine(catalog, quarantine_table).list(group_id, table))
     except Exception:
         log.debug("quarantine unavailable", exc_info=True)
         return None

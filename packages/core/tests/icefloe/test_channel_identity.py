@@ -14,7 +14,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.committer import IcebergCommitter, drained_property
 from icefloe.coordinator import Coordinator, CoordinatorSettings
-from icefloe.drain import drain
+from icefloe.drain import DrainResult, drain
 from icefloe.errors import ChannelChangedError, ChannelResetError
 from icefloe.plugins import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once
@@ -67,6 +67,21 @@ def run_on(server: MemoryServer, catalog: SqlCatalog, closers: list[Pipeline]) -
     return p
 
 
+def drain_server(server: MemoryServer, catalog: SqlCatalog) -> DrainResult:
+    """What `icefloe drain` does, against the reference channel."""
+    drainer = Coordinator(
+        GROUP,
+        MemoryBackend(server, GROUP, 5.0).coordinator("drain"),
+        catalog,
+        SETTINGS,
+        plugins=new_plugins(autoload=False),
+    )
+    try:
+        return drain(drainer, IcebergCommitter(catalog, GROUP), [TABLE], 60.0, 0.3)
+    finally:
+        drainer.close()
+
+
 def commit_batches(p: Pipeline, source: RowSource, seqs: range) -> None:
     lead(p.coordinator, 10)
     for seq in seqs:
@@ -87,17 +102,7 @@ def test_swap_after_drain_commits_every_row_exactly_once(
     old.close()
     closers.remove(old)
 
-    drainer = Coordinator(
-        GROUP,
-        MemoryBackend(old_server, GROUP, 5.0).coordinator("drain"),
-        sqlite_catalog,
-        SETTINGS,
-        plugins=new_plugins(autoload=False),
-    )
-    try:
-        result = drain(drainer, IcebergCommitter(sqlite_catalog, GROUP), [TABLE], 60.0, 0.3)
-    finally:
-        drainer.close()
+    result = drain_server(old_server, sqlite_catalog)
     assert result.marked == (TABLE,)
     assert_exactly_once(sqlite_catalog, TABLE, source.expected[TABLE])
 
@@ -152,4 +157,31 @@ def test_rolled_back_channel_is_refused(
     source.publish(restored.writer, 3)
     with pytest.raises(ChannelResetError, match="reset or rolled back"):
         drive(restored.coordinator, lambda: False, "the refusal", 10)
+    assert_exactly_once(sqlite_catalog, TABLE, committed)
+
+
+def test_drain_mark_is_cleared_once_the_drained_channel_commits_again(
+    sqlite_catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
+) -> None:
+    """Drained, then used again (e.g. the lost-checkpoint procedure): a later switch away from
+    it must need a new drain, or batches published since would be stranded."""
+    server = MemoryServer()
+    first = run_on(server, sqlite_catalog, closers)
+    commit_batches(first, source, range(1))
+    first.close()
+    closers.remove(first)
+    drain_server(server, sqlite_catalog)
+    again = run_on(server, sqlite_catalog, closers)
+    commit_batches(again, source, range(1, 2))
+    props = sqlite_catalog.load_table(TABLE).metadata.properties
+    assert drained_property(GROUP) not in props
+    source.publish(again.writer, 2)  # stranded if the switch were allowed
+    committed = source.expected[TABLE][:-5]
+    again.close()
+    closers.remove(again)
+
+    new = run_on(MemoryServer(), sqlite_catalog, closers)
+    source.publish(new.writer, 3)
+    with pytest.raises(ChannelChangedError):
+        drive(new.coordinator, lambda: False, "the refusal", 10)
     assert_exactly_once(sqlite_catalog, TABLE, committed)

@@ -844,3 +844,27 @@ def test_commit_reads_transaction_metadata_a_fixed_number_of_times(
     few, many = reads_for(2, 1), reads_for(200, 2)
     assert many == few, f"metadata read {few} times for 2 files, {many} times for 200"
     assert ids_in(catalog) == [0] + [1] * 2 + [2] * 200
+
+
+def test_consecutive_commits_do_not_decode_their_own_manifests_again(
+    catalog: SqlCatalog, table: Table, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The already-committed-path check reads the branch head's manifests; the manifest a
+    commit just wrote holds exactly its files, so decoding it on the next commit doubled the
+    cost of every commit."""
+    from pyiceberg.manifest import ManifestFile
+
+    decoded: list[str] = []
+    original = ManifestFile.fetch_manifest_entry
+
+    def counted(self: ManifestFile, *args: Any, **kwargs: Any) -> Any:
+        decoded.append(self.manifest_path)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ManifestFile, "fetch_manifest_entry", counted)
+    committer = IcebergCommitter(catalog, GROUP)
+    for seq in range(4):
+        files = pending(write(table, [seq]), table, batch_seq=seq, offset=seq)
+        assert committer.commit(request(files, {"0": seq + 1})).data_files == 1
+    assert decoded == [], f"decoded {len(decoded)} manifests the committer wrote itself"
+    assert ids_in(catalog) == [0, 1, 2, 3]

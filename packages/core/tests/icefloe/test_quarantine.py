@@ -6,6 +6,7 @@ import datetime as dt
 import json
 from pathlib import Path
 
+import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 from typer.testing import CliRunner
 
@@ -80,3 +81,28 @@ def test_cli_lists_and_drops_entries(tmp_path: Path) -> None:
     assert "/x/2" in text.stdout
     assert "/x/1" not in text.stdout
     assert Quarantine(catalog).paths(GROUP, "db.b") == {"/x/2"}
+
+
+def test_quarantine_settings_come_from_the_coordination_section() -> None:
+    from icefloe.config import config_from_dict
+    from icefloe.coordinator import CoordinatorSettings
+    from icefloe.errors import ConfigError
+
+    base = {"name": "p", "source": {"topics": ["t"]}, "tables": [{"name": "db.t"}]}
+    cfg = config_from_dict(
+        {
+            **base,
+            "coordination": {
+                "quarantine_table": "ops.refused",
+                "quarantine_after_failures": 3,
+                "table_retry_base_s": 0.5,
+                "table_retry_max_s": 20,
+            },
+        }
+    )
+    settings = CoordinatorSettings.from_config(cfg.coordination)
+    assert settings.quarantine_table == "ops.refused"
+    assert settings.quarantine_after_failures == 3
+    assert (settings.table_retry_base_s, settings.table_retry_max_s) == (0.5, 20.0)
+    with pytest.raises(ConfigError, match=r"coordination\.quarantine_table"):
+        config_from_dict({**base, "coordination": {"quarantine_table": "no-namespace"}})

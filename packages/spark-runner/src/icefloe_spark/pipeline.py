@@ -77,7 +77,8 @@ def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> Spar
         builder = builder.config(key, value)
     session: SparkSession = builder.getOrCreate()
     # SparkContext replaces the SIGINT handler with one raising KeyboardInterrupt: keep ours
-    if previous_sigint is not None:
+    # (only the main thread may set handlers; PySpark sets none from other threads either)
+    if previous_sigint is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, previous_sigint)
     return session
 

@@ -113,6 +113,10 @@ class JsonCodec:
             except _ERRORS as exc:
                 name = _failed_column(exc)
                 if name is None or explicit.get_field_index(name) < 0:
+                    if not context.locate:
+                        raise record_error(
+                            context, 0, None, f"a value is not valid: {exc}"
+                        ) from None
                     raise _locate(values, explicit, declared, infer, context, exc) from None
                 explicit = explicit.remove(explicit.get_field_index(name))
                 infer = True
@@ -133,9 +137,12 @@ def _parse(values: pa.Array, explicit: pa.Schema, infer: bool) -> pa.Table:
     longest = pc.max(pc.binary_length(values)).as_py() or 0
     # Arrow splits blocks at line breaks unless told values may contain them
     multiline = any(bool(pc.any(pc.match_substring(values, brk)).as_py()) for brk in ("\n", "\r"))
+    block = max(1 << 20, 2 * longest + 2)
     table = pj.read_json(
         pa.BufferReader(buf),
-        read_options=pj.ReadOptions(block_size=max(1 << 20, 2 * longest + 2)),
+        # threads only pay off with several blocks; small parts (a bad batch being split, see
+        # RecordConverter.convert_tolerant) spent most of their time starting them
+        read_options=pj.ReadOptions(block_size=block, use_threads=buf.size > block),
         parse_options=pj.ParseOptions(
             explicit_schema=explicit,
             unexpected_field_behavior="infer" if infer else "ignore",

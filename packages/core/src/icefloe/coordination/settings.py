@@ -40,6 +40,10 @@ class CoordinatorSettings:
             max_pending_files=c.max_pending_files,
             writer_timeout_s=c.writer_timeout_s,
             branch=c.branch,
+            quarantine_table=c.quarantine_table,
+            quarantine_after_failures=c.quarantine_after_failures,
+            table_retry_base_s=c.table_retry_base_s,
+            table_retry_max_s=c.table_retry_max_s,
         )
 
 

@@ -105,6 +105,8 @@ RULES = (
     "Retention",
     "Pipelines are isolated",
     "Zero timeouts do not block",
+    "Identity",
+    "End position",
     "Bytes",
     "Threading",
 )
@@ -1191,6 +1193,7 @@ class BackendConformance:
 
     # ------------------------------------------------------------------ channel identity
 
+    @rule("Identity")
     def test_channel_id_is_one_per_storage_and_stable(
         self,
         backend_factory: BackendFactory,
@@ -1214,6 +1217,7 @@ class BackendConformance:
             other.close()
         assert first.channel_id() == before
 
+    @rule("End position")
     def test_end_position_is_past_every_event_read(
         self,
         backend: Backend,
