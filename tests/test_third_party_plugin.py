@@ -182,7 +182,8 @@ def test_uninstalled_backend_gives_one_clean_error_line(site: Path, tmp_path: Pa
     lines = _check_lines(out.stderr, "backend")
     assert len(lines) == 1, out.stderr
     line = lines[0]
-    assert line.startswith("fail") and "backend 'cassandra'" in line
+    assert line.startswith("fail")
+    assert "backend 'cassandra'" in line
     assert "is not installed" in line
     assert "example" in line  # the installed ones are listed
     # no package is invented for an unknown name (a typosquatting invitation)
