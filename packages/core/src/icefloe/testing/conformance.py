@@ -342,6 +342,23 @@ class BackendConformance:
         assert lease is not None, f"{name} could not acquire the lease of a fresh pipeline"
         return ch, lease
 
+    def take_over(
+        self,
+        backend: Backend,
+        channels: list[WriterChannel | CoordinatorChannel],
+        name: str,
+        before: Lease,
+        why: str,
+    ) -> tuple[CoordinatorChannel, Lease]:
+        """A new coordinator ``name`` acquires the lease after ``before``'s holder gave it up
+        (``why`` says how it must have been freed) with a greater token."""
+        ch = backend.coordinator(name)
+        channels.append(ch)
+        lease = ch.acquire(self.read_timeout_s)
+        assert lease is not None, why
+        assert lease.token > before.token
+        return ch, lease
+
     def read_until(
         self,
         channel: CoordinatorChannel,
@@ -552,11 +569,7 @@ class BackendConformance:
     ) -> None:
         c1, l1 = self.leader(backend, channels, "c1")
         c1.simulate_crash()
-        c2 = backend.coordinator("c2")
-        channels.append(c2)
-        l2 = c2.acquire(self.read_timeout_s)
-        assert l2 is not None, "no takeover after the leader died"
-        assert l2.token > l1.token
+        self.take_over(backend, channels, "c2", l1, "no takeover after the leader died")
 
     @rule("One leader")
     def test_paused_leader_is_fenced_after_takeover(
@@ -566,11 +579,9 @@ class BackendConformance:
         must fail to renew, broadcast or store a position."""
         c1, l1 = self.leader(backend, channels, "c1")
         c1.store_position({"0": 0})
-        c2 = backend.coordinator("c2")
-        channels.append(c2)
-        l2 = c2.acquire(self.read_timeout_s)
-        assert l2 is not None, "no takeover after the leader stopped renewing"
-        assert l2.token > l1.token
+        c2, _ = self.take_over(
+            backend, channels, "c2", l1, "no takeover after the leader stopped renewing"
+        )
         with pytest.raises(NotLeaderError):
             c1.store_position({"0": 1})
         with pytest.raises(NotLeaderError):
@@ -889,17 +900,9 @@ class BackendConformance:
             c1.release()
             with pytest.raises(NotLeaderError):
                 c1.renew()
-            c2 = b.coordinator("c2")
-            channels.append(c2)
-            l2 = c2.acquire(self.read_timeout_s)
-            assert l2 is not None, "release() did not free the lease"
-            assert l2.token > l1.token
+            c2, l2 = self.take_over(b, channels, "c2", l1, "release() did not free the lease")
             c2.close()
-            c3 = b.coordinator("c3")
-            channels.append(c3)
-            l3 = c3.acquire(self.read_timeout_s)
-            assert l3 is not None, "close() did not release the lease"
-            assert l3.token > l2.token
+            self.take_over(b, channels, "c3", l2, "close() did not release the lease")
 
     @rule("One leader")
     def test_two_channels_with_one_coordinator_id_are_two_contenders(
