@@ -9,11 +9,12 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import ConfigResource  # type: ignore[attr-defined]  # not re-exported in the stubs
 
-from icefloe.channel import Backend, CoordinatorChannel, WriterChannel
+from icefloe.channel import Backend, BackendStatus, CoordinatorChannel, WriterChannel
 from icefloe.errors import ChannelError, ConfigError
 from icefloe_kafka.clients import KafkaClients, group_headers, record_key
 from icefloe_kafka.config import SECTION, KafkaBackendConfig
 from icefloe_kafka.coordinator import KafkaCoordinatorChannel
+from icefloe_kafka.state import pipeline_state
 from icefloe_kafka.writer import KafkaWriterChannel
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,10 @@ class KafkaBackend(Backend):
     def probe(self) -> None:
         """Metadata of the cluster: read-only, creates nothing (raises ChannelError)."""
         self.clients.existing_topics()
+
+    def describe(self) -> BackendStatus:
+        """Leader, token, lease age and writers from the state topic (read-only)."""
+        return pipeline_state(self.clients, self.lease_ttl_s)
 
     def doctor(self) -> list[str]:
         """Warnings about settings that weaken the guarantees or the recovery window."""

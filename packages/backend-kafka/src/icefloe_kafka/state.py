@@ -23,8 +23,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    TIMESTAMP_NOT_AVAILABLE,
+    Consumer,
+    KafkaError,
+    Message,
+    TopicPartition,
+)
 
+from icefloe.channel import BackendStatus
 from icefloe.errors import ChannelError
 from icefloe_kafka.clients import KafkaClients, group_headers, record_key
 
@@ -114,6 +122,8 @@ class StateReader:
         )
         parts = clients.partitions(clients.state_topic)
         self._pending_eof = set(parts)
+        #: the broker/producer timestamp (ms) of the record ``on_record`` is being handed
+        self.timestamp_ms: int | None = None
         self._consumer.assign(
             [TopicPartition(clients.state_topic, p, OFFSET_BEGINNING) for p in parts]
         )
@@ -145,6 +155,8 @@ class StateReader:
                     log.warning("state topic read error: %s", err.str())
                     continue
                 value = msg.value()
+                kind, stamp = msg.timestamp()
+                self.timestamp_ms = stamp if kind != TIMESTAMP_NOT_AVAILABLE else None
                 on_record(
                     msg.key(),
                     StateValue.decode(value if isinstance(value, bytes) else None),
@@ -199,3 +211,59 @@ def highest_record(clients: KafkaClients, key: bytes, role: str) -> StateValue |
     with state_reader(clients, role) as reader:
         reader.read_to_end(seen)
     return top
+
+
+def pipeline_state(clients: KafkaClients, lease_ttl_s: float) -> BackendStatus:
+    """The pipeline's lease and writers as the state topic shows them, for `icefloe status`:
+    a fresh assign-mode consumer reads it to its end and writes nothing, so no leader is
+    fenced and no lease renewed. Lease times come from the records' timestamps (the writing
+    host's clock), so they are estimates when clocks differ."""
+    if clients.state_topic not in clients.existing_topics():
+        return BackendStatus(writers=())  # nothing ran yet (and asking for it might create it)
+    group = clients.group_id
+    key = lease_key(group)
+    newest: tuple[StateValue, int | None] | None = None
+    acquired_ms: dict[int, int] = {}  # token -> timestamp of its acquire record
+    writers: set[str] = set()
+    reader = StateReader(clients, "status")
+
+    def seen(k: bytes | None, v: StateValue | None, _offset: int) -> None:
+        nonlocal newest
+        if v is None or k is None:
+            return
+        if k == key:
+            newest = (v, reader.timestamp_ms)
+            if v.status == ACQUIRE and reader.timestamp_ms is not None:
+                acquired_ms[v.value] = reader.timestamp_ms
+            return
+        writer = _writer_of(k, group)
+        if writer is not None:
+            writers.add(writer)
+
+    try:
+        reader.read_to_end(seen)
+    finally:
+        reader.close()
+    if newest is None or newest[0].status == RELEASE:
+        return BackendStatus(writers=tuple(sorted(writers)))
+    record, stamp = newest
+    now_ms = time.time() * 1000
+    started = acquired_ms.get(record.value)
+    return BackendStatus(
+        leader=record.holder or None,
+        token=record.value,
+        lease_age_s=None if started is None else max(now_ms - started, 0.0) / 1000,
+        lease_expires_in_s=None if stamp is None else (stamp - now_ms) / 1000 + lease_ttl_s,
+        writers=tuple(sorted(writers)),
+    )
+
+
+def _writer_of(key: bytes, group_id: str) -> str | None:
+    """The writer id of an epoch key of ``group_id`` (None for any other key)."""
+    try:
+        parts = json.loads(key)
+    except ValueError:
+        return None
+    if isinstance(parts, list) and len(parts) == 3 and parts[:2] == [EPOCH, group_id]:
+        return str(parts[2])
+    return None

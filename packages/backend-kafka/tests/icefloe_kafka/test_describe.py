@@ -1,0 +1,49 @@
+"""`icefloe status` reads the Kafka backend's lease and writers without taking part, on the
+real broker."""
+
+from __future__ import annotations
+
+import uuid
+
+from .conftest import LEASE_TTL_S, BackendMaker
+
+
+def test_describe_before_anything_ran_knows_no_leader(make_backend: BackendMaker) -> None:
+    backend = make_backend(f"describe-{uuid.uuid4().hex[:8]}")
+    state = backend.describe()
+    assert state.leader is None
+    assert state.token is None
+
+
+def test_describe_reports_the_leader_token_age_and_writers(make_backend: BackendMaker) -> None:
+    group = f"describe-{uuid.uuid4().hex[:8]}"
+    backend = make_backend(group)
+    writer = backend.writer("w-1")
+    writer.open()
+    coordinator = backend.coordinator("coord-a")
+    lease = coordinator.acquire(30.0)
+    assert lease is not None
+    try:
+        # a second backend object, as `icefloe status` opens its own
+        state = make_backend(group).describe()
+        assert state.leader is not None
+        assert state.leader.startswith("coord-a/"), state  # the id and this instance's tag
+        assert state.token == lease.token
+        assert state.writers == ("w-1",)
+        assert state.lease_age_s is not None
+        assert state.lease_age_s >= 0
+        assert state.lease_expires_in_s is not None
+        assert state.lease_expires_in_s <= LEASE_TTL_S + 5  # clock skew allowance
+        # read-only: the leader still holds its lease and can renew with the same token
+        assert coordinator.renew().token == lease.token
+        # another pipeline sharing the state topic sees none of it
+        other = make_backend(f"describe-{uuid.uuid4().hex[:8]}").describe()
+        assert other.leader is None
+        assert other.writers == ()
+    finally:
+        coordinator.release()
+        coordinator.close()
+        writer.close()
+    after = make_backend(group).describe()
+    assert after.leader is None  # released
+    assert after.writers == ("w-1",)
