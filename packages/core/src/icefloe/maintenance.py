@@ -17,7 +17,7 @@ position, which is where the coordinator itself resumes).
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -27,7 +27,7 @@ from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import ancestors_of
 
 from icefloe.channel import CoordinatorChannel
-from icefloe.committer import FENCING_TOKEN_KEY, GROUP_ID_KEY
+from icefloe.committer import FENCING_TOKEN_KEY, GROUP_ID_KEY, PendingFile
 from icefloe.config import PipelineConfig
 from icefloe.errors import ConfigError
 from icefloe.events import DataWritten
@@ -192,20 +192,32 @@ def remove_orphan_files(
     return OrphanResult(tuple(sorted(deleted)), tuple(sorted(spared)))
 
 
-def announced_files(channel: CoordinatorChannel, group_id: str, idle_polls: int = 3) -> set[str]:
-    """Paths of every file announced on the channel since its stored position: published
-    batches the coordinator has not committed yet (read only: no lease, nothing stored)."""
+def announced(
+    channel: CoordinatorChannel, group_id: str, idle_polls: int = 3
+) -> Iterator[tuple[str, PendingFile]]:
+    """``(table, file)`` for every file announced on the channel since its stored position,
+    with where its event sits (read only: no lease, nothing stored). Shared by
+    ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted)."""
     channel.seek(channel.stored_position())
-    paths: set[str] = set()
     empty = 0
     while empty < idle_polls:
         records = channel.poll(0.5)
         empty = 0 if records else empty + 1
         for rec in records:
-            payload = rec.event.payload
-            if rec.event.group_id == group_id and isinstance(payload, DataWritten):
-                paths.update(f.path for f in payload.files)
-    return paths
+            event, payload = rec.event, rec.event.payload
+            if event.group_id != group_id or not isinstance(payload, DataWritten):
+                continue
+            writer = event.writer.writer_id if event.writer else ""
+            # no batch number: the coordinator ignores the event; -1 lets any watermark cover it
+            seq = -1 if event.batch_seq is None else event.batch_seq
+            for f in payload.files:
+                yield payload.table, PendingFile(f, writer, seq, rec.partition, rec.offset)
+
+
+def announced_files(channel: CoordinatorChannel, group_id: str, idle_polls: int = 3) -> set[str]:
+    """Paths of every file announced on the channel since its stored position: published
+    batches the coordinator has not committed yet (read only: no lease, nothing stored)."""
+    return {f.meta.path for _, f in announced(channel, group_id, idle_polls)}
 
 
 def parse_age(text: str) -> float:

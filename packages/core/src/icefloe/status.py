@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import uuid
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from pyiceberg.catalog import Catalog
 
-from icefloe.channel import BackendStatus
+from icefloe.channel import Backend, BackendStatus
 from icefloe.config import PipelineConfig
+
+if TYPE_CHECKING:  # the committer (and pyiceberg's writer side) loads only when needed
+    from icefloe.committer import PendingFile
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +38,7 @@ class TableStatus:
     commit_rows: int | None = None  # rows added by the last icefloe commit
     rows: int | None = None  # total rows in that snapshot
     source_lag: int | None = None
-    pending_files: int | None = None  # announced, not committed (no read-only source yet)
+    pending_files: int | None = None  # announced on the channel, not covered by a commit
     pending_bytes: int | None = None
     quarantined_files: int | None = None
     stuck: bool = False
@@ -107,6 +111,48 @@ def table_status(
     )
 
 
+def _announced(backend: Backend, group_id: str) -> tuple[str, dict[str, list[PendingFile]]]:
+    """The channel's identity and, per table, the files announced since the stored position,
+    read by a coordinator end that never asks for the lease (as ``icefloe maintain`` does)."""
+    from icefloe.maintenance import announced
+
+    channel = backend.coordinator(f"status-{uuid.uuid4().hex[:8]}")
+    try:
+        by_table: dict[str, list[PendingFile]] = {}
+        for table, f in announced(channel, group_id):
+            by_table.setdefault(table, []).append(f)
+        return channel.channel_id(), by_table
+    finally:
+        channel.close()
+
+
+def _with_pending(
+    status: TableStatus,
+    catalog: Catalog,
+    config: PipelineConfig,
+    announced: tuple[str, dict[str, list[PendingFile]]] | None,
+) -> TableStatus:
+    """``status`` with the announced files its commit boundary does not cover yet (by path,
+    so a replayed batch counts once); unchanged when the channel or the table was unreadable."""
+    from icefloe.committer import IcebergCommitter
+
+    if announced is None or not status.exists:
+        return status
+    channel_id, by_table = announced
+    try:
+        committer = IcebergCommitter(catalog, config.name, branch=config.coordination.branch)
+        boundary = committer.boundary(status.name, channel_id)
+    except Exception as exc:  # e.g. a table committed through another channel
+        log.debug("no commit boundary for %s: %s", status.name, exc)
+        return status
+    pending = {f.meta.path: f for f in by_table.get(status.name, []) if not boundary.covers(f)}
+    return replace(
+        status,
+        pending_files=len(pending),
+        pending_bytes=sum(f.meta.file_size_in_bytes for f in pending.values()),
+    )
+
+
 def _int(raw: Any) -> int | None:
     return None if raw is None else int(raw)
 
@@ -147,10 +193,12 @@ def collect(config: PipelineConfig) -> PipelineStatus:
     with quiet_clients(verbose=False):
         backend_status: BackendStatus | None = None
         backend_error: str | None = None
+        announced: tuple[str, dict[str, list[PendingFile]]] | None = None
         try:
             backend = open_backend(config, plugins)
             try:
                 backend_status = backend.describe()
+                announced = _announced(backend, config.name)
             finally:
                 backend.close()
         except Exception as exc:
@@ -159,7 +207,13 @@ def collect(config: PipelineConfig) -> PipelineStatus:
     catalog = load_catalog(config.catalog.name, **config.catalog.properties)
     now_ms = time.time() * 1000
     tables = [
-        table_status(catalog, config, t.name, lags.get(t.name), now_ms) for t in config.tables
+        _with_pending(
+            table_status(catalog, config, t.name, lags.get(t.name), now_ms),
+            catalog,
+            config,
+            announced,
+        )
+        for t in config.tables
     ]
     return PipelineStatus(
         config.name,
@@ -196,10 +250,11 @@ def render_lines(status: PipelineStatus) -> list[str]:
         ago = "never" if t.committed_at_ms is None else f"{now - t.committed_at_ms / 1000:.0f}s ago"
         lag = "?" if t.source_lag is None else str(t.source_lag)
         quarantined = "?" if t.quarantined_files is None else str(t.quarantined_files)
+        pending = "?" if t.pending_files is None else f"{t.pending_files} ({t.pending_bytes} B)"
         line = (
             f"  table {t.name}: last commit {ago} (+{t.commit_rows or 0} rows, snapshot "
             f"{t.snapshot_id or '-'}), {t.rows if t.rows is not None else '-'} rows, "
-            f"lag {lag}, quarantined files {quarantined}"
+            f"lag {lag}, pending files {pending}, quarantined files {quarantined}"
         )
         out.append(line + (f"  STUCK: {t.reason}" if t.stuck else ""))
     return out
