@@ -15,7 +15,7 @@ import copy
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -26,6 +26,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from icefloe.errors import ConfigError
@@ -55,7 +56,8 @@ class SourceConfig(_Model):
 
     kind: Literal["kafka"] = "kafka"
     bootstrap_servers: str = "127.0.0.1:9092"
-    topics: list[str] = Field(min_length=1)
+    topics: list[str] = Field(default_factory=list)
+    topic_pattern: str | None = None  # a regex: every topic whose whole name matches
     format: str = "json"
     format_options: dict[str, Any] = Field(default_factory=dict)
     starting_offsets: Literal["earliest", "latest", "table"] | dict[str, dict[str, int]] = (
@@ -75,6 +77,39 @@ class SourceConfig(_Model):
                 "{topic = {partition = offset}}"
             )
         return value
+
+    @field_validator("topic_pattern")
+    @classmethod
+    def _pattern_compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"is not a regular expression ({exc})") from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_topic_selector(self) -> SourceConfig:
+        if bool(self.topics) == (self.topic_pattern is not None):
+            raise ValueError(
+                "set exactly one of source.topics (a list of names) and source.topic_pattern "
+                "(a regular expression matching whole topic names)"
+            )
+        return self
+
+    def subscribed(self, names: Iterable[str]) -> list[str]:
+        """The topics among ``names`` this source reads, sorted."""
+        return matching_topics(names, self.topics, self.topic_pattern)
+
+
+def matching_topics(names: Iterable[str], topics: Sequence[str], pattern: str | None) -> list[str]:
+    """``names`` that are listed in ``topics`` or match ``pattern`` as a whole (as Spark's
+    ``subscribePattern`` does); a pattern never selects internal ``__`` topics."""
+    if pattern is None:
+        wanted = set(topics)
+        return sorted(n for n in names if n in wanted)
+    regex = re.compile(pattern)
+    return sorted(n for n in names if not n.startswith("__") and regex.fullmatch(n))
 
 
 class TableConfig(_Model):

@@ -251,8 +251,8 @@ def test_missing_key() -> None:
 
 
 def test_missing_nested_key() -> None:
-    err = _error({**MINIMAL, "source": {}})
-    assert err.key == "source.topics"
+    err = _error({**MINIMAL, "tables": [{}]})
+    assert err.key == "tables.0.name"
     assert "add this key" in str(err)
 
 
@@ -487,3 +487,16 @@ def test_show_config_with_an_unknown_backend_still_hides_secrets(
     for secret in SECRETS:
         assert secret not in result.output
     assert json.loads(result.stdout)["coordination"]["backend"] == "postgres"
+
+
+def test_source_takes_topics_or_a_pattern_exactly_one() -> None:
+    base: dict[str, Any] = {"name": "p", "tables": [{"name": "db.t"}]}
+    for source in ({}, {"topics": ["a"], "topic_pattern": "a.*"}):
+        with pytest.raises(ConfigError) as err:
+            config_from_dict({**base, "source": source})
+        assert "source.topics" in str(err.value)
+        assert "source.topic_pattern" in str(err.value)
+    with pytest.raises(ConfigError, match=r"source\.topic_pattern"):
+        config_from_dict({**base, "source": {"topic_pattern": "("}})
+    src = config_from_dict({**base, "source": {"topic_pattern": "ord.*"}}).source
+    assert src.subscribed(["orders", "xorders", "__ord", "ord"]) == ["ord", "orders"]

@@ -47,6 +47,19 @@ def source_checks(config: PipelineConfig, timeout_s: float = KAFKA_TIMEOUT_S) ->
             )
         ]
     out = [Check("kafka source", "ok", f"{src.bootstrap_servers} answers")]
+    if src.topic_pattern is not None:
+        found = src.subscribed(topics)
+        if not found:
+            # not fatal for run (topics created later are read), but nothing flows yet
+            out.append(
+                Check(
+                    f"topic pattern {src.topic_pattern}",
+                    "warn",
+                    "matches no topic yet; run reads matching topics once they exist",
+                )
+            )
+        else:
+            out.append(Check(f"topic pattern {src.topic_pattern}", "ok", ", ".join(found)))
     for topic in src.topics:
         meta = topics.get(topic)
         if meta is None or meta.error is not None:

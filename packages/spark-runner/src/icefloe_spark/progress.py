@@ -105,9 +105,10 @@ class Monitor:
                 )
             high: dict[tuple[str, int], int] = {}
             low: dict[tuple[str, int], int] = {}
-            for topic in src.topics:
-                meta = self._consumer.list_topics(topic, timeout=2.0).topics.get(topic)
-                if meta is None or meta.error is not None:
+            listed = self._consumer.list_topics(timeout=2.0).topics  # all: never auto-creates
+            for topic in src.subscribed(listed):
+                meta = listed[topic]
+                if meta.error is not None:
                     continue
                 for p in meta.partitions:
                     lo, hi = self._consumer.get_watermark_offsets(

@@ -13,7 +13,10 @@ Options (Spark-style names; keys are case-insensitive):
 
 * ``kafka.bootstrap.servers`` (required); every other ``kafka.*`` option goes to the
   confluent-kafka clients without the prefix (e.g. ``kafka.security.protocol``).
-* ``subscribe`` (or ``topics``): comma-separated topic names.
+* ``subscribe`` (or ``topics``): comma-separated topic names, or ``subscribePattern``: a
+  regular expression (Python ``re``) that whole topic names match, re-read at every batch so
+  matching topics created later are read too (internal ``__`` topics never match). Exactly
+  one of the two.
 * ``startingOffsets``: ``earliest`` (default), ``latest``, JSON ``{"topic": {"0": 42}}``
   (-2 = earliest, -1 = latest; partitions not listed start at earliest) or ``table``: resume
   from the ``icefloe.source-offsets`` the pipeline recorded in its Iceberg tables (needs
@@ -38,9 +41,10 @@ import bisect
 import difflib
 import json
 import logging
+import re
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +80,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from icefloe.config import matching_topics
 from icefloe.errors import ConfigError, IcefloeError
 
 if TYPE_CHECKING:
@@ -154,6 +159,7 @@ class SourceOptions:
     bootstrap_servers: str
     topics: tuple[str, ...]
     starting_offsets: str = "earliest"
+    topic_pattern: str | None = None  # subscribePattern: whole-name regex instead of topics
     max_records: int | None = None
     fail_on_data_loss: bool = True
     probe_high_watermark: bool = False
@@ -177,13 +183,24 @@ class SourceOptions:
             )
         raw_topics = opts.get("subscribe", opts.get("topics", ""))
         topics = tuple(t.strip() for t in raw_topics.split(",") if t.strip())
-        if not topics:
+        pattern = opts.get("subscribepattern") or None
+        if bool(topics) == (pattern is not None):
             raise ConfigError(
-                "option 'subscribe'",
-                "names no topic",
-                '.option("subscribe", "topic1,topic2")',
-                raw_topics,
+                "option 'subscribe' / 'subscribePattern'",
+                "exactly one of them must be given",
+                '.option("subscribe", "topic1,topic2") or .option("subscribePattern", "orders-.*")',
+                raw_topics or pattern,
             )
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ConfigError(
+                    "option 'subscribePattern'",
+                    f"is not a regular expression ({exc})",
+                    "fix the pattern (Python re syntax, matched against whole topic names)",
+                    pattern,
+                ) from None
         starting = opts.get("startingoffsets", "earliest").strip()
         if starting.lower() in ("earliest", "latest", "table"):
             starting = starting.lower()
@@ -205,6 +222,7 @@ class SourceOptions:
         return cls(
             bootstrap_servers=servers,
             topics=topics,
+            topic_pattern=pattern,
             starting_offsets=starting,
             max_records=max_records,
             fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
@@ -225,6 +243,10 @@ class SourceOptions:
             group_id=group_id,
             branch=opts.get("icefloe.branch", "main"),
         )
+
+    def subscribed(self, names: Iterable[str]) -> list[str]:
+        """The topics among ``names`` this query reads."""
+        return matching_topics(names, self.topics, self.topic_pattern)
 
     def _base_conf(self) -> dict[str, Any]:
         return {
@@ -267,6 +289,7 @@ class SourceOptions:
 READER_OPTIONS = (
     "subscribe",
     "topics",
+    "subscribePattern",
     "startingOffsets",
     "maxOffsetsPerTrigger",
     "maxRecordsPerBatch",
@@ -320,7 +343,11 @@ def source_options(config: PipelineConfig) -> dict[str, str]:
     src = config.source
     opts = {
         "kafka.bootstrap.servers": src.bootstrap_servers,
-        "subscribe": ",".join(src.topics),
+        **(
+            {"subscribePattern": src.topic_pattern}
+            if src.topic_pattern is not None
+            else {"subscribe": ",".join(src.topics)}
+        ),
         "startingOffsets": (
             src.starting_offsets
             if isinstance(src.starting_offsets, str)
@@ -462,9 +489,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Current partitions of the subscribed topics (a missing topic has none yet)."""
         meta = self.admin().list_topics(timeout=self._timeout())
         out = []
-        for topic in self.options.topics:
-            tmeta = meta.topics.get(topic)
-            if tmeta is None or tmeta.error is not None:
+        for topic in self.options.subscribed(meta.topics):
+            tmeta = meta.topics[topic]
+            if tmeta.error is not None:
                 continue
             out += [(topic, p) for p in sorted(tmeta.partitions)]
         return out
@@ -557,7 +584,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 {
                     tp: o
                     for tp, o in given.items()
-                    if tp not in chosen and o >= 0 and tp[0] in self.options.topics
+                    if tp not in chosen and o >= 0 and self.options.subscribed([tp[0]])
                 }
             )
         return _nest(chosen)

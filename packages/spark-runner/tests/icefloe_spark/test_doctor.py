@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -106,3 +107,35 @@ def test_status_shows_lag_and_exits_1_when_the_table_is_behind(
     text = run_icefloe("status", "--config", str(config))
     assert "table db.t: last commit never" in text.stdout
     assert "lag 5" in text.stdout
+
+
+def test_doctor_and_status_follow_a_topic_pattern(
+    tmp_path: Path,
+    kafka_broker: EmbeddedKafkaBroker,
+    new_topic: Callable[..., str],
+    produce: Callable[..., Any],
+) -> None:
+    """``source.topic_pattern``: doctor lists the matching topics, the lag counts them only."""
+    _create_table(tmp_path)
+    prefix = f"dp{uuid.uuid4().hex[:8]}"
+    matching = [new_topic(partitions=2, name=f"{prefix}-{i}") for i in (1, 2)]
+    other = new_topic(partitions=1, name=f"{prefix}x")
+    produce(matching[0], [b'{"id": 1}'] * 3, partitions=2)
+    produce(matching[1], [b'{"id": 2}'] * 2, partitions=2)
+    produce(other, [b'{"id": 3}'] * 4)
+    bootstrap = kafka_broker.bootstrap_servers
+    config = write_config(
+        tmp_path / "p.toml",
+        {
+            "name": "doctor-pattern",
+            "source": {"bootstrap_servers": bootstrap, "topic_pattern": f"{prefix}-[0-9]+"},
+            "tables": [{"name": "db.t"}],
+            "catalog": {"name": "c", "properties": _catalog(tmp_path)},
+            "coordination": {"backend": "kafka", "kafka": {"bootstrap_servers": bootstrap}},
+        },
+    )
+    doctor = run_icefloe("doctor", "--config", str(config))
+    text = doctor.stdout + doctor.stderr
+    assert f"topic pattern {prefix}-[0-9]+: {', '.join(matching)}" in text, text
+    status = run_icefloe("status", "--config", str(config), "--json")
+    assert json.loads(status.stdout)["tables"][0]["source_lag"] == 5, status.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import pickle
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,37 @@ def test_topic_created_later_is_picked_up(
     batches = run_available_now(spark, opts, tmp_path / "ck")
     assert values(batches) == [b"a2", b"b0", b"b1", b"b2"]
     assert {t for t, _, _ in positions(batches)} == {first, later}
+
+
+def test_subscribe_pattern_reads_every_matching_topic_and_no_other(
+    spark: SparkSession, new_topic: Any, produce: Any, source_options: Any, tmp_path: Path
+) -> None:
+    prefix = f"pat{uuid.uuid4().hex[:8]}"
+    first = new_topic(partitions=2, name=f"{prefix}-a")
+    other = new_topic(partitions=1, name=f"x{prefix}-b")  # does not match as a whole
+    produce(first, [b"a0", b"a1", b"a2"], partitions=2)
+    produce(other, [b"no"])
+    opts = source_options(first, subscribePattern=f"{prefix}-.*")
+    del opts["subscribe"]
+    assert values(run_available_now(spark, opts, tmp_path / "ck")) == [b"a0", b"a1", b"a2"]
+
+    later = new_topic(partitions=2, name=f"{prefix}-later")  # matches: read from earliest
+    produce(later, [b"b0", b"b1"], partitions=2)
+    batches = run_available_now(spark, opts, tmp_path / "ck")
+    assert values(batches) == [b"b0", b"b1"]
+    assert {t for t, _, _ in positions(batches)} == {later}
+
+
+def test_subscribe_and_subscribe_pattern_exclude_each_other() -> None:
+    base = {"kafka.bootstrap.servers": "h:1"}
+    with pytest.raises(ConfigError, match="subscribePattern"):
+        SourceOptions.parse(base)
+    with pytest.raises(ConfigError, match="exactly one"):
+        SourceOptions.parse({**base, "subscribe": "t", "subscribePattern": "t.*"})
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        SourceOptions.parse({**base, "subscribePattern": "("})
+    opts = SourceOptions.parse({**base, "subscribePattern": "ord.*"})
+    assert opts.subscribed(["orders", "xorders", "__ord", "ord"]) == ["ord", "orders"]
 
 
 def test_replayed_batch_reads_the_same_records(
