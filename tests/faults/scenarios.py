@@ -254,7 +254,7 @@ NEXT_BACKEND = {"kafka": "postgres", "postgres": "redis", "redis": "kafka"}
 
 @scenario(
     "backend-swap",
-    pending="`icefloe drain` on kafka committed the left-over batch, then kept cycling until "
+    pending="`icefloe drain` on kafka committed the left-over batch, then kept cycling for 10 minutes "
     "its timeout (seed 201); drop this mark once a run passed",
 )
 def backend_swap(run: Run) -> None:
