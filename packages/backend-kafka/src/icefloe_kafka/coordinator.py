@@ -48,7 +48,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer
 
 from icefloe.channel import ChannelPosition, ChannelRecord, CoordinatorChannel, Lease
 from icefloe.errors import ChannelError, ChannelResetError, EventDecodeError, NotLeaderError
-from icefloe.events import Event, decode_event, encode_event
+from icefloe.events import DataWritten, Event, decode_event, encode_event
 from icefloe_kafka.clients import (
     KafkaClients,
     group_headers,
@@ -69,6 +69,17 @@ from icefloe_kafka.state import (
 )
 
 log = logging.getLogger(__name__)
+
+_BATCH_TAIL_S = 5.0  # longest wait for the rest of a batch a consume ended inside
+
+
+def _inside_batch(records: list[ChannelRecord]) -> bool:
+    """Whether the last record read of some partition is a DataWritten, whose batch's
+    DataComplete (always its last event) has not been read yet."""
+    last: dict[str, ChannelRecord] = {}
+    for r in records:
+        last[r.partition] = r
+    return any(isinstance(r.event.payload, DataWritten) for r in last.values())
 
 
 class KafkaCoordinatorChannel(CoordinatorChannel):
@@ -320,6 +331,15 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
             )
 
     def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:
+        """Next records; a writer batch is never handed over in parts.
+
+        Why: a transaction becomes visible at once on the broker, but the client may fetch its
+        records in two responses, so one ``consume`` can end inside a batch. While the last
+        record read of a partition is a DataWritten (a batch ends with its DataComplete), read
+        on for up to ``_BATCH_TAIL_S``: the rest is committed and arrives at once. An aborted
+        batch without its tail (visible on brokers that do not filter aborted records) only
+        costs that wait.
+        """
         with self._lock:
             self._heartbeat_if_due()
             if not self._sought:
@@ -327,33 +347,45 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
             consumer = self._data_consumer()
             msgs = consumer.consume(max(1, max_records), max(timeout, 0.0))
             out: list[ChannelRecord] = []
-            for i, msg in enumerate(msgs):
-                err = msg.error()
-                if err is not None:
-                    if err.fatal():
-                        raise ChannelError(
-                            f"reading {self._clients.control_topic} failed: {err.str()}"
-                        )
-                    log.warning("%s: read error: %s", self._id, err.str())
-                    continue
-                partition, offset = msg.partition() or 0, msg.offset() or 0
-                group = header_group(msg.headers())
-                try:
-                    event = decode_event(msg.value() or b"")
-                except EventDecodeError as exc:
-                    if group != self._group_id:
-                        log.debug(
-                            "skipping a foreign undecodable record at %d@%d", partition, offset
-                        )
-                        continue  # not this pipeline's record: nothing of ours can be lost
-                    self._rewind(consumer, msgs[i:])
-                    if out:
-                        return out  # hand over what came before; the next poll raises
-                    raise EventDecodeError(
-                        f"{self._clients.control_topic}[{partition}]@{offset}: {exc}"
-                    ) from exc
-                out.append(ChannelRecord(str(partition), offset, event))
+            if self._take(consumer, msgs, out):
+                return out
+            deadline = time.monotonic() + _BATCH_TAIL_S
+            while (
+                len(out) < max_records
+                and _inside_batch(out)
+                and (left := deadline - time.monotonic()) > 0
+            ):
+                more = consumer.consume(max_records - len(out), min(left, 0.1))
+                if self._take(consumer, more, out):
+                    break
             return out
+
+    def _take(self, consumer: Consumer, msgs: list[Any], out: list[ChannelRecord]) -> bool:
+        """Decode ``msgs`` into ``out``; True when an undecodable record of this pipeline
+        stopped the read (it is read again, and raised, by the next poll)."""
+        for i, msg in enumerate(msgs):
+            err = msg.error()
+            if err is not None:
+                if err.fatal():
+                    raise ChannelError(f"reading {self._clients.control_topic} failed: {err.str()}")
+                log.warning("%s: read error: %s", self._id, err.str())
+                continue
+            partition, offset = msg.partition() or 0, msg.offset() or 0
+            group = header_group(msg.headers())
+            try:
+                event = decode_event(msg.value() or b"")
+            except EventDecodeError as exc:
+                if group != self._group_id:
+                    log.debug("skipping a foreign undecodable record at %d@%d", partition, offset)
+                    continue  # not this pipeline's record: nothing of ours can be lost
+                self._rewind(consumer, msgs[i:])
+                if out:
+                    return True  # hand over what came before; the next poll raises
+                raise EventDecodeError(
+                    f"{self._clients.control_topic}[{partition}]@{offset}: {exc}"
+                ) from exc
+            out.append(ChannelRecord(str(partition), offset, event))
+        return False
 
     def _rewind(self, consumer: Consumer, unread: list[Any]) -> None:
         """Seek back so the first unreturned record of each partition is read again."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -323,3 +324,43 @@ def test_a_batch_above_the_record_limit_is_refused_whole_and_clearly(
     coordinator = leader(make_backend, group_id, "c1")
     got = {r.event.event_id for r in read_until(coordinator, {e.event_id for e in ok.events})}
     assert not got & {small.event_id, huge.event_id, done.event_id}
+
+
+class _SmallFetches:
+    """The real consumer, handing out at most ``n`` records per consume: what a client does
+    when one transaction's records arrive in several fetch responses."""
+
+    def __init__(self, consumer: Consumer, n: int) -> None:
+        self._consumer, self._n = consumer, n
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Any]:
+        return self._consumer.consume(min(num_messages, self._n), timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+def test_a_poll_never_ends_inside_a_batch_that_arrives_in_several_fetches(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    tables = 12
+    backend = make_backend(group_id)
+    w = backend.writer("w")
+    ref = WriterRef("w", w.open())
+    files = [(DataFileMeta(f"file:///t/{i}.parquet", 1, 1),) for i in range(tables)]
+    events = (
+        *(Event(group_id, DataWritten(f"ns.t{i}", files[i]), ref, 0) for i in range(tables)),
+        Event(group_id, DataComplete(()), ref, 0),
+    )
+    assert w.publish(WriterBatch(ref, 0, events))
+    coord = backend.coordinator("c")
+    assert isinstance(coord, KafkaCoordinatorChannel)
+    assert coord.acquire(DEADLINE_S) is not None
+    coord.seek(None)
+    coord._data = _SmallFetches(coord._data_consumer(), 5)  # type: ignore[assignment]
+    deadline = time.monotonic() + DEADLINE_S
+    mine: list[ChannelRecord] = []
+    while not mine:
+        assert time.monotonic() < deadline, "the batch never arrived"
+        mine = [r for r in coord.poll(0.2) if r.event.group_id == group_id and r.event.writer]
+    assert [r.event.event_id for r in mine] == [e.event_id for e in events]
