@@ -22,6 +22,10 @@ Options (Spark-style names; keys are case-insensitive):
   from the ``icefloe.source-offsets`` the pipeline recorded in its Iceberg tables (needs
   ``icefloe.tables``, ``icefloe.groupId``, ``icefloe.catalog.name`` and the catalog's
   properties as ``icefloe.catalog.<key>``). Used only when the query has no checkpoint.
+* ``startingOffsetsByTimestamp``: JSON ``{"topic": {"0": 1700000000000}}`` (epoch ms):
+  each listed partition starts at its first record stamped at or after that time (Kafka's
+  offsets-for-times lookup), or at its end when none is that new; partitions not listed start
+  at earliest. Takes precedence over ``startingOffsets``; used only without a checkpoint.
 * ``maxOffsetsPerTrigger`` (or ``maxRecordsPerBatch``): records per micro-batch, shared
   among partitions in proportion to their lag.
 * ``failOnDataLoss`` (default true): fail when records between the checkpoint and the
@@ -160,6 +164,9 @@ class SourceOptions:
     topics: tuple[str, ...]
     starting_offsets: str = "earliest"
     topic_pattern: str | None = None  # subscribePattern: whole-name regex instead of topics
+    #: startingOffsetsByTimestamp: ``{topic: {partition: epoch ms}}`` (then starting_offsets
+    #: is ``"timestamp"``)
+    starting_timestamps: Offsets = field(default_factory=dict)
     max_records: int | None = None
     fail_on_data_loss: bool = True
     probe_high_watermark: bool = False
@@ -206,6 +213,11 @@ class SourceOptions:
             starting = starting.lower()
         else:
             _parse_offsets_json(starting)  # validate now, at query start
+        stamps_raw = opts.get("startingoffsetsbytimestamp")
+        stamps: Offsets = {}
+        if stamps_raw:  # takes precedence over startingOffsets, as in Spark's Kafka source
+            stamps = _parse_offsets_json(stamps_raw, "startingOffsetsByTimestamp")
+            starting = "timestamp"
         tables = tuple(t.strip() for t in opts.get("icefloe.tables", "").split(",") if t.strip())
         group_id = opts.get("icefloe.groupid")
         if starting == "table" and (not tables or not group_id):
@@ -224,6 +236,7 @@ class SourceOptions:
             topics=topics,
             topic_pattern=pattern,
             starting_offsets=starting,
+            starting_timestamps=stamps,
             max_records=max_records,
             fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
             probe_high_watermark=_bool(opts, "probeHighWatermark", False),
@@ -291,6 +304,7 @@ READER_OPTIONS = (
     "topics",
     "subscribePattern",
     "startingOffsets",
+    "startingOffsetsByTimestamp",
     "maxOffsetsPerTrigger",
     "maxRecordsPerBatch",
     "failOnDataLoss",
@@ -319,7 +333,7 @@ def check_reader_options(options: Mapping[str, str], where: str) -> None:
         )
 
 
-def _parse_offsets_json(text: str) -> Offsets:
+def _parse_offsets_json(text: str, option: str = "startingOffsets") -> Offsets:
     try:
         raw = json.loads(text)
         out = {
@@ -328,8 +342,10 @@ def _parse_offsets_json(text: str) -> Offsets:
         }
     except (ValueError, AttributeError, TypeError):
         raise ConfigError(
-            "option 'startingOffsets'",
-            'is not earliest, latest, table or JSON like {"topic": {"0": 42}}',
+            f"option '{option}'",
+            'is not JSON like {"topic": {"0": 42}}'
+            if option != "startingOffsets"
+            else 'is not earliest, latest, table or JSON like {"topic": {"0": 42}}',
             "fix the value",
             text,
         ) from None
@@ -497,6 +513,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return out
 
     def _list_offsets(self, tps: Sequence[TP], spec: OffsetSpec) -> dict[TP, int]:
+        return {tp: int(info.offset) for tp, info in self._list_offset_infos(tps, spec).items()}
+
+    def _list_offset_infos(self, tps: Sequence[TP], spec: OffsetSpec) -> dict[TP, Any]:
         if not tps:
             return {}
         request = {TopicPartition(t, p): spec for t, p in tps}
@@ -505,7 +524,21 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             isolation_level=self.options.isolation_level(),
             request_timeout=self._timeout(),
         )
-        return {(tp.topic, tp.partition): int(f.result().offset) for tp, f in futures.items()}
+        return {(tp.topic, tp.partition): f.result() for tp, f in futures.items()}
+
+    def _offsets_at(self, stamps: Mapping[TP, int], latest: Mapping[TP, int]) -> dict[TP, int]:
+        """Per partition, the first offset whose record timestamp is at or after the given
+        epoch ms (Kafka's ListOffsets by time); the partition's end when no record is that new
+        yet. Partitions the broker does not list are left out (they start at earliest)."""
+        known = [tp for tp in stamps if tp in latest]
+        out: dict[TP, int] = {}
+        for tp in known:  # one request per partition: each has its own time
+            found = self._list_offset_infos([tp], OffsetSpec.for_timestamp(stamps[tp]))[tp]
+            # no record that new: Kafka answers offset -1; Tansu 0.6 answers offset 0 with
+            # timestamp -1, so the timestamp decides
+            none = found.offset < 0 or found.timestamp < 0
+            out[tp] = latest[tp] if none else int(found.offset)
+        return out
 
     def bounds(self, tps: Sequence[TP]) -> tuple[dict[TP, int], dict[TP, int]]:
         """(earliest, latest) offsets of ``tps``."""
@@ -567,6 +600,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 )
                 given = {(t, p): o for t, parts in recorded.items() for p, o in parts.items()}
                 log.info("resuming from the offsets recorded in the tables: %s", recorded)
+            elif start == "timestamp":
+                given = self._offsets_at(_flat(self.options.starting_timestamps), latest)
             else:
                 given = _flat(_parse_offsets_json(start))
             chosen = {}

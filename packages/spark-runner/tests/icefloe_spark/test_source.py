@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import pickle
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -185,6 +186,23 @@ def test_starting_offsets_explicit_json(
     assert values(batches) == sorted(expected)
 
 
+def test_starting_offsets_by_timestamp(
+    spark: SparkSession, new_topic: Any, produce: Any, source_options: Any, tmp_path: Path
+) -> None:
+    """Partition 0 from the first record at/after the cut, partition 1 (a time later than
+    every record) from its end, partition 2 (not listed) from earliest."""
+    topic = new_topic(partitions=3)
+    produce(topic, [f"old-p{i}".encode() for i in range(3)], partition=[0, 1, 2])
+    time.sleep(0.05)  # CreateTime has millisecond resolution: keep the cut between the two
+    cut = int(time.time() * 1000)
+    time.sleep(0.05)
+    produce(topic, [f"new-p{i}".encode() for i in range(3)], partition=[0, 1, 2])
+    stamps = json.dumps({topic: {"0": cut, "1": cut + 3_600_000}})
+    opts = source_options(topic, startingOffsetsByTimestamp=stamps, startingOffsets="latest")
+    batches = run_available_now(spark, opts, tmp_path / "ck")
+    assert values(batches) == [b"new-p0", b"new-p2", b"old-p2"]
+
+
 def test_topic_created_later_is_picked_up(
     spark: SparkSession, new_topic: Any, produce: Any, source_options: Any, tmp_path: Path
 ) -> None:
@@ -229,6 +247,8 @@ def test_subscribe_and_subscribe_pattern_exclude_each_other() -> None:
         SourceOptions.parse({**base, "subscribe": "t", "subscribePattern": "t.*"})
     with pytest.raises(ConfigError, match="not a regular expression"):
         SourceOptions.parse({**base, "subscribePattern": "("})
+    with pytest.raises(ConfigError, match="startingOffsetsByTimestamp"):
+        SourceOptions.parse({**base, "subscribe": "t", "startingOffsetsByTimestamp": "{bad"})
     opts = SourceOptions.parse({**base, "subscribePattern": "ord.*"})
     assert opts.subscribed(["orders", "xorders", "__ord", "ord"]) == ["ord", "orders"]
 
