@@ -130,7 +130,7 @@ def _with_pending(
     status: TableStatus,
     catalog: Catalog,
     config: PipelineConfig,
-    announced: tuple[str, dict[str, list[PendingFile]]] | None,
+    announced: tuple[str | None, dict[str, list[PendingFile]]] | None,
 ) -> TableStatus:
     """``status`` with the announced files its commit boundary does not cover yet (by path,
     so a replayed batch counts once); unchanged when the channel or the table was unreadable."""
@@ -193,12 +193,16 @@ def collect(config: PipelineConfig) -> PipelineStatus:
     with quiet_clients(verbose=False):
         backend_status: BackendStatus | None = None
         backend_error: str | None = None
-        announced: tuple[str, dict[str, list[PendingFile]]] | None = None
+        announced: tuple[str | None, dict[str, list[PendingFile]]] | None = None
         try:
             backend = open_backend(config, plugins)
             try:
                 backend_status = backend.describe()
-                announced = _announced(backend, config.name)
+                # no writer ever registered: nothing can be pending, and not opening the
+                # channel keeps status from creating it (Kafka creates topics on first use)
+                announced = (
+                    (None, {}) if backend_status.writers == () else _announced(backend, config.name)
+                )
             finally:
                 backend.close()
         except Exception as exc:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka.admin import AdminClient
 from pyiceberg.catalog import load_catalog
 from pyiceberg.schema import Schema
 from pyiceberg.types import LongType, NestedField
@@ -131,11 +132,19 @@ def test_doctor_and_status_follow_a_topic_pattern(
             "source": {"bootstrap_servers": bootstrap, "topic_pattern": f"{prefix}-[0-9]+"},
             "tables": [{"name": "db.t"}],
             "catalog": {"name": "c", "properties": _catalog(tmp_path)},
-            "coordination": {"backend": "kafka", "kafka": {"bootstrap_servers": bootstrap}},
+            "coordination": {
+                "backend": "kafka",
+                "kafka": {"bootstrap_servers": bootstrap, "control_topic": f"ctl-{prefix}"},
+            },
         },
     )
     doctor = run_icefloe("doctor", "--config", str(config))
     text = doctor.stdout + doctor.stderr
     assert f"topic pattern {prefix}-[0-9]+: {', '.join(matching)}" in text, text
     status = run_icefloe("status", "--config", str(config), "--json")
-    assert json.loads(status.stdout)["tables"][0]["source_lag"] == 5, status.stderr
+    table = json.loads(status.stdout)["tables"][0]
+    assert table["source_lag"] == 5, status.stderr
+    assert table["pending_files"] == 0  # nothing was ever published
+    # status is read-only: it did not create the pipeline's control topic
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    assert f"ctl-{prefix}" not in admin.list_topics(timeout=20).topics
