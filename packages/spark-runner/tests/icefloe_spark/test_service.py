@@ -264,36 +264,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def test_run_with_redis_warns_about_missing_persistence_once(
-    tmp_path: Path,
-    kafka_broker: EmbeddedKafkaBroker,
-    new_topic: Callable[..., str],
-    produce: Callable[..., Any],
-) -> None:
-    """The machine's Redis (127.0.0.1:6379) runs without persistence: ``icefloe run`` says so
-    exactly once, and still commits everything."""
-    import tomllib
-
-    topic = new_topic(partitions=1)
-    config, catalog = _pipeline(tmp_path, kafka_broker, topic)
-    data = tomllib.loads(config.read_text())
-    data["coordination"]["backend"] = "redis"
-    data["coordination"].pop("kafka")
-    data["coordination"]["redis"] = {
-        "url": "redis://127.0.0.1:6379/0",
-        "key_prefix": f"icefloe-test-{uuid.uuid4().hex[:8]}",
-    }
-    config.write_text(tomli_w.dumps(data))
-    produce(topic, [json.dumps({"id": i, "name": "n"}).encode() for i in range(5)])
-    out = tmp_path / "run.log"
-    proc = _start(["run", "--config", str(config), "--once"], out)
-    try:
-        rc = proc.wait(DEADLINE_S)
-    finally:
-        _stop(proc)
-    text = out.read_text()
-    assert rc == 0, text
-    assert text.count("has no persistence") == 1, text
-    assert _rows(catalog) == 5
