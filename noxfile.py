@@ -31,7 +31,7 @@ ALL_WITH_TEST_EXTRAS = [f"./packages/{d}[test]" for d in LOCAL_DEPS]
 
 
 def _pytest_args(session: nox.Session) -> list[str]:
-    return ["-p", "no:cacheprovider", "-rfEs", *session.posargs]
+    return ["-p", "no:cacheprovider", "-rfEs", "--durations=15", *session.posargs]
 
 
 @nox.session

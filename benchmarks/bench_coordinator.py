@@ -339,6 +339,11 @@ def report(
     def growth(values: list[float]) -> float:
         return statistics.mean(values[-n:]) / statistics.mean(values[:n]) if values else 0.0
 
+    def median_growth(values: list[float]) -> float:
+        # one slow cycle (a manifest merge, a load spike of a shared machine) dominates the
+        # mean of ten; the median shows whether the typical commit grew with history
+        return statistics.median(values[-n:]) / statistics.median(values[:n]) if values else 0.0
+
     meta = dir_size(next((work / "iceberg" / "warehouse").rglob("metadata")))
     load = os.getloadavg()[0]
     print()
@@ -353,6 +358,10 @@ def report(
     print(
         f"last-{n} / first-{n}: commit {growth(commits):.2f}, commit CPU {growth(cpu):.2f}; "
         f"metadata dir {meta / 1e6:.1f} MB"
+    )
+    print(
+        f"last-{n} / first-{n} medians: commit {median_growth(commits):.2f}, "
+        f"commit CPU {median_growth(cpu):.2f}"
     )
     if idle_cores is not None:
         print(f"idle writers: {idle_cores:.2f} cores")

@@ -24,9 +24,13 @@ from typing import Any
 import pytest
 import tomli_w
 from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.types import StringType
 
+from icefloe.backends import open_backend
 from icefloe.config import config_from_dict
 from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe.errors import WriterRegressionError
+from icefloe.plugins import get_plugins
 from icefloe.testing.fixtures import (
     EVENTS_SCHEMA,
     EVENTS_SPEC,
@@ -35,14 +39,15 @@ from icefloe.testing.fixtures import (
 )
 from icefloe_spark import faults
 from icefloe_spark.kafkautil import create_topic, end_offsets, produce
-from icefloe_spark.pipeline import Pipeline
+from icefloe_spark.pipeline import CoordinatorThread, Pipeline
+from icefloe_spark.sink import derive_writer_id
 
 TABLE = "e2e.events"
 SCHEMA = EVENTS_SCHEMA
 SPEC = EVENTS_SPEC
 # Tansu's ListOffsets answers the last batch's base offset + 1: learn partition ends by fetching
 SOURCE_OPTIONS = {"probeHighWatermark": "true", "pollTimeoutMs": "10000"}
-WAIT_S = 180.0
+WAIT_S = float(os.environ.get("ICEFLOE_TEST_WAIT_S", "180"))  # more on a loaded machine
 BACKENDS = ("kafka", "postgres", "redis")
 FAULT_BACKEND = os.environ.get("ICEFLOE_TEST_FAULT_BACKEND", "kafka")  # the default backend
 POSTGRES_DSN = os.environ.get(
@@ -158,7 +163,7 @@ def test_every_record_lands_exactly_once(
     bootstrap = kafka_broker.bootstrap_servers
     topic = new_topic(kafka_broker)
     catalog = make_table(catalog_properties)
-    name = f"e2e-{backend}-{tmp_path.name[-12:]}".replace("_", "-")
+    name = f"e2e-{backend}-{uuid.uuid4().hex[:10]}"
     config = config_from_dict(
         pipeline_dict(name, kafka_broker, topic, catalog_properties, backend, tmp_path / "ckpt")
     )
@@ -190,7 +195,7 @@ def test_fresh_checkpoint_at_the_same_place_resumes_from_the_table_and_loses_not
     bootstrap = kafka_broker.bootstrap_servers
     topic = new_topic(kafka_broker)
     catalog = make_table(catalog_properties)
-    name = f"e2e-reset-{tmp_path.name[-12:]}".replace("_", "-")
+    name = f"e2e-reset-{uuid.uuid4().hex[:10]}"
     checkpoint = tmp_path / "ckpt"
     data = pipeline_dict(name, kafka_broker, topic, catalog_properties, "kafka", checkpoint)
     data["source"]["starting_offsets"] = "table"
@@ -221,7 +226,7 @@ def test_failed_task_attempt_commits_no_file_and_no_duplicate(
     markers = tmp_path / "faults"
     config = config_from_dict(
         pipeline_dict(
-            f"e2e-taskfail-{tmp_path.name[-12:]}".replace("_", "-"),
+            f"e2e-taskfail-{uuid.uuid4().hex[:10]}",
             kafka_broker,
             topic,
             catalog_properties,
@@ -274,16 +279,22 @@ def driver(config_file: Path, log: Path, env: dict[str, str]) -> Iterator[subpro
 
 
 def crash_after_publishing_batch_1(
-    config_file: Path, log: Path, ckpt: Path, timeout: float
+    config_file: Path, log: Path, ckpt: Path, timeout: float, batch: int = 1
 ) -> None:
-    """Run ``icefloe run`` until it exits right after publishing batch 1, before Spark
-    recorded that batch in the checkpoint."""
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, faults.EXIT_AFTER_PUBLISH_ENV: "1"}
+    """Run ``icefloe run`` until it exits right after publishing ``batch`` (default 1),
+    before Spark recorded that batch in the checkpoint."""
+    env = {
+        **os.environ,
+        "PYSPARK_PYTHON": sys.executable,
+        faults.EXIT_AFTER_PUBLISH_ENV: str(batch),
+    }
     with driver(config_file, log, env) as first:
         code = first.wait(timeout)
     assert code == faults.EXIT_CODE, f"driver exited {code}; log:\n{log.read_text()[-3000:]}"
-    assert (ckpt / "offsets" / "1").exists(), "Spark never planned batch 1"
-    assert not (ckpt / "commits" / "1").exists(), "Spark recorded batch 1: the crash came late"
+    assert (ckpt / "offsets" / str(batch)).exists(), f"Spark never planned batch {batch}"
+    assert not (ckpt / "commits" / str(batch)).exists(), (
+        f"Spark recorded batch {batch}: the crash came late"
+    )
 
 
 def run_driver_until(
@@ -309,7 +320,7 @@ def test_driver_killed_after_publish_before_spark_recorded_the_batch(
     catalog = make_table(catalog_properties)
     ckpt = tmp_path / "ckpt"
     data = pipeline_dict(
-        f"e2e-crash-{tmp_path.name[-12:]}".replace("_", "-"),
+        f"e2e-crash-{uuid.uuid4().hex[:10]}",
         kafka_broker,
         topic,
         catalog_properties,
@@ -330,6 +341,104 @@ def test_driver_killed_after_publish_before_spark_recorded_the_batch(
     assert_exactly_once(catalog, TABLE, range(1000))
     paths = committed_paths(catalog)
     assert len(set(paths)) == len(paths)
+
+
+def writer_watermark(catalog: Catalog, group_id: str, writer_id: str) -> int | None:
+    """The highest batch of ``writer_id`` the table's newest snapshot of the group records."""
+    snapshots = group_snapshots(catalog, TABLE, group_id)
+    if not snapshots:
+        return None
+    marks = json.loads(snapshots[-1].summary.additional_properties["icefloe.writer-watermarks"])
+    return marks.get(writer_id)
+
+
+def test_lost_checkpoint_starts_after_batches_published_but_not_committed(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """The documented recovery from a lost checkpoint (new checkpoint, starting_offsets =
+    "table") while batch 1 sits on the channel, published and not committed: the new writer
+    (a new id) must start after it, not from the table's offsets, and the old batch must still
+    be committed. The restart commits through a standalone coordinator started only once the
+    new query has planned its first batch (an in-driver one may win the race and hide the
+    defect). Every key once."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    ckpt = tmp_path / "ckpt"
+    name = f"e2e-lost-{uuid.uuid4().hex[:10]}"
+    data = pipeline_dict(
+        name, kafka_broker, topic, catalog_properties, FAULT_BACKEND, ckpt, batch=200
+    )
+    config_file = tmp_path / "pipeline.toml"
+    config_file.write_text(tomli_w.dumps(data))
+    produce_json(bootstrap, topic, range(1000))
+    crash_after_publishing_batch_1(config_file, tmp_path / "driver.log", ckpt, WAIT_S)
+    old_writer = derive_writer_id(name, str(ckpt))
+    assert (writer_watermark(catalog, name, old_writer) or 0) < 1, "batch 1 got committed"
+    shutil.rmtree(ckpt)  # the checkpoint is lost
+    data["source"]["starting_offsets"] = "table"
+    config = config_from_dict(data)
+    with Pipeline(
+        config, spark=spark, coordinator=False, source_extra_options=SOURCE_OPTIONS
+    ) as second:
+        assert second.writer_id != old_writer
+        wait_until((ckpt / "offsets" / "0").exists, WAIT_S, "the new query's first batch")
+        backend = open_backend(config)
+        standalone = CoordinatorThread(config, backend, catalog, get_plugins()).start()
+        try:
+            wait_until(
+                lambda: (
+                    committed_rows(catalog) >= 1000
+                    and writer_watermark(catalog, name, old_writer) == 1
+                ),
+                WAIT_S,
+                "all 1000 rows and the old writer's batch 1",
+            )
+        finally:
+            standalone.stop()
+            backend.close()
+    assert_exactly_once(catalog, TABLE, range(1000))
+
+
+def test_explicit_writer_id_with_a_fresh_checkpoint_is_refused_not_dropped(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """An explicit writer id keeps its name across a fresh checkpoint, but Spark's batch ids
+    restart at 0, below what the table holds for that writer: the start is refused with the
+    fix named (before, the new batches were dropped as replays). The fix it names works."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    name = f"e2e-wid-{uuid.uuid4().hex[:10]}"
+    data = pipeline_dict(name, kafka_broker, topic, catalog_properties, "kafka", tmp_path / "a")
+    produce_json(bootstrap, topic, range(300))
+    with Pipeline(
+        config_from_dict(data), spark=spark, writer_id="orders", source_extra_options=SOURCE_OPTIONS
+    ):
+        wait_until(lambda: committed_rows(catalog) >= 300, WAIT_S, "the first 300 rows")
+    assert (writer_watermark(catalog, name, "orders") or 0) >= 1  # batch 0 alone proves less
+    produce_json(bootstrap, topic, range(300, 500))
+    data["source"]["starting_offsets"] = "table"
+    data["spark"]["checkpoint_location"] = str(tmp_path / "b")  # fresh
+    fresh = Pipeline(
+        config_from_dict(data), spark=spark, writer_id="orders", source_extra_options=SOURCE_OPTIONS
+    )
+    with pytest.raises(WriterRegressionError, match="another writer id") as refused:
+        fresh.start()
+    assert "'orders'" in str(refused.value)
+    assert str(tmp_path / "b") in str(refused.value)
+    assert committed_rows(catalog) == 300
+    assert not (tmp_path / "b" / "offsets").exists(), "the refused query planned a batch"
+    # the fix the message names: a new writer id (derived from the checkpoint), from the table
+    with Pipeline(config_from_dict(data), spark=spark, source_extra_options=SOURCE_OPTIONS):
+        wait_until(lambda: committed_rows(catalog) >= 500, WAIT_S, "the 200 new rows")
+    assert_exactly_once(catalog, TABLE, range(500))
 
 
 def test_demo_command_checks_its_own_table(tmp_path: Path) -> None:
@@ -364,7 +473,7 @@ def test_hand_wired_sink_publishes_from_the_commit_worker(
     topic = new_topic(kafka_broker)
     catalog = make_table(catalog_properties)
     ckpt = tmp_path / "ckpt"
-    name = f"e2e-wired-{tmp_path.name[-12:]}".replace("_", "-")
+    name = f"e2e-wired-{uuid.uuid4().hex[:10]}"
     config = config_from_dict(
         pipeline_dict(name, kafka_broker, topic, catalog_properties, FAULT_BACKEND, ckpt)
     )
@@ -462,7 +571,7 @@ def bad_records_run(
 ) -> BadRecordsRun:
     topic = new_topic(broker)
     catalog = make_table(catalog_properties)
-    name = f"e2e-{policy}-{tmp_path.name[-12:]}".replace("_", "-")
+    name = f"e2e-{policy}-{uuid.uuid4().hex[:10]}"
     ckpt = tmp_path / "ckpt"
     data = pipeline_dict(name, broker, topic, catalog_properties, FAULT_BACKEND, ckpt, batch)
     data["tables"] = [ROUTED_TABLE]
@@ -594,3 +703,178 @@ def test_dead_letters_survive_a_driver_crash_after_publish_without_duplicates(
         "file://" + str(p) for p in Path(dead.location().removeprefix("file://")).rglob("*.parquet")
     }
     assert committed < on_disk, "batch 1's dead letters were not written twice: no replay tested"
+
+
+# --------------------------------------------------------------------------- backend swap
+
+
+def icefloe_drain(config_file: Path, log: Path) -> None:
+    """`icefloe drain` as an operator runs it (no JVM): it must exit 0."""
+    with open(log, "ab") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "icefloe", "drain", "--config", str(config_file)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=WAIT_S * 2,
+        )
+    assert proc.returncode == 0, f"icefloe drain exited {proc.returncode}:\n{log.read_text()}"
+
+
+def table_ids(catalog: Catalog) -> list[int]:
+    """Every id in the table, as pyiceberg reads it (not the committer's code)."""
+    ids: list[int] = (
+        catalog.load_table(TABLE).scan(selected_fields=("id",)).to_arrow()["id"].to_pylist()
+    )
+    return ids
+
+
+def test_backend_swap_kafka_postgres_redis_by_the_documented_procedure(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """docs/operations.md, "Swapping the backend", on a pipeline that leaves a published,
+    uncommitted batch on the old channel at every move (the driver dies right after a
+    publish): kafka -> postgres -> redis, records produced throughout. A move to redis
+    without draining postgres first is refused (`ChannelChangedError`, the table unchanged);
+    drained afterwards, nothing is lost. Every key is counted with pyiceberg."""
+    from icefloe.errors import ChannelChangedError
+
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    ckpt = tmp_path / "ckpt"
+    name = f"e2e-swap-{uuid.uuid4().hex[:10]}"
+    config_file = tmp_path / "pipeline.toml"
+    log = tmp_path / "swap.log"
+
+    def use(backend: str) -> dict[str, Any]:
+        data = pipeline_dict(name, kafka_broker, topic, catalog_properties, backend, ckpt, 200)
+        config_file.write_text(tomli_w.dumps(data))
+        return data
+
+    # kafka: batch 1 published, the driver dies before it is committed (and before Spark
+    # recorded it): stranded on the Kafka channel
+    use("kafka")
+    produce_json(bootstrap, topic, range(600))
+    crash_after_publishing_batch_1(config_file, log, ckpt, 3 * WAIT_S)  # a fresh JVM
+    icefloe_drain(config_file, log)
+    after_kafka = table_ids(catalog)
+    assert len(after_kafka) >= 400, "the drain did not commit the stranded batch 1"
+
+    # postgres: Spark replays batch 1 (dropped by the writer watermark), goes on, and dies
+    # right after publishing batch 3
+    use("postgres")
+    produce_json(bootstrap, topic, range(600, 1000))
+    crash_after_publishing_batch_1(config_file, log, ckpt, 3 * WAIT_S, batch=3)
+    before_refusal = sorted(table_ids(catalog))
+
+    # redis without draining postgres: refused, nothing committed
+    redis = config_from_dict(use("redis"))
+    produce_json(bootstrap, topic, range(1000, 1200))
+    with Pipeline(redis, spark=spark, source_extra_options=SOURCE_OPTIONS) as refused:
+        thread = refused.coordinator
+        assert thread is not None
+        wait_until(lambda: thread.fatal is not None, WAIT_S, "the refusal")
+        assert isinstance(thread.fatal, ChannelChangedError), thread.fatal
+        assert "icefloe drain" in str(thread.fatal)
+    assert sorted(table_ids(catalog)) == before_refusal
+
+    # the documented way: drain postgres, then redis
+    use("postgres")
+    icefloe_drain(config_file, log)
+    with Pipeline(redis, spark=spark, source_extra_options=SOURCE_OPTIONS):
+        produce_json(bootstrap, topic, range(1200, 1400))  # while it runs
+        wait_until(lambda: committed_rows(catalog) >= 1400, WAIT_S, "all 1400 rows")
+    assert_exactly_once(catalog, TABLE, range(1400))
+    paths = committed_paths(catalog)
+    assert len(set(paths)) == len(paths)
+    channels = {
+        s.summary.additional_properties.get("icefloe.channel-id", "")
+        for s in group_snapshots(catalog, TABLE, name)
+    }
+    assert {c.split(":")[0] for c in channels} == {"kafka", "postgres", "redis"}, channels
+
+
+def table_rows(catalog: Catalog, name: str) -> list[dict[str, Any]]:
+    """A table's rows as pyiceberg's scan reads them (none while it does not exist)."""
+    if not catalog.table_exists(name):
+        return []
+    return catalog.load_table(name).scan().to_arrow().to_pylist()
+
+
+def test_json_dynamic_tables_are_created_and_evolved_exactly_once(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """JSON records name their tables; the tables do not exist, are created from the records
+    and evolve while the query runs (a new nested field, a required column made optional);
+    records no table can take and values that cannot fit are dead-lettered, exactly."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = load_catalog("e2e", **catalog_properties)
+    name = f"e2e-schema-{uuid.uuid4().hex[:10]}"
+    data = pipeline_dict(name, kafka_broker, topic, catalog_properties, "kafka", tmp_path / "c")
+    del data["tables"]
+    data["dynamic_tables"] = {
+        "route_field": "type",
+        "namespace": "dyn",
+        "auto_create": True,
+        "evolve_schema": True,
+        "id_columns": ["id"],
+    }
+    data["errors"] = {"policy": "dead_letter", "dead_letter_table": DEAD}
+    config = config_from_dict(data)
+
+    def record(i: int, **extra: Any) -> tuple[bytes, bytes]:
+        body = {"id": i, "type": "Click" if i % 2 else "view", "n": i * 10, **extra}
+        return str(i).encode(), json.dumps(body).encode()
+
+    bad = {
+        b'{"id": 900001, "n": 1}': "route",  # names no table
+        b'{"id": 900002, "type": "two words"}': "route",  # not a table name
+    }
+    produce(bootstrap, topic, [record(i) for i in range(200)] + [(None, v) for v in bad])
+    with Pipeline(config, spark=spark, source_extra_options=SOURCE_OPTIONS) as pipeline:
+        wait_until(
+            lambda: (
+                len(table_rows(catalog, "dyn.click")) + len(table_rows(catalog, "dyn.view")) >= 200
+            ),
+            WAIT_S,
+            "the first 200 rows in two created tables",
+        )
+        late_bad = b'{"id": 900003, "type": "view", "n": "lots"}'  # a string for a long
+        bad[late_bad] = "conform"
+        later = [record(i, meta={"src": f"s{i}"}) for i in range(200, 300)]
+        later += [
+            (str(i).encode(), json.dumps({"id": i, "type": "view"}).encode())
+            for i in range(300, 310)
+        ]
+        produce(bootstrap, topic, [*later, (None, late_bad)])
+        wait_until(
+            lambda: (
+                len(table_rows(catalog, "dyn.click")) + len(table_rows(catalog, "dyn.view")) >= 310
+                and len(table_rows(catalog, DEAD)) >= len(bad)
+            ),
+            WAIT_S,
+            "every later row and every bad record",
+        )
+        assert pipeline.stats.dead_lettered == len(bad)
+    assert_exactly_once(catalog, "dyn.click", range(1, 300, 2))
+    assert_exactly_once(catalog, "dyn.view", [*range(0, 300, 2), *range(300, 310)])
+    for table in ("dyn.click", "dyn.view"):
+        schema = catalog.load_table(table).schema()
+        assert schema.identifier_field_names() == {"id"}
+        assert schema.find_field("meta.src").field_type == StringType()
+        rows = {r["id"]: r for r in table_rows(catalog, table)}
+        assert all(rows[i]["meta"] is None for i in rows if i < 200)  # written before the change
+        assert all(rows[i]["meta"] == {"src": f"s{i}"} for i in rows if 200 <= i < 300)
+        assert all(rows[i]["n"] == i * 10 for i in rows if i < 300)
+    views = {r["id"]: r for r in table_rows(catalog, "dyn.view")}
+    assert all(views[i]["n"] is None and views[i]["meta"] is None for i in range(300, 310))
+    dead = table_rows(catalog, DEAD)
+    assert {bytes(r["value"]): r["error_type"] for r in dead} == bad
+    assert len(dead) == len(bad)

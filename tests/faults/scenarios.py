@@ -233,13 +233,10 @@ def drop_recreate_table(run: Run) -> None:
     run.add_counted(quarantined_tally(run, old_uuid))
 
 
-@scenario(
-    "checkpoint-loss",
-    pending="ops: a lost checkpoint re-reads batches published but not committed under a new "
-    "writer id (issue 10 §3)",
-)
+@scenario("checkpoint-loss")
 def checkpoint_loss(run: Run) -> None:
-    """kill -9 after a publish, delete the Spark checkpoint, restart from the table."""
+    """kill -9 after a publish, delete the Spark checkpoint, restart from the table (the new
+    writer must start after the batches still on the channel)."""
     run.start_producer()
     crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 4, "kill -9 after publish")
     shutil.rmtree(run.dir / "ckpt", ignore_errors=True)
@@ -252,11 +249,7 @@ def checkpoint_loss(run: Run) -> None:
 NEXT_BACKEND = {"kafka": "postgres", "postgres": "redis", "redis": "kafka"}
 
 
-@scenario(
-    "backend-swap",
-    pending="`icefloe drain` on kafka committed the left-over batch, then kept cycling for "
-    "10 minutes without finishing (seed 201); drop this mark once a run passed",
-)
+@scenario("backend-swap")
 def backend_swap(run: Run) -> None:
     """kill -9 after a publish (a batch left on the old channel), `icefloe drain` the old
     backend, switch `coordination.backend` to the next one, restart (the documented swap)."""

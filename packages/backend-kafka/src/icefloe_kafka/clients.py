@@ -78,6 +78,7 @@ class KafkaClients:
         self._admin: AdminClient | None = None
         self._lock = threading.Lock()
         self._topics_ready = False
+        self._plain: Producer | None = None  # shared by this backend's writers: answers
 
     @property
     def control_topic(self) -> str:
@@ -123,14 +124,60 @@ class KafkaClients:
         )
         return Producer(conf)
 
-    def consumer(self, group_id: str, role: str, *, eof: bool = False) -> Consumer:
-        """An assign-mode consumer (never joins its group) reading committed records only."""
+    def send_plain(self, value: bytes, key: bytes, partition: int) -> None:
+        """Append one record to the control topic outside any transaction and wait until the
+        broker has it; raises :class:`ChannelError` when it could not be delivered.
+
+        One idempotent producer serves every writer of this backend (process): answers of
+        many writers produced at once travel in a few requests instead of one transaction
+        each (see ``KafkaWriterChannel.respond`` for why no transaction is needed)."""
+        with self._lock:
+            if self._plain is None:
+                conf = self._base("answers")
+                conf.update({"enable.idempotence": True, "linger.ms": 2})
+                self._plain = Producer(conf)
+            producer = self._plain
+        done = threading.Event()
+        failed: list[KafkaError] = []
+
+        def delivered(err: KafkaError | None, _msg: Any) -> None:
+            if err is not None:
+                failed.append(err)
+            done.set()
+
+        try:
+            producer.produce(
+                self.control_topic,
+                value=value,
+                key=key,
+                partition=partition,
+                headers=group_headers(self.group_id),
+                on_delivery=delivered,
+            )
+        except (KafkaException, BufferError) as exc:
+            raise ChannelError(f"cannot send to {self.control_topic}: {exc}") from exc
+        deadline = time.monotonic() + self.timeout
+        while not done.is_set() and time.monotonic() < deadline:
+            producer.poll(0.05)  # serves whichever writer's delivery reports are due
+        if failed or not done.is_set():
+            why = failed[0].str() if failed else f"no delivery report within {self.timeout}s"
+            if failed and failed[0].fatal():
+                with self._lock:  # a fatal idempotence error: the next answer gets a new one
+                    if self._plain is producer:
+                        self._plain = None
+            raise ChannelError(f"sending to {self.control_topic}[{partition}] failed: {why}")
+
+    def consumer(
+        self, group_id: str, role: str, *, eof: bool = False, committed: bool = True
+    ) -> Consumer:
+        """An assign-mode consumer (never joins its group) reading committed records only
+        (``committed=False``: every record; only for looking up the log's high watermark)."""
         conf: dict[str, Any] = {"fetch.wait.max.ms": self.config.fetch_wait_max_ms}
         conf.update(self._base(role))
         conf.update(
             {
                 "group.id": group_id,
-                "isolation.level": "read_committed",
+                "isolation.level": "read_committed" if committed else "read_uncommitted",
                 "enable.auto.commit": False,
                 "enable.auto.offset.store": False,
                 "enable.partition.eof": eof,
@@ -244,6 +291,9 @@ class KafkaClients:
     def close(self) -> None:
         with self._lock:
             self._admin = None  # AdminClient has no close(); dropping it ends its threads
+            plain, self._plain = self._plain, None
+        if plain is not None:
+            plain.flush(self.timeout)
 
 
 def _abort_quietly(producer: Producer, timeout: float) -> None:

@@ -48,7 +48,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer
 
 from icefloe.channel import ChannelPosition, ChannelRecord, CoordinatorChannel, Lease
 from icefloe.errors import ChannelError, ChannelResetError, EventDecodeError, NotLeaderError
-from icefloe.events import DataWritten, Event, decode_event, encode_event
+from icefloe.events import DataComplete, DataWritten, Event, decode_event, encode_event
 from icefloe_kafka.clients import (
     KafkaClients,
     group_headers,
@@ -60,6 +60,7 @@ from icefloe_kafka.state import (
     ACQUIRE,
     HEARTBEAT,
     RELEASE,
+    EpochWatch,
     StateReader,
     StateValue,
     highest_value,
@@ -74,12 +75,23 @@ _BATCH_TAIL_S = 5.0  # longest wait for the rest of a batch a consume ended insi
 
 
 def _inside_batch(records: list[ChannelRecord]) -> bool:
-    """Whether the last record read of some partition is a DataWritten, whose batch's
-    DataComplete (always its last event) has not been read yet."""
-    last: dict[str, ChannelRecord] = {}
+    """Whether the last record read of some writer (per partition) is a DataWritten, whose
+    batch's DataComplete (always its last event) has not been read yet. Per writer, because
+    other writers' records (batches, answers) may sit between a batch's records."""
+    last: dict[tuple[str, str | None], ChannelRecord] = {}
     for r in records:
-        last[r.partition] = r
+        ref = r.event.writer
+        last[r.partition, None if ref is None else ref.writer_id] = r
     return any(isinstance(r.event.payload, DataWritten) for r in last.values())
+
+
+def _is_answer(event: Event) -> bool:
+    """A writer's answer to a StartCommit (sent outside transactions)."""
+    return (
+        event.writer is not None
+        and isinstance(event.payload, DataComplete)
+        and event.payload.commit_id is not None
+    )
 
 
 class KafkaCoordinatorChannel(CoordinatorChannel):
@@ -115,7 +127,9 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
         self._last_heartbeat = 0.0
         # reading
         self._data: Consumer | None = None
+        self._ends: Consumer | None = None  # read_uncommitted, for end_position() only
         self._sought = False
+        self._epochs: EpochWatch | None = None  # drops answers of fenced writer instances
 
     # ------------------------------------------------------------------ election
 
@@ -348,7 +362,7 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
             msgs = consumer.consume(max(1, max_records), max(timeout, 0.0))
             out: list[ChannelRecord] = []
             if self._take(consumer, msgs, out):
-                return out
+                return self._without_fenced_answers(out)
             deadline = time.monotonic() + _BATCH_TAIL_S
             while (
                 len(out) < max_records
@@ -358,7 +372,37 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
                 more = consumer.consume(max_records - len(out), min(left, 0.1))
                 if self._take(consumer, more, out):
                     break
-            return out
+            return self._without_fenced_answers(out)
+
+    def _without_fenced_answers(self, records: list[ChannelRecord]) -> list[ChannelRecord]:
+        """``records`` minus the answers of writer instances a newer instance has fenced.
+
+        Answers are not transactional (see ``KafkaWriterChannel.respond``), so fencing them is
+        done here: the state topic is read to its end after the answer was read, so the epoch
+        record of any instance that opened before the answer was appended is known, and an
+        answer with a lower epoch is dropped (its position is still passed: it is returned
+        as nothing, the next record's offset moves the position on)."""
+        mine = [r for r in records if r.event.group_id == self._group_id and _is_answer(r.event)]
+        if not mine:
+            return records
+        if self._epochs is None:
+            self._epochs = EpochWatch(self._clients, f"{self._role}-epochs")
+        self._epochs.catch_up()
+        stale: set[int] = set()
+        for r in mine:
+            ref = r.event.writer
+            assert ref is not None  # _is_answer
+            newest = self._epochs.newest(ref.writer_id)
+            if newest is not None and ref.epoch < newest:
+                log.warning(
+                    "%s: dropping the answer of fenced writer %s epoch %d (newest epoch %d)",
+                    self._id,
+                    ref.writer_id,
+                    ref.epoch,
+                    newest,
+                )
+                stale.add(id(r))
+        return [r for r in records if id(r) not in stale] if stale else records
 
     def _take(self, consumer: Consumer, msgs: list[Any], out: list[ChannelRecord]) -> bool:
         """Decode ``msgs`` into ``out``; True when an undecodable record of this pipeline
@@ -459,8 +503,16 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
             return self._clients.channel_id()
 
     def end_position(self) -> ChannelPosition:
+        # The high watermark, asked through a read_uncommitted consumer: a read_committed one
+        # gets the last stable offset, which an open transaction holds back, so a channel
+        # stalled behind one would look idle (and the stall check could never see it).
         with self._lock:
-            consumer = self._data_consumer()
+            if self._ends is None:
+                self._clients.ensure_topics()
+                self._ends = self._clients.consumer(
+                    self._clients.consumer_group("coordinator"), self._role, committed=False
+                )
+            consumer = self._ends
             topic = self._clients.control_topic
             end: dict[str, int] = {}
             for p in self._clients.partitions(topic):
@@ -473,11 +525,33 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
                 end[str(p)] = int(high)
             return end
 
+    def read_through(self) -> ChannelPosition | None:
+        """The consumer's position per assigned partition: past the transaction markers that
+        end every batch and broadcast (the high watermark counts them), unlike the offsets of
+        the records returned. Partitions without a valid position (nothing fetched yet) are
+        left out."""
+        with self._lock:
+            if self._data is None or not self._sought:
+                return None
+            try:
+                positions = self._data.position(self._data.assignment())
+            except KafkaException as exc:
+                raise ChannelError(f"cannot read the consumer position: {exc}") from exc
+            return {
+                str(tp.partition): int(tp.offset)
+                for tp in positions
+                if tp.error is None and tp.offset is not None and tp.offset >= 0
+            }
+
     def close(self) -> None:
         with self._lock:
             self.release()
             self._forget_observations()
-            if self._data is not None:
-                with contextlib.suppress(RuntimeError):  # closed already
-                    self._data.close()
-                self._data = None
+            if self._epochs is not None:
+                self._epochs.close()
+                self._epochs = None
+            for consumer in (self._data, self._ends):
+                if consumer is not None:
+                    with contextlib.suppress(RuntimeError):  # closed already
+                        consumer.close()
+            self._data = self._ends = None

@@ -28,6 +28,7 @@ from confluent_kafka import (
     TIMESTAMP_NOT_AVAILABLE,
     Consumer,
     KafkaError,
+    KafkaException,
     Message,
     TopicPartition,
 )
@@ -178,6 +179,24 @@ class StateReader:
                 )
             self.drain(0.1, on_record)
 
+    def at_end(self) -> bool:
+        """Whether the consumer's position reached every partition's current end (asks the
+        broker). Why not EOF events: librdkafka sends one only when it reaches the end, not
+        when it already sits there."""
+        topic = self._clients.state_topic
+        parts = [TopicPartition(topic, p) for p in self._clients.partitions(topic)]
+        try:
+            positions = self._consumer.position(parts)
+            for tp in positions:
+                low, high = self._consumer.get_watermark_offsets(
+                    TopicPartition(topic, tp.partition), timeout=self._clients.timeout
+                )
+                if high > low and tp.offset < high:  # tp.offset < 0: nothing read yet
+                    return False
+        except KafkaException as exc:
+            raise ChannelError(f"cannot read the end of the state topic: {exc}") from exc
+        return True
+
     def close(self) -> None:
         with contextlib.suppress(RuntimeError):  # closed already
             self._consumer.close()
@@ -267,3 +286,40 @@ def _writer_of(key: bytes, group_id: str) -> str | None:
     if isinstance(parts, list) and len(parts) == 3 and parts[:2] == [EPOCH, group_id]:
         return str(parts[2])
     return None
+
+
+class EpochWatch:
+    """The newest epoch of every writer of a pipeline, as the state topic holds it; lets the
+    coordinator drop answers of fenced writer instances (answers are sent outside transactions,
+    see ``KafkaWriterChannel.respond``)."""
+
+    def __init__(self, clients: KafkaClients, role: str) -> None:
+        self._clients = clients
+        self._reader = StateReader(clients, role)
+        self._epochs: dict[str, int] = {}
+
+    def _seen(self, key: bytes | None, value: StateValue | None, _offset: int) -> None:
+        if key is None or value is None:
+            return
+        writer = _writer_of(key, self._clients.group_id)
+        if writer is not None and value.value > self._epochs.get(writer, 0):
+            self._epochs[writer] = value.value
+
+    def catch_up(self) -> None:
+        """Read the state topic to its current end: every epoch committed before this call
+        is known afterwards."""
+        deadline = time.monotonic() + self._clients.timeout
+        self._reader.drain(0.0, self._seen)
+        while not self._reader.at_end():
+            if time.monotonic() > deadline:
+                raise ChannelError(
+                    f"could not read the state topic '{self._clients.state_topic}' to its end "
+                    f"within {self._clients.timeout}s"
+                )
+            self._reader.drain(0.02, self._seen)
+
+    def newest(self, writer_id: str) -> int | None:
+        return self._epochs.get(writer_id)
+
+    def close(self) -> None:
+        self._reader.close()

@@ -20,6 +20,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from icefloe.wakeups import Flag, Wakeups
+
 log = logging.getLogger(__name__)
 
 
@@ -133,3 +135,89 @@ class Listener:
         with self._lock:
             self._closed = True
             self._drop_locked()
+
+
+class SharedListener:
+    """One LISTEN connection and one thread for every writer of a backend (a process).
+
+    Why: a dedicated LISTEN connection per writer made 256 writers need 256 server connections
+    (PostgreSQL's default limit is 100). Here one thread waits for notifications and raises
+    every subscriber's :class:`~icefloe.wakeups.Flag`; writers query only when theirs is up.
+    The connection is opened by :meth:`ensure` (so LISTEN is in place before the caller's first
+    query), re-opened by the next ``ensure`` after a loss (subscribers are woken then, as
+    anything may have happened meanwhile), and closed with its last subscriber.
+    """
+
+    _WAIT_S = 0.5  # how often the thread looks whether it is still needed
+
+    def __init__(self, dsn: str, channel: str, connect_kwargs: dict[str, Any]) -> None:
+        self._dsn = dsn
+        self._channel = channel
+        self._kwargs = dict(connect_kwargs)
+        self.wakeups = Wakeups()
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def subscribe(self) -> Flag:
+        return self.wakeups.subscribe()
+
+    def ensure(self) -> bool:
+        """Make sure the shared connection LISTENs; False when the server cannot be reached
+        (callers then poll)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if self._conn is None:
+                try:
+                    conn = psycopg.connect(self._dsn, autocommit=True, **self._kwargs)
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+                except psycopg.Error as exc:
+                    log.debug("shared LISTEN connection unavailable (%s)", type(exc).__name__)
+                    return False
+                self._conn = conn
+                self.wakeups.wake_all()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, args=(self._conn,), name="icefloe-pg-listen", daemon=True
+                )
+                self._thread.start()
+            return True
+
+    def _run(self, conn: psycopg.Connection[Any]) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not len(self.wakeups) or self._conn is not conn:
+                    self._stop_locked(conn)
+                    return
+            try:
+                got = any(True for _ in conn.notifies(timeout=self._WAIT_S, stop_after=1))
+                got = any([True for _ in conn.notifies(timeout=0)]) or got  # drain the rest
+            except psycopg.Error as exc:
+                log.debug("shared LISTEN connection lost (%s); will reconnect", type(exc).__name__)
+                with self._lock:
+                    self._stop_locked(conn)
+                self.wakeups.wake_all()  # look once, and poll until ensure() reconnects
+                return
+            if got:
+                self.wakeups.wake_all()
+
+    def _stop_locked(self, conn: psycopg.Connection[Any]) -> None:
+        """The thread ends: close its connection and let ``ensure`` start anew."""
+        if self._conn is conn:
+            self._conn = None
+        if self._thread is threading.current_thread():
+            self._thread = None
+        with contextlib.suppress(psycopg.Error):
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._lock:
+            if self._conn is not None:
+                self._stop_locked(self._conn)

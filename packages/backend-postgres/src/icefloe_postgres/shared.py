@@ -22,7 +22,8 @@ Design (see ``docs/backends/postgres.md`` for the long form):
   connection (pid and start time, kept in the lease row) no longer exists in
   ``pg_stat_activity`` and takes over at once. ``release()`` hands over at once too and
   NOTIFYs waiting contenders.
-* **Wake-ups** use LISTEN/NOTIFY on a dedicated connection per channel end; the NOTIFY is
+* **Wake-ups** use LISTEN/NOTIFY on a dedicated connection per coordinator end and one
+  connection shared by all writers of a backend (:class:`SharedListener`); the NOTIFY is
   sent by the publishing transaction, so it is delivered exactly when the rows are visible.
   Polling every ``poll_interval_s`` is the fallback.
 * **Failures**: every operation runs on a pooled connection and is retried on connection
@@ -34,6 +35,7 @@ Design (see ``docs/backends/postgres.md`` for the long form):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -46,7 +48,7 @@ from psycopg_pool import ConnectionPool, PoolClosed
 from icefloe.errors import ChannelError, EventDecodeError
 from icefloe.events import Event, decode_event
 from icefloe_postgres.config import PostgresConfig, describe_dsn
-from icefloe_postgres.listener import Listener
+from icefloe_postgres.listener import Listener, SharedListener
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,8 @@ class Database:
             open=False,
         )
         self.pool.open(wait=False)
+        self._shared: dict[str, SharedListener] = {}
+        self._shared_lock = threading.Lock()
 
     def _configure(self, conn: Conn) -> None:
         # The counter-row lock relies on READ COMMITTED re-reading the newest row version.
@@ -128,7 +132,21 @@ class Database:
     def listener(self, channels: Sequence[str]) -> Listener:
         return Listener(self.dsn, channels, self.connect_kwargs)
 
+    def shared_listener(self, channel: str) -> SharedListener:
+        """The one LISTEN connection on ``channel`` that this backend's writers share."""
+        with self._shared_lock:
+            shared = self._shared.get(channel)
+            if shared is None:
+                shared = self._shared[channel] = SharedListener(
+                    self.dsn, channel, self.connect_kwargs
+                )
+            return shared
+
     def close(self) -> None:
+        with self._shared_lock:
+            shared, self._shared = list(self._shared.values()), {}
+        for listener in shared:
+            listener.close()
         self.pool.close()
 
 

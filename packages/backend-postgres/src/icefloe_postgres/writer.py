@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from icefloe.channel import WriterBatch, WriterChannel
 from icefloe.errors import ChannelError, EventDecodeError, WriterFencedError
 from icefloe.events import Event, SourcePosition, decode_event, encode_event
-from icefloe_postgres.shared import Conn, notify, wait_for_rows
+from icefloe_postgres.shared import Conn, notify
 
 if TYPE_CHECKING:
     from icefloe_postgres.backend import PostgresBackend
@@ -31,7 +31,8 @@ class PostgresWriterChannel(WriterChannel):
         self.writer_id = writer_id
         self.epoch: int | None = None
         self._broadcast_seq = 0
-        self._listener = backend.db.listener([backend.broadcasts_channel])
+        self._listener = backend.db.shared_listener(backend.broadcasts_channel)
+        self._woken = self._listener.subscribe()
 
     def open(self) -> int:
         b = self._b
@@ -178,28 +179,35 @@ class PostgresWriterChannel(WriterChannel):
         b.db.run("respond", tx)
 
     def poll_broadcasts(self, timeout: float) -> list[Event]:
-        b = self._b
-
-        def fetch() -> list[Event]:
-            rows = b.db.run(
-                "read broadcasts",
-                lambda c: c.execute(
-                    b.q.read_broadcasts, (b.group_id, self._broadcast_seq, 1000)
-                ).fetchall(),
-            )
-            events: list[Event] = []
-            for seq, payload in rows:
-                self._broadcast_seq = int(seq)
-                try:
-                    events.append(decode_event(payload))
-                except EventDecodeError as exc:
-                    # a writer can only ignore it: an unanswered StartCommit merely times out
-                    log.warning("skipping undecodable broadcast %d: %s", seq, exc)
-            return events
-
-        return wait_for_rows(
-            fetch, self._listener, [b.broadcasts_channel], timeout, b.config.poll_interval_s
+        """Query the broadcasts only when the shared listener was notified since the last
+        query (or the LISTEN connection is down, or ``poll_interval_s`` passed): an idle
+        writer then costs no query and no connection of its own. The flag is lowered before
+        the query, so a NOTIFY (sent at commit) that arrives during the query raises it again
+        and the next poll reads."""
+        return self._woken.read(
+            self._read_broadcasts,
+            self._listener.ensure,
+            timeout,
+            self._b.config.poll_interval_s,
         )
+
+    def _read_broadcasts(self) -> list[Event]:
+        b = self._b
+        rows = b.db.run(
+            "read broadcasts",
+            lambda c: c.execute(
+                b.q.read_broadcasts, (b.group_id, self._broadcast_seq, 1000)
+            ).fetchall(),
+        )
+        events: list[Event] = []
+        for seq, payload in rows:
+            self._broadcast_seq = int(seq)
+            try:
+                events.append(decode_event(payload))
+            except EventDecodeError as exc:
+                # a writer can only ignore it: an unanswered StartCommit merely times out
+                log.warning("skipping undecodable broadcast %d: %s", seq, exc)
+        return events
 
     def source_positions(self) -> tuple[SourcePosition, ...]:
         """The source positions stored with this writer's newest published batch: where a
@@ -212,4 +220,4 @@ class PostgresWriterChannel(WriterChannel):
         return tuple(SourcePosition(t, int(p), int(o), ts) for t, p, o, ts in rows)
 
     def close(self) -> None:
-        self._listener.close()
+        self._woken.close()  # the shared connection closes with its last writer

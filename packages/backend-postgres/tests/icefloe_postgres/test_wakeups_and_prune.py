@@ -10,6 +10,7 @@ import pytest
 
 from icefloe.events import CommitComplete, Event, StartCommit, WriterRef
 from icefloe.testing.conformance import make_batch
+from icefloe.wakeups import Flag
 from icefloe_postgres import PostgresBackend
 from icefloe_postgres.listener import Listener
 from icefloe_postgres.testing import BackendMaker
@@ -26,6 +27,20 @@ def spy_waits(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         return woke
 
     monkeypatch.setattr(Listener, "wait", wait)
+    return results
+
+
+def spy_writer_waits(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The same for writers, which wait on their flag of the shared listener."""
+    results: list[bool] = []
+    real = Flag.wait
+
+    def wait(self: Flag, timeout: float) -> bool:
+        woke = real(self, timeout)
+        results.append(woke)
+        return woke
+
+    monkeypatch.setattr(Flag, "wait", wait)
     return results
 
 
@@ -69,7 +84,7 @@ def test_broadcast_wakes_writers_and_they_see_only_later_broadcasts(
     coord.broadcast(Event(b.group_id, StartCommit("before-open")))
     w = b.writer("w")
     w.open()
-    waits = spy_waits(monkeypatch)
+    waits = spy_writer_waits(monkeypatch)
     later = Event(b.group_id, CommitComplete("after-open", 42))
     timer = threading.Timer(0.3, coord.broadcast, args=(later,))
     timer.start()

@@ -180,6 +180,16 @@ class CoordinatorChannel(abc.ABC):
         reader that consumed everything would have as its position). Used to detect a channel
         that was rolled back: a position recorded earlier that lies beyond it."""
 
+    def read_through(self) -> ChannelPosition | None:
+        """How far this end has read, per partition, counting log entries that are not events
+        and that ``poll`` skips (Kafka's transaction markers), so that it reaches
+        :meth:`end_position` once everything was read. None (the default) when the positions of
+        the records ``poll`` returned already do, as for backends whose offsets number events
+        only. Why: ``icefloe drain`` must prove it read the whole channel before it marks it
+        drained, and a reader's record positions never reach a Kafka high watermark that lies
+        past a transaction marker."""
+        return None
+
     def simulate_crash(self) -> None:  # noqa: B027 - optional test hook
         """Test hook (the conformance suite's only crash simulation): make this channel look
         like its process died - cut its connections, never release the lease, so another

@@ -37,6 +37,7 @@ position or equality delete files to a snapshot. Such a file is refused with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import posixpath
@@ -64,7 +65,7 @@ from pyiceberg.table.update.snapshot import ManageSnapshots
 from icefloe.datafiles import DataFileBuilder
 from icefloe.dedupe import POSITIONS_KEY as POSITIONS_KEY  # re-exported: summary keys
 from icefloe.dedupe import WATERMARKS_KEY as WATERMARKS_KEY
-from icefloe.dedupe import CommitBoundary, max_merge
+from icefloe.dedupe import CommitBoundary, decode_retired, encode_retired, max_merge
 from icefloe.errors import (
     ChannelChangedError,
     CommitError,
@@ -99,6 +100,11 @@ _DATA_PATH_PROPERTIES = (
 )
 # Manifests whose live paths are kept in memory (oldest dropped first).
 _MANIFEST_CACHE_SIZE = 4096
+# Writers gone from the summary's watermarks before they are retired together: one side file
+# per this many, instead of one per writer that stops.
+RETIRE_AT = 32
+# Retired-writers files kept in memory (immutable, so cached by location).
+_RETIRED_CACHE_SIZE = 16
 # URI schemes that name the same storage.
 _SCHEME_ALIASES = {"": "file", "s3a": "s3", "s3n": "s3"}
 
@@ -169,6 +175,9 @@ class TableCommitRequest:
     valid_through_ms: int | None = None
     channel_id: str | None = None
     """The identity of the channel ``positions`` and the files' offsets belong to."""
+    live_writers: frozenset[str] | None = None
+    """Writers the coordinator still hears from. Once ``RETIRE_AT`` others have watermarks in
+    the summary, theirs are retired to a side file (see :mod:`icefloe.dedupe`); None: never."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +210,7 @@ class _Plan:
     raise_token: bool
     fork_from: int | None  # create the branch from this snapshot first
     clear_drained: bool = False  # the drained channel is in use again: its mark is stale
+    retired: tuple[str, bytes] | None = None  # a new retired-writers file: location, content
 
 
 class IcebergCommitter:
@@ -234,6 +244,7 @@ class IcebergCommitter:
         self._retry_wait_s = retry_wait_s
         self._max_retry_wait_s = max_retry_wait_s
         self._manifest_paths: dict[str, frozenset[str]] = {}  # manifest location -> live paths
+        self._retired: dict[str, dict[str, int]] = {}  # retired-writers file -> its watermarks
 
     @property
     def group_id(self) -> str:
@@ -470,7 +481,29 @@ class IcebergCommitter:
                 "history; keep the group's last snapshot when expiring snapshots, or remove "
                 f"the table property {fencing_token_property(self._group_id)} to start over"
             )
-        return state
+        if state is None or state.boundary.retired_file is None:
+            return state
+        retired = self._read_retired(table, state.boundary.retired_file)
+        return replace(state, boundary=replace(state.boundary, retired=retired))
+
+    def _read_retired(self, table: Table, location: str) -> dict[str, int]:
+        """The watermarks of retired writers, from the side file the summary names."""
+        cached = self._retired.get(location)
+        if cached is None:
+            try:
+                with table.io.new_input(location).open() as stream:
+                    cached = decode_retired(stream.read())
+            except Exception as e:
+                # without them a replay of a retired writer's batch would be committed again
+                raise CommitError(
+                    f"table '{_name(table)}': cannot read the retired writers' watermarks of "
+                    f"group '{self._group_id}' from {location} ({e}); restore that file (it is "
+                    "written once and never changed; `icefloe maintain` keeps it)"
+                ) from e
+            if len(self._retired) >= _RETIRED_CACHE_SIZE:
+                self._retired.pop(next(iter(self._retired)))
+            self._retired[location] = cached
+        return cached
 
     def _kept_state(self, table: Table) -> CommitState | None:
         raw = table.metadata.properties.get(state_property(self._group_id, self._branch))
@@ -504,7 +537,7 @@ class IcebergCommitter:
         if recorded is None and drained not in (None, channel_id):
             # recorded before channels had identities, and a drain moved the pipeline since:
             # those positions belong to the drained channel, not to this one
-            foreign = CommitBoundary({}, state.boundary.watermarks, channel_id)
+            foreign = replace(state.boundary, positions={}, channel_id=channel_id)
             return replace(state, boundary=foreign), True
         if recorded not in (None, channel_id) and drained != recorded:
             raise ChannelChangedError(
@@ -551,10 +584,12 @@ class IcebergCommitter:
             files = tuple(f for f in files if f.meta.path not in live)
             skipped += len(live)
         prop = _property_token(table, self._group_id)
+        boundary, retired = _next_boundary(table, request, state)
         return _Plan(
             files=files,
             skipped=skipped,
-            summary=_summary(self._group_id, request, state),
+            summary=_summary(self._group_id, request, state, boundary),
+            retired=retired,
             raise_token=switched or prop is None or request.fencing_token > prop,
             fork_from=fork_from,
             clear_drained=request.channel_id is not None
@@ -576,6 +611,12 @@ class IcebergCommitter:
             # committing through the drained channel again: it holds work once more, so a
             # later switch away from it needs a new drain
             tx.remove_properties(drained_property(self._group_id))
+        if plan.retired is not None:
+            # before the commit that names it; named by its content, so a retry rewrites the
+            # same file, and one left by a failed attempt is an orphan for `icefloe maintain`
+            location, content = plan.retired
+            with table.io.new_output(location).create(overwrite=True) as stream:
+                stream.write(content)
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
         # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
         # read, which made this loop cost seconds per 10,000 files, growing with history
@@ -840,12 +881,29 @@ def _select(
     return tuple(keep), skipped
 
 
-def _summary(
-    group_id: str, request: TableCommitRequest, state: CommitState | None
-) -> dict[str, str]:
-    """Summary properties of the new snapshot; positions and watermarks never regress."""
+def _next_boundary(
+    table: Table, request: TableCommitRequest, state: CommitState | None
+) -> tuple[CommitBoundary, tuple[str, bytes] | None]:
+    """The boundary after this request, and the retired-writers file to write first (once
+    ``RETIRE_AT`` writers with watermarks are neither live nor in the request)."""
     start = CommitBoundary(channel_id=request.channel_id) if state is None else state.boundary
     boundary = start.advanced(request.positions, request.files)
+    if request.live_writers is None:
+        return boundary, None
+    gone = boundary.retirable(request.live_writers | {f.writer_id for f in request.files})
+    if len(gone) < RETIRE_AT:
+        return boundary, None
+    retired = max_merge(boundary.retired, {w: boundary.watermarks[w] for w in gone})
+    content = encode_retired(retired)
+    name = f"icefloe-retired-{hashlib.sha256(content).hexdigest()[:40]}.json"
+    location = table.location_provider().new_metadata_location(name)
+    return boundary.retire(gone, location), (location, content)
+
+
+def _summary(
+    group_id: str, request: TableCommitRequest, state: CommitState | None, boundary: CommitBoundary
+) -> dict[str, str]:
+    """Summary properties of the new snapshot; positions and watermarks never regress."""
     old_offsets = {} if state is None else state.source_offsets
     offsets = {
         topic: max_merge(old_offsets.get(topic, {}), request.source_offsets.get(topic, {}))

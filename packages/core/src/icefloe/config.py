@@ -122,6 +122,82 @@ class TableConfig(_Model):
     partition_by: list[str] = Field(default_factory=list)
     id_columns: list[str] = Field(default_factory=list)
     properties: dict[str, str] = Field(default_factory=dict)
+    # a regular expression: the table also takes records whose route field matches it whole
+    route_regex: str | None = None
+    # schema evolution and name mapping (docs/schema.md)
+    evolve_schema: bool = False
+    infer_timestamps: bool = False
+    rename: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("route_regex")
+    @classmethod
+    def _regex_compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_regex(value)
+        return value
+
+    @model_validator(mode="after")
+    def _route_needs_field(self) -> TableConfig:
+        if self.route_regex is not None and self.route_field is None:
+            raise ValueError(
+                f"table '{self.name}' has route_regex but no route_field: set route_field to "
+                "the record field the expression is matched against"
+            )
+        return self
+
+
+def check_regex(pattern: str) -> None:
+    """ValueError unless ``pattern`` is a regular expression both Python and Arrow (RE2, which
+    matches the records) accept: RE2 has no look-arounds or back-references."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        re.compile(pattern)
+        pc.match_substring_regex(pa.array([""]), f"^(?:{pattern})$")
+    except (re.error, pa.ArrowInvalid) as exc:
+        raise ValueError(
+            f"is not a regular expression records can be matched with ({exc}); use RE2 "
+            "syntax (no look-arounds or back-references)"
+        ) from None
+
+
+class DynamicTablesConfig(_Model):
+    """Dynamic fan-out (Kafka Connect's dynamic mode): each record goes to the table its
+    ``route_field`` names, prefixed with ``namespace``; the other keys apply to every such
+    table as they would to a ``[[tables]]`` entry."""
+
+    route_field: str
+    namespace: str | None = Field(default=None, pattern=r"^[^\s]+$")
+    auto_create: bool = False
+    evolve_schema: bool = False
+    infer_timestamps: bool = False
+    partition_by: list[str] = Field(default_factory=list)
+    id_columns: list[str] = Field(default_factory=list)
+    properties: dict[str, str] = Field(default_factory=dict)
+    rename: dict[str, str] = Field(default_factory=dict)
+
+    def table_name(self, value: str) -> str | None:
+        """The table a route value names (lower-cased, as Kafka Connect does), or None when
+        it names no valid table."""
+        text = value.strip().lower()
+        name = f"{self.namespace}.{text}" if self.namespace else text
+        return name if text and re.fullmatch(TABLE_NAME_RE, name) else None
+
+    def table_config(self, name: str, values: Sequence[str]) -> TableConfig:
+        """The table entry for ``name``: routed by the exact ``values`` that name it."""
+        return TableConfig(
+            name=name,
+            route_field=self.route_field,
+            route_values=list(values),
+            auto_create=self.auto_create,
+            evolve_schema=self.evolve_schema,
+            infer_timestamps=self.infer_timestamps,
+            partition_by=self.partition_by,
+            id_columns=self.id_columns,
+            properties=self.properties,
+            rename=self.rename,
+        )
 
 
 class CatalogConfig(_Model):
@@ -153,6 +229,9 @@ class CoordinationConfig(BaseModel):
     quarantine_after_failures: int = Field(default=10, ge=1)
     table_retry_base_s: float = Field(default=1.0, gt=0)
     table_retry_max_s: float = Field(default=300.0, gt=0)
+    # the channel's end moving while the coordinator's read position stands still this long
+    # is reported (log, metric): see icefloe.coordination.stall
+    stall_after_s: float = Field(default=120.0, gt=0)
 
     def backend_options(self) -> dict[str, Any]:
         """The raw section of the selected backend (empty when absent)."""
@@ -202,7 +281,9 @@ class PipelineConfig(_Model):
 
     name: str = Field(pattern=_NAME_RE)
     source: SourceConfig
-    tables: list[TableConfig] = Field(min_length=1)
+    # before ``tables``: the check that some table is configured looks at it
+    dynamic_tables: DynamicTablesConfig | None = None
+    tables: list[TableConfig] = Field(default_factory=list, validate_default=True)
     catalog: CatalogConfig = Field(default_factory=CatalogConfig)
     coordination: CoordinationConfig = Field(default_factory=CoordinationConfig)
     spark: SparkConfig = Field(default_factory=SparkConfig)
@@ -224,7 +305,12 @@ class PipelineConfig(_Model):
 
     @field_validator("tables")
     @classmethod
-    def _unique_tables(cls, tables: list[TableConfig]) -> list[TableConfig]:
+    def _unique_tables(cls, tables: list[TableConfig], info: ValidationInfo) -> list[TableConfig]:
+        if not tables and info.data.get("dynamic_tables") is None:
+            raise ValueError(
+                "no target table: list at least one [[tables]] entry, or route records to "
+                "tables named by a record field with [dynamic_tables]"
+            )
         seen: set[str] = set()
         for t in tables:
             if t.name in seen:

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 # Schema metadata a codec may read: the caller matches names case-insensitively, so a codec
 # that would drop fields not named in the schema should keep them instead.
 CASE_INSENSITIVE_KEY = b"icefloe.case-insensitive"
+# Schema metadata asking a codec to decode every field with the types it finds (no schema to
+# follow): what schema inference and evolution look at (icefloe.evolution).
+INFER_ALL_KEY = b"icefloe.infer-all"
 
 _ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, OverflowError)
 _ZONED = r"[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?([zZ]|[+-]\d{2}(:?\d{2})?)$"
@@ -531,12 +534,29 @@ def decode_hint(
     for t in targets:
         arrow = schema_to_pyarrow(t.schema)
         names = mapped_names(t.name_mapping or t.schema.name_mapping)
-        for f in _hint_fields(t.schema.fields, list(arrow), names):
+        hinted = _hint_fields(t.schema.fields, list(arrow), names)
+        for f in hinted:
             fields.setdefault(f.name, f)
+        by_name = {f.name: f for f in hinted}
+        for source, column in t.config.rename.items():  # decode the source field as its column
+            if column in by_name:
+                fields.setdefault(source, by_name[column].with_name(source))
     for name in extra:
         fields.setdefault(name, pa.field(name, pa.string()))
     meta = {CASE_INSENSITIVE_KEY: b"true"} if case_insensitive else None
     return pa.schema(list(fields.values()), metadata=meta)
+
+
+def renamed(table: pa.Table, rename: Mapping[str, str]) -> pa.Table:
+    """``table`` with its top-level columns renamed source field -> column (a table's
+    ``rename``); a column already named like the target is dropped in favour of the renamed
+    source field."""
+    if not rename or not any(n in rename for n in table.column_names):
+        return table
+    targets = {rename[n] for n in table.column_names if n in rename}
+    keep = [i for i, n in enumerate(table.column_names) if n in rename or n not in targets]
+    table = table.select(keep)
+    return table.rename_columns([rename.get(n, n) for n in table.column_names])
 
 
 def kafka_context(batch: pa.RecordBatch | pa.Table, locate: bool = True) -> DecodeContext:
@@ -580,11 +600,13 @@ class RecordConverter:
         *,
         case_insensitive: bool = False,
         tombstones: Literal["skip", "error"] = "skip",
+        route_note: str = "",
     ) -> None:
         self.codec = codec
         self.targets = list(targets)
         self.case_insensitive = case_insensitive
         self.tombstones = tombstones
+        self.route_note = route_note  # added to "no table takes the record" errors
         route_fields = [t.config.route_field for t in targets if t.config.route_field]
         self.hint = decode_hint(self.targets, case_insensitive, route_fields)
 
@@ -643,6 +665,37 @@ class RecordConverter:
             )
         return decoded, context
 
+    def decode_parts(self, batch: pa.RecordBatch | pa.Table) -> list[pa.Table]:
+        """Every decodable record of ``batch``, each field with the type its values have (not
+        the tables'), in parts: a batch with undecodable records is halved around them, as
+        :meth:`convert_tolerant` does, and they are left out (conversion reports them)."""
+        hint = pa.schema([], metadata={INFER_ALL_KEY: b"true"})
+        values = batch.column("value")
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        values = values.filter(values.is_valid())
+        parts: list[pa.Table] = []
+        stack = [(0, len(values))]
+        while stack:
+            lo, hi = stack.pop()
+            if hi <= lo:
+                continue
+            part = values.slice(lo, hi - lo)
+            # no positions: a failing part is split, not reported (conversion names records)
+            context = DecodeContext(
+                topics=pa.array([], pa.string()),
+                partitions=pa.array([], pa.int32()),
+                offsets=pa.array([], pa.int64()),
+                locate=False,
+            )
+            try:
+                parts.append(self.codec.decode(part, hint, context))
+            except RecordConversionError:
+                if hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    stack += [(mid, hi), (lo, mid)]
+        return parts
+
     def convert(self, batch: pa.RecordBatch | pa.Table, locate: bool = True) -> dict[str, pa.Table]:
         """table name -> rows for it in its exact Arrow schema (tables with no rows included,
         empty). The first record that cannot be decoded (RecordDecodeError), that no table
@@ -655,13 +708,15 @@ class RecordConverter:
         masks = route_masks(decoded, configs, self.case_insensitive)
         unrouted = unrouted_problem(decoded, masks, configs, self.case_insensitive)
         if unrouted is not None:
-            raise record_error(context, unrouted[0], None, unrouted[1], RecordRouteError)
+            problem = f"{unrouted[1]}{self.route_note}"
+            raise record_error(context, unrouted[0], None, problem, RecordRouteError)
         out: dict[str, pa.Table] = {}
         for t in self.targets:
             mask = masks[t.config.name]
             rows, ctx = decoded, context
             if mask is not None:
                 rows, ctx = decoded.filter(mask), filter_context(context, mask)
+            rows = renamed(rows, t.config.rename)
             try:
                 out[t.config.name] = conform(
                     rows,

@@ -26,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import uuid
 
 from pyiceberg.catalog import Catalog
 
 from icefloe import metrics
-from icefloe.channel import CoordinatorChannel, Lease
+from icefloe.channel import ChannelPosition, CoordinatorChannel, Lease
 from icefloe.committer import IcebergCommitter
 from icefloe.coordination.cycle import CommitCycle
 from icefloe.coordination.leadership import Leadership
@@ -42,6 +43,7 @@ from icefloe.coordination.settings import (
     CoordinatorSettings,
     CycleResult,
 )
+from icefloe.coordination.stall import StallWatch
 from icefloe.errors import ChannelError, NotLeaderError
 from icefloe.plugins import Plugins
 from icefloe.quarantine import Quarantine
@@ -82,6 +84,10 @@ class Coordinator:
         )
         quarantine = Quarantine(catalog, self.settings.quarantine_table)
         self._reader = EventReader(group_id, channel, committer, self.settings, quarantine)
+        self._stall = StallWatch(self.settings.stall_after_s)
+        self._stall_check_at = 0.0  # monotonic time of the next end_position() look-up
+        self.channel_stalled_s: float | None = None
+        """How long the channel has been stalled (see :mod:`icefloe.coordination.stall`)."""
         self._cycle = CommitCycle(
             group_id,
             self.coordinator_id,
@@ -162,6 +168,7 @@ class Coordinator:
         try:
             if self._reader.poll(timeout):
                 self._update_pending_gauges()
+            self._watch_stall()
             self._leadership.renew_if_due()
             if self._cycle.due():
                 return self._run_cycle()
@@ -170,20 +177,48 @@ class Coordinator:
             self._drop_leadership()
         return None
 
-    def commit_now(self) -> CycleResult:
-        """Run a commit cycle now. Raises NotLeaderError when not (or no longer) leading."""
+    def read(self, timeout: float) -> int:
+        """Read events and renew the lease, without running a cycle, for a caller that decides
+        when to commit (``icefloe drain``). Returns how many events were handled; 0 when not
+        leading (after a lost lease the state is dropped and :meth:`step` elects again)."""
+        if self._leadership.lease is None:
+            return 0
+        try:
+            n = self._reader.poll(timeout)
+            self._leadership.renew_if_due()
+        except NotLeaderError:
+            log.warning("%s: lost leadership; dropping state", self.coordinator_id)
+            self._drop_leadership()
+            return 0
+        self._update_pending_gauges()
+        return n
+
+    def caught_up(self, end: ChannelPosition) -> bool:
+        """Whether every event before ``end`` (an earlier ``channel.end_position()``) has been
+        read and handled (none held back by the memory bound)."""
+        return self._leadership.lease is not None and self._reader.caught_up(end)
+
+    def pending_full(self) -> bool:
+        """Whether pending files reached ``max_pending_files/bytes`` (reading waits for a
+        cycle)."""
+        return self._reader.full()
+
+    def commit_now(self, wait_for_writers: bool = True) -> CycleResult:
+        """Run a commit cycle now; without ``wait_for_writers`` it asks no writer (they are
+        stopped) and commits what was read as a partial cycle. Raises NotLeaderError when not
+        (or no longer) leading."""
         if self._leadership.lease is None:
             raise NotLeaderError(f"{self.coordinator_id} is not the leader")
         try:
-            return self._run_cycle()
+            return self._run_cycle(wait_for_writers)
         except NotLeaderError:
             self._drop_leadership()
             raise
 
-    def _run_cycle(self) -> CycleResult:
+    def _run_cycle(self, wait_for_writers: bool = True) -> CycleResult:
         """A commit cycle, measured (``icefloe.metrics``)."""
         with metrics.COMMIT_CYCLE_SECONDS.time():
-            cycle = self._cycle.run()
+            cycle = self._cycle.run(wait_for_writers)
         result = "failed" if cycle.failed else "complete" if cycle.complete else "partial"
         metrics.COMMIT_CYCLES.labels(result).inc()
         for r in cycle.tables:
@@ -193,6 +228,35 @@ class Coordinator:
             metrics.FILES_QUARANTINED.labels(table).inc(n)
         self._update_pending_gauges()
         return cycle
+
+    def _watch_stall(self) -> None:
+        """Compare the read position with the channel's end, a few times per ``stall_after_s``
+        (the end is a server round trip), and report a stall once it lasts that long."""
+        now = time.monotonic()
+        if now < self._stall_check_at:
+            return
+        self._stall_check_at = now + min(5.0, self.settings.stall_after_s / 4)
+        try:
+            end = self._channel.end_position()
+        except ChannelError as exc:  # a stall check must not stop the coordinator
+            log.debug("%s: cannot read the channel's end: %s", self.coordinator_id, exc)
+            return
+        read = self._reader.read_pos
+        stalled = self._stall.observe(read, end, now, held=self._reader.full())
+        if stalled is not None and self.channel_stalled_s is None:
+            log.warning(
+                "%s: control channel stalled: its end moved on to %s while the read position "
+                "stayed at %s for %.0fs; a transaction left open by another producer (Kafka "
+                "read_committed), a lost assignment or a server fault holds the read back",
+                self.coordinator_id,
+                dict(end),
+                dict(read),
+                stalled,
+            )
+        elif stalled is None and self.channel_stalled_s is not None:
+            log.info("%s: control channel reads again (read %s)", self.coordinator_id, dict(read))
+        self.channel_stalled_s = stalled
+        metrics.CHANNEL_STALLED_SECONDS.set(stalled or 0.0)
 
     def _update_pending_gauges(self) -> None:
         metrics.PENDING_FILES.set(sum(self._reader.pending_files().values()))
@@ -240,6 +304,9 @@ class Coordinator:
         self._leadership.drop()
         self._reader.reset()
         self._cycle.restart_clock()
+        self._stall = StallWatch(self.settings.stall_after_s)  # a new leader judges anew
+        self.channel_stalled_s = None
+        metrics.CHANNEL_STALLED_SECONDS.set(0.0)
 
     def _release(self) -> None:
         metrics.IS_LEADER.set(0)

@@ -6,18 +6,25 @@ its writer ``watermarks``. The coordinator uses it to skip replays while reading
 committer to drop covered files right before each commit attempt; keeping both on this one
 type (parsed from and written to snapshot summaries only here) means a change to the rule
 cannot land in one of them only.
+
+Watermarks of writers that are gone are *retired* (:meth:`CommitBoundary.retire`): moved out
+of the summary into an immutable side file in the table's metadata directory, named by the
+summary (``icefloe.retired-writers``). Summaries (written on every snapshot, and every table
+metadata file repeats every retained snapshot's) then grow with the live writers only, while a
+replay of a retired writer's old batch is still covered: the rule reads both maps.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 POSITIONS_KEY = "icefloe.channel-positions"
 WATERMARKS_KEY = "icefloe.writer-watermarks"
 CHANNEL_ID_KEY = "icefloe.channel-id"
+RETIRED_KEY = "icefloe.retired-writers"
 
 
 class Announced(Protocol):
@@ -47,6 +54,12 @@ class CommitBoundary:
     channel_id: str | None = None
     """The channel ``positions`` belong to; None in summaries written before channels had an
     identity (their positions are taken to belong to whatever channel reads them)."""
+    retired_file: str | None = None
+    """Location of the side file holding ``retired`` (None: no writer was retired yet)."""
+    retired: Mapping[str, int] = field(default_factory=dict)
+    """``{writer_id: highest batch_seq committed}`` of writers gone from ``watermarks``; read
+    from ``retired_file`` by whoever parsed the summary (:meth:`from_summary` leaves it empty
+    and the committer loads it)."""
 
     @classmethod
     def from_summary(cls, summary: Mapping[str, str | None]) -> CommitBoundary:
@@ -55,6 +68,7 @@ class CommitBoundary:
             positions=_int_map(json.loads(summary.get(POSITIONS_KEY) or "{}")),
             watermarks=_int_map(json.loads(summary.get(WATERMARKS_KEY) or "{}")),
             channel_id=summary.get(CHANNEL_ID_KEY) or None,
+            retired_file=summary.get(RETIRED_KEY) or None,
         )
 
     def to_summary(self) -> dict[str, str]:
@@ -62,6 +76,8 @@ class CommitBoundary:
         out = {POSITIONS_KEY: _json(self.positions), WATERMARKS_KEY: _json(self.watermarks)}
         if self.channel_id is not None:
             out[CHANNEL_ID_KEY] = self.channel_id
+        if self.retired_file is not None:
+            out[RETIRED_KEY] = self.retired_file
         return out
 
     def for_channel(self, channel_id: str | None) -> CommitBoundary:
@@ -74,25 +90,43 @@ class CommitBoundary:
         if channel_id is None or self.channel_id == channel_id:
             return self
         if self.channel_id is None:  # recorded before identities existed: same channel
-            return CommitBoundary(self.positions, self.watermarks, channel_id)
-        return CommitBoundary({}, self.watermarks, channel_id)
+            return replace(self, channel_id=channel_id)
+        return replace(self, positions={}, channel_id=channel_id)
 
     def covers(self, f: Announced) -> bool:
         """Whether the table already holds the file announced at ``f``."""
         if f.offset < self.positions.get(f.partition, 0):
             return True
         mark = self.watermarks.get(f.writer_id)
+        if mark is None or f.batch_seq > mark:
+            mark = self.retired.get(f.writer_id)
         return mark is not None and f.batch_seq <= mark
+
+    def retirable(self, keep: Iterable[str]) -> set[str]:
+        """Writers in ``watermarks`` that are not in ``keep`` (the live ones)."""
+        return set(self.watermarks) - set(keep)
+
+    def retire(self, writers: Iterable[str], retired_file: str) -> CommitBoundary:
+        """Move ``writers``' watermarks to ``retired`` (to be stored at ``retired_file``).
+        Nothing is forgotten: :meth:`covers` answers exactly as before."""
+        gone = set(writers)
+        moved = {w: m for w, m in self.watermarks.items() if w in gone}
+        return replace(
+            self,
+            watermarks={w: m for w, m in self.watermarks.items() if w not in gone},
+            retired=max_merge(self.retired, moved),
+            retired_file=retired_file,
+        )
 
     def advanced(self, positions: Mapping[str, int], files: Iterable[Announced]) -> CommitBoundary:
         """The boundary after committing ``files`` read up to ``positions``; never regresses."""
         batches: dict[str, int] = {}
         for f in files:
             batches[f.writer_id] = max(batches.get(f.writer_id, f.batch_seq), f.batch_seq)
-        return CommitBoundary(
+        return replace(
+            self,
             positions=max_merge(self.positions, positions),
             watermarks=max_merge(self.watermarks, batches),
-            channel_id=self.channel_id,
         )
 
 
@@ -110,3 +144,14 @@ def _int_map(raw: Any) -> dict[str, int]:
 
 def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def encode_retired(retired: Mapping[str, int]) -> bytes:
+    """The retired-writers side file's content (JSON ``{"writers": {id: batch_seq}}``)."""
+    return _json({"writers": dict(sorted(retired.items()))}).encode()
+
+
+def decode_retired(data: bytes) -> dict[str, int]:
+    """Parse :func:`encode_retired`'s output. Raises ValueError/TypeError/AttributeError/KeyError
+    when unreadable."""
+    return _int_map(json.loads(data)["writers"])

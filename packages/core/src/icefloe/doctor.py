@@ -138,8 +138,7 @@ def catalog_checks(config: PipelineConfig) -> list[Check]:
                 Check(
                     f"table {t.name}",
                     "fail",
-                    "does not exist; create it (or set auto_create = true where the format "
-                    "declares a schema)",
+                    "does not exist; create it (or set auto_create = true)",
                 )
             )
     return out

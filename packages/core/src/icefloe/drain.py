@@ -47,8 +47,14 @@ def drain(
     timeout_s: float = 600.0,
     quiet_s: float = 1.0,
 ) -> DrainResult:
-    """Lead, commit until a poll of ``quiet_s`` finds nothing new and nothing is pending,
-    then mark every table in ``tables`` as drained of this channel.
+    """Lead, read the channel to its end and commit everything pending, then mark every table
+    in ``tables`` as drained of this channel.
+
+    "Read to its end" is proven against ``end_position()``, never by a poll that found nothing
+    new: the coordinator's own broadcasts (and Kafka's transaction markers) keep adding to a
+    channel that carries them in its log (Kafka's control topic), and a poll that returns
+    nothing may only be a slow fetch. Cycles ask no writer (they are stopped), and run only
+    when the reader caught up or hit the memory bound. ``quiet_s`` is the longest single read.
 
     Raises :class:`DrainError` when a table fails to commit or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
@@ -57,27 +63,29 @@ def drain(
         if time.monotonic() > deadline:
             raise DrainError(f"drain did not finish within {timeout_s:.0f}s ({what})")
 
-    while not coordinator.is_leader:
-        check_deadline("waiting for the lease; stop the pipeline's other coordinators")
-        coordinator.step(0.2)
-    channel_id = coordinator.channel.channel_id()
+    channel = coordinator.channel
     cycles = 0
     while True:
+        if not coordinator.is_leader:  # at first, or after losing the lease: elect, recover
+            check_deadline("waiting for the lease; stop the pipeline's other coordinators")
+            coordinator.step(0.2)
+            continue
         check_deadline(f"still pending: {coordinator.pending_files()}")
-        before = coordinator.read_position
-        coordinator.step(quiet_s)  # reads whatever the channel still holds
-        if not coordinator.is_leader:
-            continue  # lost the lease: it recovers and re-reads on the next step
-        quiet = coordinator.read_position == before
-        cycle = coordinator.commit_now()  # also stores the position read so far
+        end = channel.end_position()  # writers are stopped: every batch lies before it
+        coordinator.read(quiet_s)
+        caught_up = coordinator.caught_up(end)
+        if not coordinator.is_leader or not (caught_up or coordinator.pending_full()):
+            continue  # read on
+        cycle = coordinator.commit_now(wait_for_writers=False)  # also stores the position
         cycles += 1
         if cycle.failed:
             raise DrainError(
-                f"channel {channel_id} cannot be drained: tables failed to commit: "
+                f"channel {channel.channel_id()} cannot be drained: tables failed to commit: "
                 f"{dict(cycle.failed)}; fix them and run the drain again"
             )
-        if quiet and not coordinator.pending_files():
+        if caught_up and not coordinator.pending_files():
             break
+    channel_id = channel.channel_id()
     marked: list[str] = []
     skipped: list[str] = []
     for table in tables:

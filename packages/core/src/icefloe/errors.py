@@ -240,3 +240,10 @@ class ChannelChangedError(ChannelIdentityError):
 
 class ChannelResetError(ChannelIdentityError):
     """The channel holds fewer events than positions recorded earlier prove it had."""
+
+
+class WriterRegressionError(IcefloeError):
+    """A writer id would publish batch numbers it has used before: its Spark checkpoint does
+    not know batches the channel or a table already holds for it (a fresh or older checkpoint
+    under an explicit ``writer_id``). Its new batches would be dropped as replays, so the
+    start is refused; the message names the fix."""

@@ -16,6 +16,7 @@ position, which is where the coordinator itself resumes).
 
 from __future__ import annotations
 
+import json
 import posixpath
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -26,9 +27,10 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import ancestors_of
 
-from icefloe.channel import CoordinatorChannel
-from icefloe.committer import FENCING_TOKEN_KEY, GROUP_ID_KEY, PendingFile
+from icefloe.channel import ChannelRecord, CoordinatorChannel
+from icefloe.committer import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY, PendingFile
 from icefloe.config import PipelineConfig
+from icefloe.dedupe import RETIRED_KEY
 from icefloe.errors import ConfigError
 from icefloe.events import DataWritten
 
@@ -144,11 +146,26 @@ def _file_key(uri: str) -> str:
     return posixpath.normpath(parts.netloc + parts.path)
 
 
+def retired_writer_files(metadata: TableMetadata) -> set[str]:
+    """The retired-writers files (see :mod:`icefloe.dedupe`) named by remaining snapshots and
+    by the groups' state properties: Iceberg does not know them, the dedupe rule needs them."""
+    found = {s.summary[RETIRED_KEY] for s in metadata.snapshots if s.summary is not None}
+    for key, raw in metadata.properties.items():
+        if key.startswith(f"{STATE_KEY}."):
+            try:
+                found.add(json.loads(raw)["summary"].get(RETIRED_KEY))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # the committer refuses an unreadable state loudly; keep going here
+    return {f for f in found if f}
+
+
 def referenced_files(table: Table) -> set[str]:
     """Every file the table's metadata still needs: metadata files in its log, manifest
-    lists, manifests, data and delete files of every remaining snapshot, statistics."""
+    lists, manifests, data and delete files of every remaining snapshot, statistics, and the
+    retired writers' watermarks."""
     metadata = table.metadata
     refs = {table.metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
+    refs.update(retired_writer_files(metadata))
     refs.update(s.statistics_path for s in metadata.statistics)
     refs.update(s.statistics_path for s in metadata.partition_statistics)
     manifests: set[str] = set()
@@ -193,25 +210,48 @@ def remove_orphan_files(
 
 
 def announced(
-    channel: CoordinatorChannel, group_id: str, idle_polls: int = 3
+    channel: CoordinatorChannel,
+    group_id: str,
+    idle_polls: int = 3,
+    reached: dict[str, int] | None = None,
 ) -> Iterator[tuple[str, PendingFile]]:
     """``(table, file)`` for every file announced on the channel since its stored position,
     with where its event sits (read only: no lease, nothing stored). Shared by
-    ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted)."""
-    channel.seek(channel.stored_position())
+    ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted;
+    it passes ``reached``, filled with the read position the read got to, to spot a stall)."""
+    for rec in backlog(channel, group_id, idle_polls, reached):
+        event, payload = rec.event, rec.event.payload
+        if not isinstance(payload, DataWritten):
+            continue
+        writer = event.writer.writer_id if event.writer else ""
+        # no batch number: the coordinator ignores the event; -1 lets any watermark cover it
+        seq = -1 if event.batch_seq is None else event.batch_seq
+        for f in payload.files:
+            yield payload.table, PendingFile(f, writer, seq, rec.partition, rec.offset)
+
+
+def backlog(
+    channel: CoordinatorChannel,
+    group_id: str,
+    idle_polls: int = 3,
+    reached: dict[str, int] | None = None,
+) -> Iterator[ChannelRecord]:
+    """Every event of ``group_id`` the channel holds from its stored position on (read only:
+    no lease, nothing stored), until ``idle_polls`` polls in a row find nothing new.
+    ``reached``, when given, is filled with the read position got to (every group's events)."""
+    stored = channel.stored_position()
+    if reached is not None:
+        reached.update(stored or {})
+    channel.seek(stored)
     empty = 0
     while empty < idle_polls:
         records = channel.poll(0.5)
         empty = 0 if records else empty + 1
         for rec in records:
-            event, payload = rec.event, rec.event.payload
-            if event.group_id != group_id or not isinstance(payload, DataWritten):
-                continue
-            writer = event.writer.writer_id if event.writer else ""
-            # no batch number: the coordinator ignores the event; -1 lets any watermark cover it
-            seq = -1 if event.batch_seq is None else event.batch_seq
-            for f in payload.files:
-                yield payload.table, PendingFile(f, writer, seq, rec.partition, rec.offset)
+            if reached is not None:
+                reached[rec.partition] = max(reached.get(rec.partition, 0), rec.offset + 1)
+            if rec.event.group_id == group_id:
+                yield rec
 
 
 def announced_files(channel: CoordinatorChannel, group_id: str, idle_polls: int = 3) -> set[str]:

@@ -66,6 +66,11 @@ LEADERSHIP_CHANGES = Counter(
     "Times this process gained or lost the coordinator lease.",
     ["change"],  # acquired | lost
 )
+CHANNEL_STALLED_SECONDS = Gauge(
+    "icefloe_channel_stalled_seconds",
+    "How long the control channel's end has moved on while the leading coordinator's read "
+    "position stood still (0: not stalled; reported once over coordination.stall_after_s).",
+)
 IS_LEADER = Gauge("icefloe_leader", "1 while this process holds the coordinator lease.")
 
 

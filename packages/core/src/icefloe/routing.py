@@ -1,8 +1,10 @@
 """Multi-table fan-out: which decoded rows go to which table.
 
 A table with ``route_field`` takes the rows whose value of that field (compared as text) is
-one of its ``route_values``; a table without a route takes every row (the routing rule of
-Iceberg's Kafka Connect sink). A row may go to several tables, or to none.
+one of its ``route_values`` or matches its ``route_regex`` as a whole; a table without a route
+takes every row (the routing rule of Iceberg's Kafka Connect sink). A row may go to several
+tables, or to none. Dynamic fan-out (``[dynamic_tables]``) is the same rule: each table a batch
+names becomes a route by exact values (:func:`dynamic_targets`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from icefloe.config import TableConfig
+from icefloe.config import DynamicTablesConfig, TableConfig
 from icefloe.errors import ConfigError
 
 
@@ -54,11 +56,12 @@ def route_masks(
         if t.route_field is None:
             out[t.name] = None
             continue
-        if not t.route_values:
+        if not t.route_values and t.route_regex is None:
             raise ConfigError(
                 f"tables[{i}].route_values",
                 f"table '{t.name}' has route_field '{t.route_field}' but no route_values",
-                "list the field values that go to this table, or remove route_field",
+                "list the field values that go to this table (or set route_regex), or remove "
+                "route_field",
             )
         if t.route_field not in cache:
             col = _column(table, t.route_field, case_insensitive)
@@ -72,8 +75,30 @@ def route_masks(
             cache[t.route_field] = (
                 col if pa.types.is_string(col.type) else pc.cast(col, pa.string())
             )
+        col = cache[t.route_field]
         values = pa.array(t.route_values, pa.string())
-        out[t.name] = pc.is_in(cache[t.route_field], value_set=values)  # null -> False
+        mask = pc.is_in(col, value_set=values)  # null -> False
+        if t.route_regex is not None:
+            # anchored: the whole value must match, as Kafka Connect's route-regex does
+            matched = pc.fill_null(pc.match_substring_regex(col, f"^(?:{t.route_regex})$"), False)
+            mask = pc.or_(mask, matched)
+        out[t.name] = mask
+    return out
+
+
+def dynamic_values(
+    table: pa.Table, dynamic: DynamicTablesConfig, case_insensitive: bool = False
+) -> dict[str, list[str]]:
+    """table name -> the distinct route values of ``table`` that name it (values naming no
+    valid table are left out: their records go nowhere and are reported as unrouted)."""
+    col = _column(table, dynamic.route_field, case_insensitive)
+    if col is None:
+        return {}
+    out: dict[str, list[str]] = {}
+    for value in pc.unique(col.drop_null()).to_pylist():
+        name = dynamic.table_name(str(value))
+        if name is not None:
+            out.setdefault(name, []).append(str(value))
     return out
 
 
@@ -86,18 +111,25 @@ def unrouted_problem(
     """The first row no table takes, and why (its route field is missing or null, or its value
     is listed by no table), or None when every row goes somewhere. A record that goes nowhere
     is an error rather than silently dropped: it would vanish from an exactly-once pipeline."""
-    if not masks or any(m is None for m in masks.values()):
+    if table.num_rows == 0 or any(m is None for m in masks.values()):
         return None
+    if not masks:  # dynamic fan-out whose records name no table
+        return 0, f"no table takes the record ({_shown(table, tables, 0, case_insensitive)})"
     taken = functools.reduce(pc.or_, [m for m in masks.values() if m is not None])
     row = int(pc.index(taken, False).as_py())
     if row < 0:
         return None
+    return row, f"no table takes the record ({_shown(table, tables, row, case_insensitive)})"
+
+
+def _shown(table: pa.Table, tables: Sequence[TableConfig], row: int, case_insensitive: bool) -> str:
     shown = []
-    for field in dict.fromkeys(t.route_field for t in tables if t.route_field):
+    fields = [t.route_field for t in tables if t.route_field]
+    for field in dict.fromkeys(fields):
         col = _column(table, field, case_insensitive)
         value = None if col is None else col[row].as_py()
         shown.append(f"field '{field}' is missing" if value is None else f"'{field}' = {value!r}")
-    return row, f"no table takes the record ({', '.join(shown)})"
+    return ", ".join(shown) or "no table is configured for it"
 
 
 def route(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +54,15 @@ class PipelineStatus:
     backend_error: str | None
     tables: list[TableStatus] = field(default_factory=list)
     dead_lettered: int | None = None  # rows in the dead-letter table
+    channel_stall: str | None = None  # why a reader of the channel cannot reach its end
 
     @property
     def stuck(self) -> bool:
-        return any(t.stuck for t in self.tables) or self.backend_error is not None
+        return (
+            any(t.stuck for t in self.tables)
+            or self.backend_error is not None
+            or self.channel_stall is not None
+        )
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -111,19 +117,41 @@ def table_status(
     )
 
 
-def _announced(backend: Backend, group_id: str) -> tuple[str, dict[str, list[PendingFile]]]:
-    """The channel's identity and, per table, the files announced since the stored position,
-    read by a coordinator end that never asks for the lease (as ``icefloe maintain`` does)."""
+def _announced(
+    backend: Backend, group_id: str
+) -> tuple[str, dict[str, list[PendingFile]], str | None]:
+    """The channel's identity, per table the files announced since the stored position (read
+    by a coordinator end that never asks for the lease, as ``icefloe maintain`` does), and
+    whether that read stalled (:func:`stalled_read`)."""
     from icefloe.maintenance import announced
 
     channel = backend.coordinator(f"status-{uuid.uuid4().hex[:8]}")
     try:
+        end = dict(channel.end_position())  # before the read: all of it must be readable
+        reached: dict[str, int] = {}
         by_table: dict[str, list[PendingFile]] = {}
-        for table, f in announced(channel, group_id):
+        for table, f in announced(channel, group_id, reached=reached):
             by_table.setdefault(table, []).append(f)
-        return channel.channel_id(), by_table
+        return channel.channel_id(), by_table, stalled_read(reached, end)
     finally:
         channel.close()
+
+
+def stalled_read(reached: Mapping[str, int], end: Mapping[str, int]) -> str | None:
+    """Why a reader that read until the channel went quiet still stands short of where the
+    channel's end was before it started, or None. One offset short is allowed: Kafka numbers
+    a transaction's commit marker but never delivers it, so a reader that got everything can
+    stand one short of the end. (The coordinator's own check, over time, is
+    :class:`icefloe.coordination.stall.StallWatch`.)"""
+    short = {p: (reached.get(p, 0), o) for p, o in end.items() if o - reached.get(p, 0) > 1}
+    if not short:
+        return None
+    where = ", ".join(f"partition {p}: read to {r}, end {e}" for p, (r, e) in sorted(short.items()))
+    return (
+        f"the channel holds events no reader gets ({where}): a transaction left open by "
+        "another producer (Kafka read_committed), or a server fault, holds readers back; the "
+        "coordinator cannot commit them either"
+    )
 
 
 def _with_pending(
@@ -194,15 +222,18 @@ def collect(config: PipelineConfig) -> PipelineStatus:
         backend_status: BackendStatus | None = None
         backend_error: str | None = None
         announced: tuple[str | None, dict[str, list[PendingFile]]] | None = None
+        channel_stall: str | None = None
         try:
             backend = open_backend(config, plugins)
             try:
                 backend_status = backend.describe()
                 # no writer ever registered: nothing can be pending, and not opening the
                 # channel keeps status from creating it (Kafka creates topics on first use)
-                announced = (
-                    (None, {}) if backend_status.writers == () else _announced(backend, config.name)
-                )
+                if backend_status.writers == ():
+                    announced = (None, {})
+                else:
+                    channel_id, by_table, channel_stall = _announced(backend, config.name)
+                    announced = (channel_id, by_table)
             finally:
                 backend.close()
         except Exception as exc:
@@ -226,6 +257,7 @@ def collect(config: PipelineConfig) -> PipelineStatus:
         backend_error,
         tables,
         _dead_lettered(catalog, config),
+        channel_stall,
     )
 
 
@@ -246,6 +278,8 @@ def render_lines(status: PipelineStatus) -> list[str]:
         out.append(f"  writers {writers}")
     if status.dead_lettered is not None:
         out.append(f"  dead-lettered records {status.dead_lettered}")
+    if status.channel_stall is not None:
+        out.append(f"  CHANNEL STALLED: {status.channel_stall}")
     now = time.time()
     for t in status.tables:
         if not t.exists:

@@ -67,13 +67,15 @@ def run_on(server: MemoryServer, catalog: SqlCatalog, closers: list[Pipeline]) -
     return p
 
 
-def drain_server(server: MemoryServer, catalog: SqlCatalog) -> DrainResult:
+def drain_server(
+    server: MemoryServer, catalog: SqlCatalog, settings: CoordinatorSettings = SETTINGS
+) -> DrainResult:
     """What `icefloe drain` does, against the reference channel."""
     drainer = Coordinator(
         GROUP,
         MemoryBackend(server, GROUP, 5.0).coordinator("drain"),
         catalog,
-        SETTINGS,
+        settings,
         plugins=new_plugins(autoload=False),
     )
     try:
@@ -185,3 +187,25 @@ def test_drain_mark_is_cleared_once_the_drained_channel_commits_again(
     with pytest.raises(ChannelChangedError):
         drive(new.coordinator, lambda: False, "the refusal", 10)
     assert_exactly_once(sqlite_catalog, TABLE, committed)
+
+
+def test_drain_under_the_memory_bound_commits_every_batch_before_marking(
+    sqlite_catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
+) -> None:
+    """With ``max_pending_files`` below what the channel holds, the reader holds events back
+    until a cycle commits; the drain must not take "nothing new was read" for "drained" while
+    events wait in that queue (they would be stranded behind the mark)."""
+    server = MemoryServer()
+    old = run_on(server, sqlite_catalog, closers)
+    for seq in range(4):
+        source.publish(old.writer, seq)  # never committed by the pipeline
+    old.close()
+    closers.remove(old)
+
+    bounded = CoordinatorSettings(
+        commit_interval_s=3600.0, commit_timeout_s=5.0, max_pending_files=1
+    )
+    result = drain_server(server, sqlite_catalog, bounded)
+    assert result.marked == (TABLE,)
+    assert_exactly_once(sqlite_catalog, TABLE, source.expected[TABLE])
+    assert result.cycles >= 4  # one batch per cycle under the bound

@@ -302,7 +302,7 @@ def test_bad_starting_offsets_gives_one_clear_error() -> None:
 
 def test_constraint_errors() -> None:
     assert "greater than 0" in _error({**MINIMAL, "coordination": {"lease_ttl_s": 0}}).fix
-    assert "at least 1" in _error({**MINIMAL, "tables": []}).fix
+    assert "at least one [[tables]] entry" in _error({**MINIMAL, "tables": []}).fix
     err = _error({**MINIMAL, "name": "has space"})
     assert err.key == "name"
     assert "letters, digits" in err.fix

@@ -80,6 +80,8 @@ def watch(
             while not stop.wait(REFRESH_S):
                 if not pipeline.query.isActive and not past_end:
                     break
+                if pipeline.coordinator is not None and pipeline.coordinator.fatal is not None:
+                    break  # nothing would be committed any more: stop (run exits with it)
                 now = time.monotonic()
                 if now - last_tables >= TABLE_REFRESH_S:
                     tables = monitor.tables()
@@ -189,6 +191,7 @@ def run(
             log_level=level,
         )
         failure = None
+        fatal: Exception | None = None
         try:
             pipeline.start()
             signals.install()  # PySpark's context may have taken SIGINT over
@@ -203,11 +206,15 @@ def run(
             if query is not None and not query.isActive:
                 failure = query.exception()
         finally:
+            if pipeline.coordinator is not None:
+                fatal = pipeline.coordinator.fatal
             console.print("stopping ...")
             pipeline.stop()
             if pipeline.spark_log is not None:
                 for line in sparklog.summarize(pipeline.spark_log):
                     console.print(line, markup=False, highlight=False)
+    if fatal is not None:
+        raise fatal  # icefloe's CLI prints it ("error: ...", naming the recovery), exit 2
     if failure is not None:
         first, fix, trace = explain_failure(str(failure))
         _error(f"the streaming query failed: {first}. Fix: {fix}")

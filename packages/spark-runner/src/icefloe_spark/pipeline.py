@@ -9,6 +9,7 @@ several drivers of one pipeline (or a standalone ``icefloe coordinator``) can ru
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -29,7 +30,9 @@ from icefloe.backends import open_backend
 from icefloe.channel import Backend
 from icefloe.config import PipelineConfig
 from icefloe.coordinator import Coordinator, CoordinatorSettings
+from icefloe.errors import ChannelIdentityError
 from icefloe.plugins import Plugins, get_plugins
+from icefloe.resume import check_batch_continuity, committed, published, start_offsets
 from icefloe_spark import faults, sparklog
 from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
 from icefloe_spark.sink import SINK_NAME, IcefloeSink, derive_writer_id, sink_options
@@ -51,6 +54,18 @@ def checkpoint_location(config: PipelineConfig, override: str | None = None) -> 
     if location:
         return location
     return str(Path(DEFAULT_CHECKPOINT_ROOT, config.name).absolute())
+
+
+def checkpoint_batch(location: str) -> int | None:
+    """The newest batch id Spark planned in this checkpoint (its offsets log), or None for a
+    new or empty checkpoint. Any pyarrow filesystem URI works, as for the checkpoint itself."""
+    from pyarrow import fs as pafs
+
+    uri = location if "://" in location else os.path.abspath(location)
+    filesystem, base = pafs.FileSystem.from_uri(uri)
+    selector = pafs.FileSelector(base.rstrip("/") + "/offsets", allow_not_found=True)
+    ids = [int(i.base_name) for i in filesystem.get_file_info(selector) if i.base_name.isdigit()]
+    return max(ids, default=None)
 
 
 def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> SparkSession:
@@ -117,7 +132,12 @@ def open_catalog(config: PipelineConfig) -> Catalog:
 
 class CoordinatorThread:
     """Runs :meth:`Coordinator.run` in the driver until stopped, restarting it after errors
-    (leadership moves to another coordinator meanwhile, if one runs)."""
+    (leadership moves to another coordinator meanwhile, if one runs).
+
+    A :class:`~icefloe.errors.ChannelIdentityError` (the channel changed without a drain, or
+    was reset) ends it for good instead: no retry can fix it, the operator has to act on its
+    message. It is kept in :attr:`fatal`; ``icefloe run`` then stops and exits with it.
+    """
 
     def __init__(
         self, config: PipelineConfig, backend: Backend, catalog: Catalog, plugins: Plugins
@@ -129,6 +149,7 @@ class CoordinatorThread:
         self.coordinator_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.stop_event = threading.Event()
         self.last_error: str | None = None
+        self.fatal: ChannelIdentityError | None = None
         self._fault_hooks = faults.coordinator_hooks()  # one count across restarts
         self._thread = threading.Thread(target=self._run, name="icefloe-coordinator", daemon=True)
 
@@ -150,6 +171,11 @@ class CoordinatorThread:
             )
             try:
                 coordinator.run(self.stop_event)
+            except ChannelIdentityError as exc:
+                self.fatal = exc
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.error("coordinator stopped for good: %s", self.last_error)
+                self.stop_event.set()
             except Exception as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("coordinator failed; restarting in %.0fs", _COORDINATOR_RETRY_S)
@@ -231,6 +257,7 @@ class Pipeline:
         self.catalog = open_catalog(config)
         ensure_tables(self.catalog, config, self.plugins)
         self.backend = open_backend(config, self.plugins)
+        resume = self._check_start(self.backend, self.catalog)
         self.publisher = WriterPublisher(self.backend, config.name, self.writer_id).start()
         self.server = PublishServer(self.publisher)
         if self.run_coordinator:
@@ -249,7 +276,7 @@ class Pipeline:
             extra=self.sink_extra_options,
         )
         writer = (
-            self._input()
+            self._input(resume)
             .writeStream.format(SINK_NAME)
             .options(**options)
             .option("checkpointLocation", self.checkpoint)
@@ -267,12 +294,41 @@ class Pipeline:
             self.checkpoint,
         )
 
-    def _input(self) -> DataFrame:
+    def _check_start(self, backend: Backend, catalog: Catalog) -> dict[str, str]:
+        """Before anything is published: refuse a checkpoint that is behind what this writer
+        id already published, and, for a new checkpoint with ``starting_offsets = "table"``,
+        return the source options that start after every published batch (the greater of the
+        tables' offsets and those of the batches still on the channel; see icefloe.resume)."""
+        config = self.config
+        latest = checkpoint_batch(self.checkpoint)
+        channel = backend.coordinator(f"start-{uuid.uuid4().hex[:8]}")
+        try:  # the channel before the tables: see icefloe.resume on the read order
+            on_channel = published(channel, config.name)
+        finally:
+            channel.close()
+        tables = [t.name for t in config.tables]
+        if config.errors.dead_letter_table:
+            tables.append(config.errors.dead_letter_table)
+        in_tables = committed(catalog, config.name, tables, config.coordination.branch)
+        check_batch_continuity(self.writer_id, latest, on_channel, in_tables, self.checkpoint)
+        if (
+            latest is not None
+            or config.source.starting_offsets != "table"
+            or self.reader is not None
+            or "startingOffsets" in self.source_extra_options
+        ):
+            return {}
+        offsets = start_offsets(on_channel, in_tables)
+        log.info("new checkpoint: starting after every published batch, at %s", offsets)
+        nested = {t: {str(p): o for p, o in sorted(ps.items())} for t, ps in offsets.items()}
+        return {"startingOffsets": json.dumps(nested)}
+
+    def _input(self, resume: Mapping[str, str]) -> DataFrame:
         """The configured source, or the caller's streaming DataFrame in Spark's Kafka layout
         (e.g. from Spark's own ``kafka`` source where its connector is installed)."""
         if self.reader is not None:
             return self.reader(self.spark)
-        options = {**source_options(self.config), **self.source_extra_options}
+        options = {**source_options(self.config), **resume, **self.source_extra_options}
         df: DataFrame = self.spark.readStream.format(SOURCE_NAME).options(**options).load()
         return df
 

@@ -34,7 +34,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from icefloe.config import PipelineConfig, config_error_from, load_config
-from icefloe.convert import RecordConverter, TargetTable
+from icefloe.convert import RecordConverter
 from icefloe.errors import ConfigError, TableMismatchError
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.writer import merge_positions
@@ -46,6 +46,7 @@ from icefloe_spark.publish import (
     RemotePublisher,
     local_publisher,
 )
+from icefloe_spark.tables import TableResolver
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,7 @@ class _ExecutorRuntime:
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
         self.catalog: Catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+        self.resolver = TableResolver(self.catalog, config)
 
     @classmethod
     def get(cls, config: PipelineConfig) -> _ExecutorRuntime:
@@ -227,17 +229,10 @@ class _ExecutorRuntime:
                 cls._cache[key] = cls(config)
             return cls._cache[key]
 
-    def tables(self) -> dict[str, Table]:
-        """The target tables, and the dead-letter table when bad records go to one."""
-        names = [t.name for t in self.config.tables]
-        errors = self.config.errors
-        if errors.policy == "dead_letter" and errors.dead_letter_table:
-            names.append(errors.dead_letter_table)
-        return {name: self.catalog.load_table(name) for name in names}
-
-    def converter(self, tables: Mapping[str, Table]) -> RecordConverter:
-        targets = [TargetTable.of(t, tables[t.name]) for t in self.config.tables]
-        return RecordConverter.from_config(self.config.source, targets)
+    def prepare(self, data: pa.Table) -> tuple[dict[str, Table], RecordConverter]:
+        """The tables this task writes (target tables, created and evolved as ``data``
+        needs, and the dead-letter table) and the converter into their schemas."""
+        return self.resolver.prepare(data)
 
 
 def _batch_id_of_task() -> int | None:
@@ -265,13 +260,13 @@ class IcefloeStreamWriter(DataSourceStreamArrowWriter):
             return IcefloeCommitMessage(partition_id, attempt)
         data = pa.Table.from_batches(batches)
         runtime = _ExecutorRuntime.get(self.options.config)
-        tables = runtime.tables()
+        tables, converter = runtime.prepare(data)
         written: list[str] = []
         try:
             output = write_task(
                 data,
                 tables,
-                runtime.converter(tables),
+                converter,
                 on_file=written.append,
                 errors=self.options.config.errors,
                 pipeline=self.options.config.name,

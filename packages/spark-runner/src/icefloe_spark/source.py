@@ -22,6 +22,8 @@ Options (Spark-style names; keys are case-insensitive):
   from the ``icefloe.source-offsets`` the pipeline recorded in its Iceberg tables (needs
   ``icefloe.tables``, ``icefloe.groupId``, ``icefloe.catalog.name`` and the catalog's
   properties as ``icefloe.catalog.<key>``). Used only when the query has no checkpoint.
+  ``Pipeline`` (``icefloe run``) does not leave it at that: it passes the greater of these
+  and the offsets the batches still on the channel reached (see :mod:`icefloe.resume`).
 * ``startingOffsetsByTimestamp``: JSON ``{"topic": {"0": 1700000000000}}`` (epoch ms):
   each listed partition starts at its first record stamped at or after that time (Kafka's
   offsets-for-times lookup), or at its end when none is that new; partitions not listed start
@@ -404,22 +406,10 @@ def table_source_offsets(
     """
     from pyiceberg.catalog import load_catalog
 
-    from icefloe.committer import IcebergCommitter
+    from icefloe.resume import committed
 
     catalog = load_catalog(catalog_name, **dict(catalog_properties))
-    committer = IcebergCommitter(catalog, group_id, branch=branch)
-    merged: dict[str, dict[int, int]] = {}
-    for name in tables:
-        if not catalog.table_exists(name):
-            continue
-        state = committer.state(name)
-        if state is None:
-            continue
-        for topic, parts in state.source_offsets.items():
-            mine = merged.setdefault(topic, {})
-            for partition, offset in parts.items():
-                mine[int(partition)] = max(mine.get(int(partition), offset), offset)
-    return merged
+    return committed(catalog, group_id, tables, branch).source_offsets
 
 
 # --------------------------------------------------------------------------- planning

@@ -1,20 +1,24 @@
-"""Target tables before the query starts: check they exist, or create those marked
-``auto_create`` from the record schema the source format declares.
+"""Target tables: before the query starts, check they exist or create those marked
+``auto_create`` from the record schema the source format declares; per write task, create the
+tables a batch needs and evolve their schemas (:class:`TableResolver`).
 
-Only a format whose codec knows its records' schema up front can create a table: the codec
-exposes it as ``arrow_schema`` (the built-in ``avro`` codec does, from its writer schema). JSON
-carries no schema, so its tables must be created first.
+A format whose codec knows its records' schema up front (``arrow_schema``: the built-in
+``avro`` codec, from its writer schema) creates its tables at start. JSON carries no schema:
+its ``auto_create`` tables, and tables named by ``[dynamic_tables]``, are created by the first
+write task that has records for them, from the schema inferred from those records.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.schema import Schema
+from pyiceberg.table import Table
 from pyiceberg.transforms import IdentityTransform, Transform, parse_transform
 from pyiceberg.types import (
     BinaryType,
@@ -26,9 +30,12 @@ from pyiceberg.types import (
 )
 
 from icefloe.config import PipelineConfig, TableConfig
+from icefloe.convert import RecordConverter, TargetTable, renamed
 from icefloe.errors import ConfigError
+from icefloe.evolution import evolve_table, infer_fields, infer_schema, plan_evolution
 from icefloe.maintenance import recommended_properties
 from icefloe.plugins import Plugins, get_plugins
+from icefloe.routing import dynamic_values, route_masks
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +122,9 @@ def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> Non
 def ensure_tables(
     catalog: Catalog, config: PipelineConfig, plugins: Plugins | None = None
 ) -> list[str]:
-    """Fail on a missing table unless it is ``auto_create``; create those. Returns the names
-    of the tables created."""
+    """Fail on a missing table unless it is ``auto_create``; create those the format declares
+    a record schema for (the rest are created by write tasks). Returns the names of the
+    tables created."""
     created: list[str] = []
     schema: pa.Schema | None = None
     for t in config.tables:
@@ -125,24 +133,17 @@ def ensure_tables(
             continue
         except NoSuchTableError:
             if not t.auto_create:
-                schema = schema if schema is not None else record_schema(config, plugins)
                 raise ConfigError(
                     "tables.name",
                     f"table '{t.name}' does not exist",
-                    "create it first, or set auto_create = true"
-                    if schema is not None
-                    # auto_create needs a record schema, which this format does not declare
-                    else f"create it first (format '{config.source.format}' declares no "
-                    "record schema to create it from)",
+                    "create it first, or set auto_create = true (created from the record "
+                    "schema the format declares, else from the first records)",
                 ) from None
         schema = schema if schema is not None else record_schema(config, plugins)
         if schema is None:
-            raise ConfigError(
-                "tables.auto_create",
-                f"table '{t.name}' does not exist and format '{config.source.format}' "
-                "declares no record schema to create it from",
-                "create the table first, or use a format with a schema (avro)",
-            )
+            # created by the first write task with records for it, from their inferred schema
+            log.info("table %s will be created from the first records for it", t.name)
+            continue
         try:
             create_table(catalog, t, schema)
         except TableAlreadyExistsError:  # another driver of the pipeline was quicker
@@ -179,3 +180,142 @@ def ensure_dead_letter_table(catalog: Catalog, config: PipelineConfig) -> bool:
             name,
         )
     return False
+
+
+class TableResolver:
+    """What one write task writes into: the tables, created and evolved as its batch needs,
+    and the converter for them.
+
+    Why in the writer, before any file is written: a data file names its columns by field
+    id, so the ids of new columns must exist (committed to the catalog) before a file uses
+    them; the coordinator's later commit then adds files whose schema the table already has.
+    Changes are additive and idempotent (see :func:`icefloe.evolution.evolve_table`), so
+    concurrent tasks and replayed batches agree (docs/architecture.md, "Schema changes").
+    """
+
+    def __init__(
+        self, catalog: Catalog, config: PipelineConfig, plugins: Plugins | None = None
+    ) -> None:
+        self.catalog = catalog
+        self.config = config
+        self.declared = record_schema(config, plugins)
+        self.base = RecordConverter.from_config(config.source, [], plugins)
+
+    def _extra_tables(self) -> list[str]:
+        errors = self.config.errors
+        if errors.policy == "dead_letter" and errors.dead_letter_table:
+            return [errors.dead_letter_table]
+        return []
+
+    def prepare(self, data: pa.Table) -> tuple[dict[str, Table], RecordConverter]:
+        """The tables for ``data`` (target tables and the dead-letter table) and a converter
+        into their schemas as they are after any creation or evolution ``data`` needed."""
+        tables: dict[str, Table] = {}
+        for t in self.config.tables:
+            try:
+                tables[t.name] = self.catalog.load_table(t.name)
+            except NoSuchTableError:
+                if not t.auto_create:
+                    raise
+        for name in self._extra_tables():
+            tables[name] = self.catalog.load_table(name)
+        configs = list(self.config.tables)
+        dynamic = self.config.dynamic_tables
+        busy = dynamic is not None or any(
+            t.evolve_schema or t.name not in tables for t in self.config.tables
+        )
+        if busy and data.num_rows:
+            configs += self._prepare(self.base.decode_parts(data), tables)
+        targets = [TargetTable.of(c, tables[c.name]) for c in configs if c.name in tables]
+        note = ""
+        if dynamic is not None:
+            note = (
+                f"; [dynamic_tables] route_field '{dynamic.route_field}' must name a table "
+                "that exists" + (" or can be created" if dynamic.auto_create else "")
+            )
+        converter = RecordConverter(
+            self.base.codec,
+            targets,
+            case_insensitive=self.base.case_insensitive,
+            tombstones=self.base.tombstones,
+            route_note=note,
+        )
+        return tables, converter
+
+    def _prepare(self, parts: Sequence[pa.Table], tables: dict[str, Table]) -> list[TableConfig]:
+        """Create and evolve ``tables`` for the decoded ``parts``; returns the dynamic tables'
+        entries (routed by the exact values that name them)."""
+        dynamic = self.config.dynamic_tables
+        ci = self.base.case_insensitive
+        reserved = {t.name for t in self.config.tables} | set(self._extra_tables())
+        named: dict[str, list[str]] = {}
+        for part in parts:
+            configs = list(self.config.tables)
+            if dynamic is not None:
+                for name, values in dynamic_values(part, dynamic, ci).items():
+                    if name in reserved:
+                        continue  # never a static or the dead-letter table by another route
+                    named.setdefault(name, [])
+                    named[name] += [v for v in values if v not in named[name]]
+                    configs.append(dynamic.table_config(name, values))
+            for cfg in configs:
+                if cfg.name in tables and not cfg.evolve_schema:
+                    continue
+                try:
+                    mask = route_masks(part, [cfg], ci)[cfg.name]
+                except ConfigError:  # no record of this part has the route field
+                    continue
+                rows = renamed(part if mask is None else part.filter(mask), cfg.rename)
+                if rows.num_rows == 0:
+                    continue
+                table = tables.get(cfg.name) or self._load_or_create(cfg, rows)
+                if table is None:
+                    continue
+                if cfg.evolve_schema:
+                    table = self._evolve(table, cfg, rows)
+                tables[cfg.name] = table
+        assert dynamic is not None or not named
+        return [dynamic.table_config(n, v) for n, v in named.items()] if dynamic else []
+
+    def _infer(self, cfg: TableConfig, rows: pa.Table) -> pa.Schema:
+        # a declared schema's widths stay; a JSON reader's guesses widen
+        return infer_schema([rows], widen=self.declared is None, timestamps=cfg.infer_timestamps)
+
+    def _evolve(self, table: Table, cfg: TableConfig, rows: pa.Table) -> Table:
+        # infer_fields, not infer_schema: whether records leave a field null matters here
+        fields = infer_fields(rows, widen=self.declared is None, timestamps=cfg.infer_timestamps)
+        ci = self.base.case_insensitive
+        return evolve_table(
+            table,
+            lambda t: plan_evolution(
+                t.schema(), fields, name_mapping=t.name_mapping(), case_insensitive=ci
+            ),
+        )
+
+    def _load_or_create(self, cfg: TableConfig, rows: pa.Table) -> Table | None:
+        """The table, created from ``rows`` when missing and ``auto_create``; None when it
+        cannot be had (its records then go to the error policy as unrouted)."""
+        try:
+            return self.catalog.load_table(cfg.name)
+        except NoSuchTableError:
+            if not cfg.auto_create:
+                return None
+        schema = self.declared if self.declared is not None else self._infer(cfg, rows)
+        if not len(schema):
+            return None  # records without any value: nothing to create a table from yet
+        try:
+            create_table(self.catalog, cfg, schema)
+        except TableAlreadyExistsError:
+            pass  # another task was quicker; its schema is evolved below if allowed
+        except (ConfigError, ValueError) as exc:
+            if cfg.name in {t.name for t in self.config.tables}:
+                raise ConfigError(
+                    "tables.auto_create",
+                    f"cannot create table '{cfg.name}' from its records: {exc}",
+                    "check partition_by and id_columns against the records' fields",
+                ) from None
+            log.error("cannot create dynamic table %s from its records: %s", cfg.name, exc)
+            return None
+        else:
+            log.info("created table %s from its records", cfg.name)
+        return self.catalog.load_table(cfg.name)

@@ -20,7 +20,7 @@ from icefloe.config import ErrorsConfig, SourceConfig, TableConfig, config_from_
 from icefloe.convert import RecordConverter, TargetTable
 from icefloe.errors import ConfigError, RecordConversionError
 from icefloe.events import SourcePosition
-from icefloe.testing.fixtures import make_sqlite_catalog
+from icefloe.testing.fixtures import kafka_rows, make_sqlite_catalog
 from icefloe_spark.batch import check_columns, source_positions, write_task
 from icefloe_spark.tables import DEAD_LETTER_SCHEMA, ensure_tables
 
@@ -28,23 +28,6 @@ SCHEMA = Schema(
     NestedField(1, "id", LongType(), required=True),
     NestedField(2, "kind", StringType(), required=False),
 )
-
-
-def kafka_rows(values: list[bytes | None], topic: str = "t", partition: int = 0) -> pa.Table:
-    """Rows in Spark's Kafka layout, as the sink receives them."""
-    n = len(values)
-    ts = [datetime(2024, 5, 1, 12, 0, i, tzinfo=UTC) for i in range(n)]
-    return pa.table(
-        {
-            "key": pa.array([None] * n, pa.binary()),
-            "value": pa.array(values, pa.binary()),
-            "topic": pa.array([topic] * n, pa.string()),
-            "partition": pa.array([partition] * n, pa.int32()),
-            "offset": pa.array(range(100, 100 + n), pa.int64()),
-            "timestamp": pa.array(ts, pa.timestamp("us", tz="Etc/UTC")),
-            "timestampType": pa.array([0] * n, pa.int32()),
-        }
-    )
 
 
 def json_values(ids: range) -> list[bytes | None]:

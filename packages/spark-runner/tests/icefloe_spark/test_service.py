@@ -264,3 +264,49 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_run_stops_with_the_recovery_when_the_channel_changed_without_a_drain(
+    tmp_path: Path,
+    kafka_broker: EmbeddedKafkaBroker,
+    new_topic: Callable[..., str],
+    produce: Callable[..., Any],
+) -> None:
+    """The table's last commit came through another control topic (another channel) that was
+    never drained: the driver's coordinator must not retry forever while Spark keeps
+    publishing; ``icefloe run`` stops and exits non-zero naming ``icefloe drain``, and the
+    table keeps exactly what it had."""
+    import tomllib
+
+    from icefloe.testing.fixtures import assert_exactly_once
+    from icefloe.testing.harness import RowSource, commit_batches
+    from icefloe_kafka import KafkaBackend, KafkaBackendConfig
+
+    topic = new_topic(partitions=2)
+    path, catalog_props = _pipeline(tmp_path, kafka_broker, topic)
+    config = tomllib.loads(path.read_text())
+    catalog = load_catalog("svc", **catalog_props)
+    source = RowSource.create(catalog, ["svc.rows"])
+    config["tables"] = [{"name": "svc.rows"}]
+    old = KafkaBackendConfig(
+        bootstrap_servers=kafka_broker.bootstrap_servers, control_topic=f"old-{topic}"
+    )
+    old_id = commit_batches(
+        KafkaBackend(old, config["name"], 5.0), catalog, config["name"], source, range(2)
+    )
+    committed = source.expected["svc.rows"]
+    path.write_text(tomli_w.dumps(config))  # a new control topic: a new channel
+    produce(topic, [json.dumps({"id": 10_000 + i}).encode() for i in range(20)], partitions=2)
+    out = tmp_path / "run.log"
+    proc = _start(["run", "--config", str(path), "--once", "--quiet"], out)
+    try:
+        rc = proc.wait(DEADLINE_S)
+    finally:
+        _stop(proc)
+    text = out.read_text()
+    assert rc not in (0, None), text
+    assert "ChannelChangedError" in text or "error: " in text, text
+    assert "icefloe drain" in text, text
+    assert old_id in text, text
+    assert "stopped cleanly" not in text, text
+    assert_exactly_once(catalog, "svc.rows", committed)

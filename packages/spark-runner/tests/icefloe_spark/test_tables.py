@@ -79,20 +79,16 @@ def test_missing_table_without_auto_create_is_a_config_error(catalog: Catalog) -
         ensure_tables(catalog, config([{"name": "sales.orders"}]))
 
 
-def test_missing_json_table_does_not_suggest_auto_create(catalog: Catalog) -> None:
-    """auto_create cannot work for a format without a record schema: do not suggest it."""
-    with pytest.raises(ConfigError) as info:
+def test_missing_json_table_suggests_auto_create(catalog: Catalog) -> None:
+    """JSON tables can be auto-created now (from their first records): suggest it."""
+    with pytest.raises(ConfigError, match="set auto_create = true"):
         ensure_tables(catalog, config([{"name": "sales.orders"}], fmt="json"))
-    assert "auto_create" not in str(info.value)
-    assert "create it first" in str(info.value)
-    with pytest.raises(ConfigError, match="set auto_create = true"):  # avro can
-        ensure_tables(catalog, config([{"name": "sales.orders"}]))
 
 
-def test_json_declares_no_schema_so_nothing_is_created(catalog: Catalog) -> None:
+def test_json_auto_create_waits_for_records(catalog: Catalog) -> None:
+    """JSON declares no schema: nothing is created at start, the first records create it."""
     cfg = config([{"name": "sales.orders", "auto_create": True}], fmt="json")
-    with pytest.raises(ConfigError, match="declares no record schema"):
-        ensure_tables(catalog, cfg)
+    assert ensure_tables(catalog, cfg) == []
     assert not catalog.table_exists("sales.orders")
 
 

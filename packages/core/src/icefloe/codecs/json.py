@@ -27,7 +27,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from icefloe.convert import CASE_INSENSITIVE_KEY, failing_prefix_end, record_error
+from icefloe.convert import (
+    CASE_INSENSITIVE_KEY,
+    INFER_ALL_KEY,
+    failing_prefix_end,
+    record_error,
+)
 from icefloe.errors import ConfigError
 from icefloe.hookspecs import DecodeContext
 
@@ -95,6 +100,7 @@ class JsonCodec:
         infer = (
             self.unknown_fields == "infer"
             or (schema.metadata or {}).get(CASE_INSENSITIVE_KEY) == b"true"
+            or (schema.metadata or {}).get(INFER_ALL_KEY) == b"true"
             or any(t is None or _has_map(f.type) for f, (_, t) in zip(schema, fields, strict=True))
         )
         if len(values) == 0:

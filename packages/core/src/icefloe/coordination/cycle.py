@@ -108,10 +108,14 @@ class CommitCycle:
             return True
         return s.max_pending_bytes is not None and files > 0 and size >= s.max_pending_bytes
 
-    def run(self) -> CycleResult:
+    def run(self, wait_for_writers: bool = True) -> CycleResult:
+        """A cycle; without ``wait_for_writers`` it commits what was read at once, as a
+        partial cycle, without asking the writers (they are stopped: ``icefloe drain``)."""
         commit_id = str(uuid.uuid4())
         reader = self._reader
         expected = reader.prune_writers()
+        if not wait_for_writers:
+            return self._commit(commit_id, False, None)
         reader.cycle_id, reader.answered = commit_id, set()
         cut_short = ""
         try:
@@ -187,6 +191,7 @@ class CommitCycle:
                                 fencing_token=self._leadership.token(),
                                 valid_through_ms=vtts,
                                 channel_id=reader.channel_id,
+                                live_writers=frozenset(reader.writers),
                             )
                         )
                     )

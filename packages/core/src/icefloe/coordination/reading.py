@@ -120,6 +120,22 @@ class EventReader:
                 return True
         return False
 
+    @property
+    def held(self) -> int:
+        """Records polled but not handled yet (held back by the memory bound)."""
+        return len(self._held)
+
+    def caught_up(self, end: Mapping[str, int]) -> bool:
+        """Whether every event before ``end`` (an earlier ``end_position()``) was read and
+        handled: the read position, or where the channel says it read through (past entries
+        that are not events), reaches it in every partition and nothing is held back."""
+        if self._held:
+            return False
+        reached = dict(self.read_pos)
+        for partition, offset in (self._channel.read_through() or {}).items():
+            reached[partition] = max(reached.get(partition, 0), offset)
+        return all(reached.get(p, 0) >= o for p, o in end.items())
+
     def prune_writers(self) -> set[str]:
         """Drop writers not heard from within ``writer_timeout_s``; returns the live ones."""
         limit = now_ms() - self._settings.writer_timeout_s * 1000.0

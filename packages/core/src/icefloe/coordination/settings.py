@@ -30,6 +30,9 @@ class CoordinatorSettings:
     table_retry_base_s: float = 1.0
     """First wait before retrying a failed table; doubles per failure up to the max."""
     table_retry_max_s: float = 300.0
+    stall_after_s: float = 120.0
+    """How long the channel's end may move on while the read position stands still before
+    the coordinator reports a stalled channel (see :mod:`icefloe.coordination.stall`)."""
 
     @classmethod
     def from_config(cls, c: CoordinationConfig) -> CoordinatorSettings:
@@ -44,6 +47,7 @@ class CoordinatorSettings:
             quarantine_after_failures=c.quarantine_after_failures,
             table_retry_base_s=c.table_retry_base_s,
             table_retry_max_s=c.table_retry_max_s,
+            stall_after_s=c.stall_after_s,
         )
 
 

@@ -50,6 +50,7 @@ New tests are appended per section below; decorate each with :func:`rule`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import multiprocessing
 import threading
@@ -72,7 +73,9 @@ from icefloe.channel import (
     WriterBatch,
     WriterChannel,
 )
+from icefloe.committer import IcebergCommitter, drained_property
 from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.drain import drain
 from icefloe.errors import EventDecodeError, NotLeaderError, WriterFencedError
 from icefloe.events import (
     CommitComplete,
@@ -1057,12 +1060,13 @@ class BackendConformance:
         closers: list[Callable[[], None]],
         name: str,
         hooks: CoordinatorHooks | None = None,
+        settings: CoordinatorSettings | None = None,
     ) -> Coordinator:
         c = Coordinator(
             group_id,
             backend.coordinator(name),
             catalog,
-            self.settings(),
+            settings or self.settings(),
             coordinator_id=name,
             plugins=new_plugins(autoload=False),
             hooks=hooks,
@@ -1193,6 +1197,47 @@ class BackendConformance:
         for t in self.tables:
             assert len(group_snapshots(catalog, t, group_id)) == 1
             assert_exactly_once(catalog, t, source.expected[t])
+
+    #: how long ``icefloe drain`` may take in :meth:`test_drain_commits_what_is_left_and_ends`
+    drain_timeout_s: ClassVar[float] = 90.0
+
+    def test_drain_commits_what_is_left_and_ends(
+        self,
+        catalog: SqlCatalog,
+        backend: Backend,
+        other_backend: Backend,
+        closers: list[Callable[[], None]],
+        group_id: str,
+    ) -> None:
+        """``icefloe drain`` (writers stopped) commits the batches left in the channel once,
+        marks the tables and ends, whatever the channel carries besides writer events (its own
+        broadcasts and transaction markers, on Kafka's control topic)."""
+        source = RowSource.create(catalog, self.tables)
+        (writer,) = self.writer_clients(backend, group_id, closers, 1)
+        first = self.coordinator(other_backend, catalog, group_id, closers, "c1")
+        lead(first, self.read_timeout_s)
+        wait_pending(first, source.publish(writer, 0).file_count, self.read_timeout_s)
+        assert not first.commit_now().failed
+        left = sum(source.publish(writer, seq).file_count for seq in (1, 2))
+        wait_pending(first, left, self.read_timeout_s)  # read, never committed
+        writer.close()
+        first.close()
+
+        # the pipeline's own cadence (cycles due every half second, as in a real config)
+        cadence = dataclasses.replace(self.settings(), commit_interval_s=0.5)
+        drainer = self.coordinator(
+            other_backend, catalog, group_id, closers, "drain", settings=cadence
+        )
+        result = drain(
+            drainer, IcebergCommitter(catalog, group_id), self.tables, self.drain_timeout_s, 0.5
+        )
+        channel_id = drainer.channel.channel_id()
+        assert result.channel_id == channel_id
+        assert sorted(result.marked) == sorted(self.tables)
+        for t in self.tables:
+            assert_exactly_once(catalog, t, source.expected[t])
+            props = catalog.load_table(t).metadata.properties
+            assert props.get(drained_property(group_id)) == channel_id
 
     # ------------------------------------------------------------------ channel identity
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -137,3 +138,21 @@ def sqlite_catalog(tmp_path: Path) -> SqlCatalog:
 def memory_server() -> MemoryServer:
     """A fresh in-process reference channel server."""
     return MemoryServer()
+
+
+def kafka_rows(values: list[bytes | None], topic: str = "t", partition: int = 0) -> pa.Table:
+    """Rows in Spark's Kafka layout, as the sink receives them (offsets from 100, one
+    second apart from 2024-05-01 12:00 UTC)."""
+    n = len(values)
+    ts = [datetime(2024, 5, 1, 12, 0, i, tzinfo=UTC) for i in range(n)]
+    return pa.table(
+        {
+            "key": pa.array([None] * n, pa.binary()),
+            "value": pa.array(values, pa.binary()),
+            "topic": pa.array([topic] * n, pa.string()),
+            "partition": pa.array([partition] * n, pa.int32()),
+            "offset": pa.array(range(100, 100 + n), pa.int64()),
+            "timestamp": pa.array(ts, pa.timestamp("us", tz="Etc/UTC")),
+            "timestampType": pa.array([0] * n, pa.int32()),
+        }
+    )

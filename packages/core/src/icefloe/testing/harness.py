@@ -21,7 +21,7 @@ from icefloe.channel import Backend
 from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings, CycleResult
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.plugins import new_plugins
-from icefloe.testing.fixtures import create_rows_table, write_rows
+from icefloe.testing.fixtures import assert_exactly_once, create_rows_table, write_rows
 from icefloe.testing.memory import MemoryBackend, MemoryServerAddress, connect_memory_server
 from icefloe.writer import WriterClient
 
@@ -226,4 +226,57 @@ def refused_restart(
         raise AssertionError("the coordinator neither refused nor failed within 30 s")
     finally:
         writer.close()
+        coordinator.close()
+
+
+@dataclass
+class FanOut:
+    """What :func:`fan_out_cycle` saw: the cycle's result and how many writers answered."""
+
+    result: CycleResult
+    answered: int
+    during: object = None  # what the ``during`` callback returned
+
+
+def fan_out_cycle(
+    backend: Backend,
+    catalog: Catalog,
+    group_id: str,
+    writers: int,
+    during: Callable[[], object] | None = None,
+    timeout_s: float = 600.0,
+) -> FanOut:
+    """``writers`` WriterClients of one process (one backend object, as a Spark driver or a
+    writer process has) each publish one batch of a real Parquet file, then one commit cycle
+    runs; the table must hold every row exactly once (pyiceberg scan). ``during()`` runs while
+    every writer is open and idle (e.g. to count server connections). No timing is asserted:
+    the cycle must be complete (every writer answered), however long it takes."""
+    table = "fan.rows"
+    source = RowSource.create(catalog, [table], rows_per_table=2)
+    clients = [
+        WriterClient(backend.writer(f"w{i:04d}"), group_id, f"w{i:04d}") for i in range(writers)
+    ]
+    coordinator = Coordinator(
+        group_id,
+        backend.coordinator("fan-out"),
+        catalog,
+        CoordinatorSettings(
+            commit_interval_s=3600.0, commit_timeout_s=timeout_s, writer_timeout_s=3600.0
+        ),
+        plugins=new_plugins(autoload=False),
+    )
+    try:
+        for client in clients:
+            client.start()
+        seen = during() if during is not None else None
+        lead(coordinator, timeout=timeout_s)
+        for client in clients:
+            source.publish(client, 0)
+        wait_pending(coordinator, writers, timeout=timeout_s)
+        result = coordinator.commit_now()
+        assert_exactly_once(catalog, table, source.expected[table])
+        return FanOut(result, sum(1 for c in clients if c.answered), seen)
+    finally:
+        for client in clients:
+            client.close()
         coordinator.close()

@@ -1,0 +1,56 @@
+"""Many writers in one process (issue 15's fan-out) and the fencing of answers, which are sent
+outside transactions: against the real broker, counted with pyiceberg."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from pyiceberg.catalog.sql import SqlCatalog
+
+from icefloe.channel import ChannelRecord
+from icefloe.errors import WriterFencedError
+from icefloe.events import DataComplete, Event, WriterRef
+from icefloe.testing.harness import fan_out_cycle
+
+from .conftest import BackendMaker
+
+WRITERS = 64  # 128 librdkafka clients in this process; 256 is the benchmark's job
+
+
+def test_writers_of_one_process_complete_a_cycle_exactly(
+    make_backend: BackendMaker, group_id: str, sqlite_catalog: SqlCatalog
+) -> None:
+    seen = fan_out_cycle(
+        make_backend(group_id, lease_ttl_s=30.0), sqlite_catalog, group_id, WRITERS
+    )
+    assert seen.result.complete, "some writer's answer never reached the coordinator"
+    assert not seen.result.failed
+    assert seen.answered == WRITERS
+
+
+def test_an_answer_of_a_fenced_instance_never_reaches_the_coordinator(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    backend = make_backend(group_id)
+    old, new = backend.writer("w"), backend.writer("w")
+    coordinator = backend.coordinator("c")
+    try:
+        old_ref = WriterRef("w", old.open())
+        new_ref = WriterRef("w", new.open())
+        # the old instance has not published since, so it has not noticed the fencing: its
+        # answer may be appended (no transaction), after the new instance's epoch record
+        with contextlib.suppress(WriterFencedError):
+            old.respond(Event(group_id, DataComplete((), "c1"), old_ref, None))
+        new.respond(Event(group_id, DataComplete((), "c1"), new_ref, None))
+        assert coordinator.acquire(30.0) is not None
+        coordinator.seek(None)
+        recs: list[ChannelRecord] = []
+        deadline = time.monotonic() + 60
+        while not any(r.event.writer == new_ref for r in recs):
+            assert time.monotonic() < deadline, f"the new instance's answer never came: {recs}"
+            recs.extend(r for r in coordinator.poll(0.5) if r.event.group_id == group_id)
+        assert [r.event.writer for r in recs] == [new_ref]
+    finally:
+        for ch in (old, new, coordinator):
+            ch.close()
