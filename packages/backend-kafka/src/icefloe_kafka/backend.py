@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 _MAX_SAFE_TXN_TIMEOUT_MS = 300_000
 
 
+PROBE_TIMEOUT_S = 5.0
+
+
 class KafkaBackend(Backend):
     """The default coordination backend: a control topic on a Kafka cluster."""
 
@@ -83,8 +86,10 @@ class KafkaBackend(Backend):
     # ------------------------------------------------------------------ doctor
 
     def probe(self) -> None:
-        """Metadata of the cluster: read-only, creates nothing (raises ChannelError)."""
-        self.clients.existing_topics()
+        """Metadata of the cluster: read-only, creates nothing (raises ChannelError). Asked
+        with a short timeout: a cluster that is up answers in milliseconds, and `icefloe
+        doctor` should not wait the whole operation timeout to say that it is down."""
+        self.clients.existing_topics(min(self.clients.timeout, PROBE_TIMEOUT_S))
 
     def describe(self) -> BackendStatus:
         """Leader, token, lease age and writers from the state topic (read-only)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from pyiceberg.catalog.sql import SqlCatalog
 
@@ -53,4 +54,40 @@ def test_an_answer_of_a_fenced_instance_never_reaches_the_coordinator(
         assert [r.event.writer for r in recs] == [new_ref]
     finally:
         for ch in (old, new, coordinator):
+            ch.close()
+
+
+def test_the_channel_end_lies_past_every_answer_sent_at_once(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    """Answers of many writers leave one shared producer together. A broker may report the end
+    of a partition as the base offset of its last record batch + 1 (the bundled Tansu does), so
+    several answers in one batch would put records past the reported end, and the channel-reset
+    check would then stop a healthy pipeline. The end must lie past every record read."""
+    backend = make_backend(group_id)
+    writers = [backend.writer(f"w{i}") for i in range(16)]
+    coordinator = backend.coordinator("c")
+    try:
+        refs = [WriterRef(f"w{i}", w.open()) for i, w in enumerate(writers)]
+        with ThreadPoolExecutor(len(writers)) as pool:
+            list(
+                pool.map(
+                    lambda i: writers[i].respond(
+                        Event(group_id, DataComplete((), "c1"), refs[i], None)
+                    ),
+                    range(len(writers)),
+                )
+            )
+        assert coordinator.acquire(30.0) is not None
+        coordinator.seek(None)
+        recs: list[ChannelRecord] = []
+        deadline = time.monotonic() + 60
+        while len({r.event.writer for r in recs if r.event.writer}) < len(writers):
+            assert time.monotonic() < deadline, f"answers missing: {recs}"
+            recs.extend(r for r in coordinator.poll(0.5) if r.event.group_id == group_id)
+        end = coordinator.end_position()
+        past = [(r.partition, r.offset) for r in recs if r.offset >= end.get(r.partition, 0)]
+        assert not past, f"records at or past the reported end {end}: {past}"
+    finally:
+        for ch in (*writers, coordinator):
             ch.close()
