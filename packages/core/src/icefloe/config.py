@@ -218,6 +218,8 @@ class CoordinationConfig(BaseModel):
     backend: str = Field(default="kafka", pattern=BACKEND_NAME_RE)
     commit_interval_s: float = Field(default=10.0, gt=0)
     commit_timeout_s: float = Field(default=30.0, gt=0)
+    # an idle pipeline's first pending files start a cycle at once (see CoordinatorSettings)
+    commit_when_idle: bool = True
     max_pending_bytes: int | None = Field(default=None, gt=0)
     max_pending_files: int | None = Field(default=None, gt=0)
     writer_timeout_s: float = Field(default=120.0, gt=0)

@@ -440,6 +440,36 @@ def test_size_trigger_starts_a_cycle_before_the_interval(make: _Factory, source:
         assert_exactly_once(make.catalog, t, source.expected[t])
 
 
+def test_idle_pipeline_commits_its_first_files_at_once_then_keeps_the_interval(
+    make: _Factory, source: RowSource
+) -> None:
+    """``commit_when_idle``: with an hour's interval, the first batch after the start is
+    committed by the next step; the batch after it waits for the interval (the pipeline is
+    busy), and once an empty cycle has run the next batch goes at once again."""
+    w = make.writer("w")
+    coord = make.coordinator(commit_when_idle=True)
+    lead(coord)
+    source.publish(w, 0)
+    deadline = time.monotonic() + 30
+    while coord.step(0.1) is None:
+        assert time.monotonic() < deadline, "the first files waited for the interval"
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+    source.publish(w, 1)
+    drive(coord, lambda: len(coord.pending_files()) > 0, "the second batch")
+    assert coord.step(0.1) is None, "a busy pipeline committed before its interval"
+    assert not coord.commit_now().failed  # as the interval would
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert not coord.commit_now().tables  # an empty cycle: idle again
+    source.publish(w, 2)
+    deadline = time.monotonic() + 30
+    while coord.step(0.1) is None:
+        assert time.monotonic() < deadline, "files after a quiet spell waited for the interval"
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+
+
 def test_empty_cycle_makes_no_snapshot_but_stores_the_position(
     make: _Factory, group_id: str
 ) -> None:

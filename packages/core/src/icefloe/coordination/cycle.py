@@ -86,6 +86,8 @@ class CommitCycle:
         reader.backing_off = self.backing_off
         self.stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
         self.last_end = time.monotonic()
+        # no cycle of this leadership has committed a file yet, or the last one committed none
+        self.idle = True
 
     def restart_clock(self) -> None:
         """The interval counts from now (after recovery, or after losing leadership)."""
@@ -104,6 +106,11 @@ class CommitCycle:
         files, size = self._reader.pending_size(
             t for t in self._reader.pending if not self.backing_off(t)
         )
+        if s.commit_when_idle and self.idle and files:
+            # the first files after a start or a quiet spell need not wait out the interval;
+            # the cycle that commits them makes the pipeline busy again, so a steady stream
+            # still commits once per interval (no more snapshots than without this)
+            return True
         if s.max_pending_files is not None and files and files >= s.max_pending_files:
             return True
         return s.max_pending_bytes is not None and files > 0 and size >= s.max_pending_bytes
@@ -230,6 +237,7 @@ class CommitCycle:
         if reader.stored:
             self._channel.prune(reader.stored)
         self.last_end = time.monotonic()
+        self.idle = not any(r.data_files for r in results)
         log.info(
             "commit %s: %s, vtts=%s, %d tables committed (%d files, %d records), "
             "%d failed%s, %d deferred, %d files quarantined",

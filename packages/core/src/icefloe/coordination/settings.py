@@ -18,6 +18,10 @@ class CoordinatorSettings:
 
     commit_interval_s: float = 10.0
     commit_timeout_s: float = 30.0
+    commit_when_idle: bool = False
+    """Start a cycle as soon as files are pending when the last cycle committed none (or
+    none has run yet), instead of waiting out ``commit_interval_s``. On in the pipeline
+    configuration; off here, so code driving cycles by hand keeps them where it puts them."""
     max_pending_bytes: int | None = None
     max_pending_files: int | None = None
     writer_timeout_s: float = 120.0
@@ -39,6 +43,7 @@ class CoordinatorSettings:
         return cls(
             commit_interval_s=c.commit_interval_s,
             commit_timeout_s=c.commit_timeout_s,
+            commit_when_idle=c.commit_when_idle,
             max_pending_bytes=c.max_pending_bytes,
             max_pending_files=c.max_pending_files,
             writer_timeout_s=c.writer_timeout_s,
