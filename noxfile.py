@@ -87,6 +87,14 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_e2e.py", *session.posargs)
 
 
+@nox.session(name="bench-startup", default=False)
+def bench_startup(session: nox.Session) -> None:
+    """Start-up benchmark (not run by default): seconds from `icefloe run` to its first table
+    commit with default settings, e.g. `nox -s bench-startup -- --repeats 3 --backend kafka`."""
+    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]")
+    session.run("python", "benchmarks/bench_startup.py", *session.posargs)
+
+
 @nox.session(default=False)
 def faults(session: nox.Session) -> None:
     """Randomized fault suite (not run by default): kill -9 of whole `icefloe run` trees at
