@@ -177,9 +177,8 @@ def test_last_per_key_on_a_compound_key_at_scale_matches_a_dictionary() -> None:
     final, touched = last_per_key(rows, keys)
     got = {(r["tenant"], r["id"]): r["seq"] for r in final.to_pylist()}
     assert got == {k: v for k, v in expected.items() if v is not None}
-    assert sorted(zip(touched["tenant"].to_pylist(), touched["id"].to_pylist())) == sorted(
-        expected
-    )
+    pairs = zip(touched["tenant"].to_pylist(), touched["id"].to_pylist(), strict=True)
+    assert sorted(pairs) == sorted(expected)
 
 
 # --------------------------------------------------------------------------- the converter
