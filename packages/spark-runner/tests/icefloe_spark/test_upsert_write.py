@@ -6,13 +6,14 @@ row image per key, key files the touched keys under the table's identifier field
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from pyiceberg.catalog import Catalog
+from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.transforms import IdentityTransform
@@ -203,3 +204,25 @@ def test_a_format_version_1_table_is_refused_for_cdc(catalog: Catalog) -> None:
         ensure_tables(catalog, pipeline())
     assert "upgrade_table_version(2)" in err.value.fix
     ensure_tables(catalog, pipeline(mode="append"))  # an append table may stay version 1
+
+
+def test_the_documented_debezium_example_writes_what_the_docs_say(tmp_path: Path) -> None:
+    """docs/upsert.md: its first TOML example and its three sample events."""
+    doc = (Path(__file__).parents[4] / "docs" / "upsert.md").read_text()
+    block = doc.split("```toml\n", 1)[1].split("```", 1)[0]
+    events = doc.split("```json\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    data = tomllib.loads(block)
+    data["catalog"]["properties"] = {
+        "type": "sql",
+        "uri": f"sqlite:///{tmp_path}/catalog.db",
+        "warehouse": f"file://{tmp_path}/warehouse",
+    }
+    config = config_from_dict(data)
+    catalog = load_catalog("docs", **config.catalog.properties)
+    catalog.create_namespace("crm")
+    out = run(catalog, config, kafka_rows([e.encode() for e in events]))
+    table = catalog.load_table("crm.customers")
+    assert (table.format_version, table.schema().identifier_field_names()) == (2, {"id"})
+    rows, keys = split(out.files["crm.customers"])
+    assert read(rows) == [{"id": 1001, "email": "sally@example.org", "tier": "gold"}]
+    assert read(keys) == [{"id": 1001}, {"id": 1002}]
