@@ -149,6 +149,21 @@ def schema_rows(rows: pa.Table, options: ChangeOptions) -> pa.Table:
     return after.filter(pa.array(present)) if after.num_columns else after
 
 
+def row_schema(schema: pa.Schema, options: ChangeOptions) -> pa.Schema:
+    """The row columns of a record schema a format declares (Avro's writer schema), what a
+    keyed table is created with: the fields of ``after`` under the Debezium envelope, else the
+    record's fields without the op field (as :func:`schema_rows` does for inferred rows)."""
+    if options.mode != "cdc":
+        return schema
+    if options.cdc_envelope == "none":
+        return pa.schema([f for f in schema if f.name != options.cdc_op_field])
+    index = schema.get_field_index(AFTER)
+    after = schema.field(index).type if index >= 0 else None
+    if not isinstance(after, pa.StructType):
+        return pa.schema([])  # nothing to create the table from (creation says so)
+    return pa.schema([after.field(i) for i in range(after.num_fields)])
+
+
 def interleave_keys(
     upsert_keys: pa.Table,
     delete_keys: pa.Table,

@@ -29,7 +29,7 @@ from pyiceberg.types import (
     TimestamptzType,
 )
 
-from icefloe.changes import schema_rows
+from icefloe.changes import row_schema, schema_rows
 from icefloe.config import PipelineConfig, TableConfig
 from icefloe.convert import RecordConverter, TargetTable, renamed
 from icefloe.errors import ConfigError, KeyedTableError
@@ -198,7 +198,7 @@ def ensure_tables(
             log.info("table %s will be created from the first records for it", t.name)
             continue
         try:
-            create_table(catalog, t, schema)
+            create_table(catalog, t, row_schema(schema, t))
         except TableAlreadyExistsError:  # another driver of the pipeline was quicker
             continue
         log.info("created table %s", t.name)
@@ -357,7 +357,9 @@ class TableResolver:
         except NoSuchTableError:
             if not cfg.auto_create:
                 return None
-        schema = self.declared if self.declared is not None else self._infer(cfg, rows)
+        # ``rows`` are row images already (schema_rows); a declared schema may be an envelope
+        declared = None if self.declared is None else row_schema(self.declared, cfg)
+        schema = declared if declared is not None else self._infer(cfg, rows)
         if not len(schema):
             return None  # records without any value: nothing to create a table from yet
         try:

@@ -5,11 +5,13 @@ row image per key, key files the touched keys under the table's identifier field
 
 from __future__ import annotations
 
+import io
 import json
 import tomllib
 from pathlib import Path
 from typing import Any
 
+import fastavro
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -226,3 +228,56 @@ def test_the_documented_debezium_example_writes_what_the_docs_say(tmp_path: Path
     rows, keys = split(out.files["crm.customers"])
     assert read(rows) == [{"id": 1001, "email": "sally@example.org", "tier": "gold"}]
     assert read(keys) == [{"id": 1001}, {"id": 1002}]
+
+
+ENVELOPE = {
+    "type": "record",
+    "name": "Envelope",
+    "fields": [
+        {
+            "name": "before",
+            "type": [
+                "null",
+                {
+                    "type": "record",
+                    "name": "Value",
+                    "fields": [
+                        {"name": "id", "type": "long"},
+                        {"name": "email", "type": ["null", "string"]},
+                    ],
+                },
+            ],
+        },
+        {"name": "after", "type": ["null", "Value"]},
+        {"name": "op", "type": "string"},
+        {"name": "ts_ms", "type": ["null", "long"]},
+    ],
+}
+
+
+def test_a_table_created_from_a_declared_debezium_schema_takes_the_row_columns(
+    catalog: Catalog,
+) -> None:
+    source = {"topics": ["t"], "format": "avro", "format_options": {"schema": json.dumps(ENVELOPE)}}
+    entry = {"name": "db.users", "mode": "cdc", "id_columns": ["id"], "auto_create": True}
+    config = config_from_dict({"name": "p", "source": source, "tables": [entry]})
+    assert ensure_tables(catalog, config) == ["db.users"]
+    table = catalog.load_table("db.users")
+    assert table.schema().column_names == ["id", "email"]
+    assert table.schema().identifier_field_names() == {"id"}
+    assert table.format_version == 2
+    parsed = fastavro.parse_schema(ENVELOPE)
+    events = [
+        {"op": "c", "before": None, "after": {"id": 5, "email": "a@x"}, "ts_ms": 1},
+        {"op": "u", "before": None, "after": {"id": 5, "email": "b@x"}, "ts_ms": 2},
+        {"op": "d", "before": {"id": 6, "email": None}, "after": None, "ts_ms": 3},
+    ]
+    values = []
+    for event in events:
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, parsed, event)
+        values.append(buf.getvalue())
+    out = run(catalog, config, kafka_rows(values))  # type: ignore[arg-type]
+    rows, keys = split(out.files["db.users"])
+    assert read(rows) == [{"id": 5, "email": "b@x"}]
+    assert read(keys) == [{"id": 5}, {"id": 6}]
