@@ -198,6 +198,8 @@ def test_an_existing_table_without_matching_identifier_fields_is_refused(
     assert "SET IDENTIFIER FIELDS id" in err.value.fix
     with pytest.raises(KeyedTableError, match="identifier fields"):
         TableResolver(catalog, pipeline()).prepare(debezium(CHANGES))
+    with pytest.raises(KeyedTableError, match=r"has no column\(s\) \['uid'\]"):
+        ensure_tables(catalog, pipeline(id_columns=["uid"]))
 
 
 def test_a_format_version_1_table_is_refused_for_cdc(catalog: Catalog) -> None:
