@@ -4,7 +4,8 @@
 * every key of icefloe.config.PipelineConfig (dotted, recursively: `coordination.branch`,
   `tables.name`) is documented in docs/configuration.md as `key`, and every key documented
   there in a table row exists;
-* every ```toml example in docs/configuration.md is a valid pipeline configuration.
+* every ```toml example in docs/configuration.md and docs/upsert.md is a valid pipeline
+  configuration.
 
 Prints each problem and exits non-zero if there is any.
 """
@@ -84,15 +85,27 @@ def config_doc_problems(doc: Path = CONFIG_DOC) -> Iterator[str]:
     for key in _ROW_KEY.findall(text):
         if key not in known and "<" not in key:
             yield f"{rel}: documents `{key}`, which is not a configuration key"
-    for i, block in enumerate(_TOML_BLOCK.findall(text), 1):
+    yield from example_problems(doc)
+
+
+# other pages whose ```toml examples must be valid pipeline configurations too
+EXAMPLE_DOCS = (ROOT / "docs" / "upsert.md",)
+
+
+def example_problems(doc: Path) -> Iterator[str]:
+    """Invalid TOML examples of ``doc``."""
+    for i, block in enumerate(_TOML_BLOCK.findall(doc.read_text()), 1):
         try:
             config_from_dict(tomllib.loads(block))
         except (tomllib.TOMLDecodeError, ConfigError) as exc:
-            yield f"{rel}: TOML example {i} is not a valid configuration: {exc}"
+            yield f"{_rel(doc)}: TOML example {i} is not a valid configuration: {exc}"
 
 
 def problems() -> list[str]:
     found = [p for path in markdown_files() for p in broken_links(path)]
+    for doc in EXAMPLE_DOCS:
+        if doc.exists():
+            found.extend(example_problems(doc))
     if CONFIG_DOC.exists():
         found.extend(config_doc_problems())
     else:

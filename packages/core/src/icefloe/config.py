@@ -112,7 +112,56 @@ def matching_topics(names: Iterable[str], topics: Sequence[str], pattern: str | 
     return sorted(n for n in names if not n.startswith("__") and regex.fullmatch(n))
 
 
-class TableConfig(_Model):
+TableMode = Literal["append", "upsert", "cdc"]
+
+
+class ChangeOptions(_Model):
+    """How records change a table (docs/upsert.md): appended, upserted by key, or applied as
+    change events. Shared by ``[[tables]]`` and ``[dynamic_tables]``; ``mode`` comes before
+    ``id_columns`` so the check that a keyed mode has keys sees it."""
+
+    mode: TableMode = "append"
+    id_columns: list[str] = Field(default_factory=list, validate_default=True)
+    cdc_op_field: str = Field(default="op", min_length=1)
+    # "debezium": the row image is the record's ``after`` (``before`` for deletes)
+    cdc_envelope: Literal["debezium", "none"] = "debezium"
+    cdc_upsert_ops: list[str] = Field(default_factory=lambda: ["c", "r", "u"])
+    cdc_delete_ops: list[str] = Field(default_factory=lambda: ["d"])
+
+    @field_validator("id_columns")
+    @classmethod
+    def _keyed_mode_has_keys(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        mode = info.data.get("mode", "append")
+        if mode != "append" and not value:
+            raise ValueError(
+                f'mode "{mode}" replaces rows by key: set id_columns = ["<column>", ...] '
+                "to the columns that identify a row (they become the table's identifier fields)"
+            )
+        if len(set(value)) != len(value):
+            raise ValueError("lists a column twice; list each key column once")
+        return value
+
+    @field_validator("cdc_delete_ops")
+    @classmethod
+    def _ops_disjoint(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        both = sorted(set(value) & set(info.data.get("cdc_upsert_ops") or []))
+        if both:
+            raise ValueError(
+                f"op value(s) {both} are also in cdc_upsert_ops; put each op value in one list"
+            )
+        return value
+
+    @property
+    def keyed(self) -> bool:
+        """Whether records replace rows by key (upsert or cdc) rather than append."""
+        return self.mode != "append"
+
+    def change_options(self) -> dict[str, Any]:
+        """These options as keyword arguments, to copy them onto another entry."""
+        return {name: getattr(self, name) for name in ChangeOptions.model_fields}
+
+
+class TableConfig(ChangeOptions):
     """A target table and which records go to it (all records when no route is given)."""
 
     name: str = Field(pattern=TABLE_NAME_RE)
@@ -120,7 +169,6 @@ class TableConfig(_Model):
     route_values: list[str] = Field(default_factory=list)
     auto_create: bool = False
     partition_by: list[str] = Field(default_factory=list)
-    id_columns: list[str] = Field(default_factory=list)
     properties: dict[str, str] = Field(default_factory=dict)
     # a regular expression: the table also takes records whose route field matches it whole
     route_regex: str | None = None
@@ -162,7 +210,7 @@ def check_regex(pattern: str) -> None:
         ) from None
 
 
-class DynamicTablesConfig(_Model):
+class DynamicTablesConfig(ChangeOptions):
     """Dynamic fan-out (Kafka Connect's dynamic mode): each record goes to the table its
     ``route_field`` names, prefixed with ``namespace``; the other keys apply to every such
     table as they would to a ``[[tables]]`` entry."""
@@ -173,7 +221,6 @@ class DynamicTablesConfig(_Model):
     evolve_schema: bool = False
     infer_timestamps: bool = False
     partition_by: list[str] = Field(default_factory=list)
-    id_columns: list[str] = Field(default_factory=list)
     properties: dict[str, str] = Field(default_factory=dict)
     rename: dict[str, str] = Field(default_factory=dict)
 
@@ -194,9 +241,9 @@ class DynamicTablesConfig(_Model):
             evolve_schema=self.evolve_schema,
             infer_timestamps=self.infer_timestamps,
             partition_by=self.partition_by,
-            id_columns=self.id_columns,
             properties=self.properties,
             rename=self.rename,
+            **self.change_options(),
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -21,6 +22,16 @@ from pyiceberg.schema import Schema
 from pyiceberg.table.name_mapping import MappedField, NameMapping
 from pyiceberg.types import IcebergType, ListType, MapType, NestedField, StructType
 
+from icefloe.changes import (
+    AFTER,
+    BEFORE,
+    delete_mask,
+    interleave_keys,
+    key_arrow_schema,
+    key_schema,
+    last_per_key,
+    row_images,
+)
 from icefloe.errors import (
     ConfigError,
     RecordConformError,
@@ -535,12 +546,17 @@ def decode_hint(
         arrow = schema_to_pyarrow(t.schema)
         names = mapped_names(t.name_mapping or t.schema.name_mapping)
         hinted = _hint_fields(t.schema.fields, list(arrow), names)
-        for f in hinted:
-            fields.setdefault(f.name, f)
         by_name = {f.name: f for f in hinted}
         for source, column in t.config.rename.items():  # decode the source field as its column
             if column in by_name:
-                fields.setdefault(source, by_name[column].with_name(source))
+                hinted.append(by_name[column].with_name(source))
+        cfg = t.config
+        if cfg.mode == "cdc":
+            fields.setdefault(cfg.cdc_op_field, pa.field(cfg.cdc_op_field, pa.string()))
+        if cfg.mode == "cdc" and cfg.cdc_envelope == "debezium":  # the row is inside
+            hinted = [pa.field(BEFORE, pa.struct(hinted)), pa.field(AFTER, pa.struct(hinted))]
+        for f in hinted:
+            fields.setdefault(f.name, f)
     for name in extra:
         fields.setdefault(name, pa.field(name, pa.string()))
     meta = {CASE_INSENSITIVE_KEY: b"true"} if case_insensitive else None
@@ -698,9 +714,22 @@ class RecordConverter:
 
     def convert(self, batch: pa.RecordBatch | pa.Table, locate: bool = True) -> dict[str, pa.Table]:
         """table name -> rows for it in its exact Arrow schema (tables with no rows included,
-        empty). The first record that cannot be decoded (RecordDecodeError), that no table
-        takes (RecordRouteError) or that does not fit a table (RecordConformError) fails it.
+        empty); for a keyed table the final row image per key (:meth:`convert_batch`). The
+        first record that cannot be decoded (RecordDecodeError), that no table takes
+        (RecordRouteError) or that does not fit a table (RecordConformError) fails it.
         ``locate`` False lets the codec skip naming the record (see :meth:`convert_tolerant`)."""
+        return self.convert_batch(batch, locate).tables
+
+    def convert_batch(self, batch: pa.RecordBatch | pa.Table, locate: bool = True) -> Conversion:
+        """Like :meth:`convert`, with the keys each keyed table's records touched."""
+        return _last_changes(*self._convert(batch, locate))
+
+    def _convert(
+        self, batch: pa.RecordBatch | pa.Table, locate: bool
+    ) -> tuple[dict[str, pa.Table], dict[str, pa.Table]]:
+        """Rows per table and, per keyed table, one key row per change (with the delete flag)
+        in record order, the last change per key not yet chosen: :meth:`convert_tolerant`
+        converts a batch in parts and must choose over all of them."""
         from icefloe.routing import route_masks, unrouted_problem
 
         decoded, context = self.decode(batch, locate)
@@ -711,23 +740,46 @@ class RecordConverter:
             problem = f"{unrouted[1]}{self.route_note}"
             raise record_error(context, unrouted[0], None, problem, RecordRouteError)
         out: dict[str, pa.Table] = {}
+        keys: dict[str, pa.Table] = {}
         for t in self.targets:
             mask = masks[t.config.name]
             rows, ctx = decoded, context
             if mask is not None:
                 rows, ctx = decoded.filter(mask), filter_context(context, mask)
-            rows = renamed(rows, t.config.rename)
             try:
-                out[t.config.name] = conform(
-                    rows,
-                    t.schema,
-                    case_insensitive=self.case_insensitive,
-                    context=ctx,
-                    name_mapping=t.name_mapping,
-                )
+                if t.config.keyed:
+                    out[t.config.name], keys[t.config.name] = self._changes(t, rows, ctx)
+                else:
+                    out[t.config.name] = self._conform(t, renamed(rows, t.config.rename), ctx)
             except RecordConversionError as exc:
                 raise exc.with_(table=t.config.name) from None
-        return out
+        return out, keys
+
+    def _conform(
+        self, t: TargetTable, rows: pa.Table, ctx: DecodeContext, schema: Schema | None = None
+    ) -> pa.Table:
+        return conform(
+            rows,
+            t.schema if schema is None else schema,
+            case_insensitive=self.case_insensitive,
+            context=ctx,
+            name_mapping=t.name_mapping,
+        )
+
+    def _changes(
+        self, t: TargetTable, rows: pa.Table, ctx: DecodeContext
+    ) -> tuple[pa.Table, pa.Table]:
+        """A keyed table's upserted rows and the keys of all its changes, in record order."""
+        cfg = t.config
+        deletes = delete_mask(rows, cfg, ctx)
+        ups, dels = row_images(rows, cfg, deletes, ctx)
+        data = self._conform(t, renamed(ups, cfg.rename), filter_context(ctx, pa.array(~deletes)))
+        keys_only = key_schema(t.schema, cfg.id_columns)
+        del_ctx = filter_context(ctx, pa.array(deletes))
+        del_keys = self._conform(t, renamed(dels, cfg.rename), del_ctx, keys_only)
+        target = key_arrow_schema(t.schema, cfg.id_columns)
+        up_keys = data.select([f.name for f in keys_only.fields])
+        return data, interleave_keys(up_keys, del_keys, deletes, target)
 
     def convert_tolerant(self, batch: pa.RecordBatch | pa.Table) -> Conversion:
         """Like :meth:`convert`, but a record that fails is set aside (with its error) and the
@@ -741,11 +793,11 @@ class RecordConverter:
         naming the right record.
         """
         try:
-            return Conversion(self.convert(batch))
+            return self.convert_batch(batch)
         except RecordConversionError as exc:
             if batch.num_rows <= 1:
-                return Conversion(self.empty(), (Rejected(0, exc),))
-        parts: list[dict[str, pa.Table]] = []
+                return _last_changes(self.empty(), self.empty_keys(), (Rejected(0, exc),))
+        parts: list[tuple[dict[str, pa.Table], dict[str, pa.Table]]] = []
         rejected: list[Rejected] = []
         n = batch.num_rows
         stack = [(n // 2, n), (0, n // 2)]  # popped from the end: rows stay in order
@@ -753,23 +805,49 @@ class RecordConverter:
             lo, hi = stack.pop()
             try:
                 # a part of several records will be split anyway: no need to name one
-                parts.append(self.convert(batch.slice(lo, hi - lo), locate=hi - lo == 1))
+                parts.append(self._convert(batch.slice(lo, hi - lo), locate=hi - lo == 1))
             except RecordConversionError as exc:
                 if hi - lo == 1:
                     rejected.append(Rejected(lo, exc))
                 else:
                     mid = (lo + hi) // 2
                     stack += [(mid, hi), (lo, mid)]
-        empty = self.empty()
-        tables = {
-            name: pa.concat_tables([part[name] for part in parts if part[name].num_rows] or [e])
-            for name, e in empty.items()
-        }
-        return Conversion(tables, tuple(rejected))
+        tables = _concat([p[0] for p in parts], self.empty())
+        keys = _concat([p[1] for p in parts], self.empty_keys())
+        return _last_changes(tables, keys, tuple(rejected))
 
     def empty(self) -> dict[str, pa.Table]:
         """table name -> no rows, in the table's Arrow schema."""
         return {t.config.name: schema_to_pyarrow(t.schema).empty_table() for t in self.targets}
+
+    def empty_keys(self) -> dict[str, pa.Table]:
+        """keyed table name -> no changes, in the key table's Arrow schema."""
+        return {
+            t.config.name: key_arrow_schema(t.schema, t.config.id_columns).empty_table()
+            for t in self.targets
+            if t.config.keyed
+        }
+
+
+def _concat(
+    parts: Sequence[Mapping[str, pa.Table]], empty: Mapping[str, pa.Table]
+) -> dict[str, pa.Table]:
+    """Per table, the rows of all ``parts`` in order."""
+    return {
+        name: pa.concat_tables([part[name] for part in parts if part[name].num_rows] or [e])
+        for name, e in empty.items()
+    }
+
+
+def _last_changes(
+    tables: dict[str, pa.Table], keys: dict[str, pa.Table], rejected: tuple[Rejected, ...] = ()
+) -> Conversion:
+    """The Conversion of converted rows: per keyed table, the last change per key chosen."""
+    out = dict(tables)
+    final_keys: dict[str, pa.Table] = {}
+    for name, changes in keys.items():
+        out[name], final_keys[name] = last_per_key(tables[name], changes)
+    return Conversion(out, rejected, final_keys)
 
 
 @dataclass(frozen=True)
@@ -788,3 +866,6 @@ class Conversion:
 
     tables: dict[str, pa.Table]
     rejected: tuple[Rejected, ...] = ()
+    # keyed (upsert/cdc) table -> every key its records touched, once, in the table's key
+    # columns (field ids kept); ``tables`` then holds the final row image per key
+    keys: dict[str, pa.Table] = dataclass_field(default_factory=dict)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
-from pyiceberg.io.pyarrow import _dataframe_to_data_files
+from pyiceberg.io.pyarrow import _dataframe_to_data_files, schema_to_pyarrow, write_file
 from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
-from pyiceberg.table import Table
+from pyiceberg.schema import Schema
+from pyiceberg.table import Table, WriteTask
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.typedef import Record
 from pyiceberg.types import DecimalType, StructType
@@ -52,6 +54,10 @@ def to_meta(data_file: DataFile, table_metadata: TableMetadata) -> DataFileMeta:
         PartitionValue(f.field_id, f.name, _scalar(data_file.partition[i]))
         for i, f in enumerate(spec.fields)
     )
+    return _meta(data_file, spec_id, partition)
+
+
+def _meta(data_file: DataFile, spec_id: int, partition: tuple[PartitionValue, ...]) -> DataFileMeta:
     return DataFileMeta(
         path=data_file.file_path,
         record_count=data_file.record_count,
@@ -145,3 +151,43 @@ def write_data_files(
         table_metadata=table.metadata, df=data, io=table.io, write_uuid=write_uuid
     )
     return [to_meta(f, table.metadata) for f in files]
+
+
+def write_key_files(
+    table: Table, keys: pa.Table, write_uuid: uuid.UUID | None = None
+) -> list[DataFileMeta]:
+    """Write the keys an upsert/CDC task touched (``keys``: the table's identifier columns by
+    name, as :class:`icefloe.convert.Conversion` gives them) as one Parquet file next to the
+    table's
+    data files, announced as equality deletes on those columns; commit nothing.
+
+    The file holds only the key columns, with their field ids. It is unpartitioned
+    (``partition`` empty): a changed row may have lived in any partition, so the coordinator
+    resolves its keys against the whole table. pyiceberg's ``write_file`` writes the
+    table's current schema, so it gets a copy of the metadata whose schema is the key columns
+    alone (pyiceberg has no public way to write a file of some columns without committing).
+    """
+    if keys.num_rows == 0:
+        return []
+    schema = table.schema()
+    key_schema = schema.select(*keys.column_names, case_sensitive=True)
+    key_schema = Schema(*key_schema.fields, schema_id=schema.schema_id)
+    metadata = table.metadata.model_copy(
+        update={"schemas": [key_schema], "current_schema_id": schema.schema_id}
+    )
+    arrow = schema_to_pyarrow(key_schema)
+    task = WriteTask(
+        write_uuid=write_uuid or uuid.uuid4(),
+        task_id=0,
+        schema=key_schema,
+        record_batches=keys.select(arrow.names).cast(arrow).to_batches(),
+    )
+    files = write_file(table.io, metadata, iter([task]))
+    ids = tuple(f.field_id for f in key_schema.fields)
+    # the table's unpartitioned spec when it has one: equality deletes there apply everywhere
+    specs = table.metadata.specs()
+    spec_id = next((i for i, s in specs.items() if not s.fields), table.metadata.default_spec_id)
+    return [
+        replace(_meta(f, spec_id, ()), content=FileContent.EQUALITY_DELETES, equality_ids=ids)
+        for f in files
+    ]

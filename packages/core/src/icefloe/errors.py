@@ -20,6 +20,12 @@ class ConfigError(IcefloeError):
         super().__init__(f"config key '{key}': {problem}{shown}. Fix: {fix}")
 
 
+class KeyedTableError(ConfigError):
+    """An upsert/CDC table that cannot take keyed writes as it is: not format version 2, or
+    its identifier fields are not the configured ``id_columns``. Raised before anything is
+    written, so no file is made that the coordinator could not resolve by key."""
+
+
 class PluginError(IcefloeError):
     """A plugin could not be found, loaded or registered."""
 

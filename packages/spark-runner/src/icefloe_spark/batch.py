@@ -17,8 +17,8 @@ from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.table import Table
 
 from icefloe.config import ErrorsConfig
-from icefloe.convert import Conversion, RecordConverter, Rejected
-from icefloe.datafiles import write_data_files
+from icefloe.convert import RecordConverter, Rejected
+from icefloe.datafiles import write_data_files, write_key_files
 from icefloe.errors import ConfigError, RecordConversionError
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe_spark.tables import DEAD_LETTER_SCHEMA
@@ -106,7 +106,10 @@ def write_task(
     A bad record fails the task under ``errors.policy = "fail"`` (the error names it and the
     fix); otherwise only the bad records are set aside, counted, and under ``dead_letter``
     written as data files of the dead-letter table (in ``tables``), published with the batch's
-    other files so they are committed exactly once with them. ``on_file`` hears of every file as
+    other files so they are committed exactly once with them. An upsert/CDC table gets the
+    final row image per key as data files and the keys its records touched as a key file
+    (content ``EQUALITY_DELETES``, ``equality_ids`` its identifier fields), which the
+    coordinator resolves into deletes of the rows they replace. ``on_file`` hears of every file as
     soon as it exists, so a failing task can remove what it wrote.
     """
     policy = errors.policy if errors is not None else "fail"
@@ -116,7 +119,7 @@ def write_task(
         return TaskOutput(positions=positions)
     if policy == "fail":
         try:
-            conversion = Conversion(converter.convert(data))
+            conversion = converter.convert_batch(data)
         except RecordConversionError as exc:
             raise exc.with_(fix=FAIL_FIX) from None
     else:
@@ -128,10 +131,13 @@ def write_task(
     files: dict[str, tuple[DataFileMeta, ...]] = {}
     uuids: dict[str, str] = {}
     for name, rows in rows_per_table.items():
-        if rows.num_rows == 0:
+        keys = conversion.keys.get(name)
+        if rows.num_rows == 0 and (keys is None or keys.num_rows == 0):
             continue
         table = tables[name]
         metas = write_data_files(table, rows)
+        if keys is not None:  # an upsert/CDC table: the keys whose old rows go (docs/upsert.md)
+            metas += write_key_files(table, keys)
         for m in metas:
             if on_file is not None:
                 on_file(m.path)

@@ -29,9 +29,10 @@ from pyiceberg.types import (
     TimestamptzType,
 )
 
+from icefloe.changes import row_schema, schema_rows
 from icefloe.config import PipelineConfig, TableConfig
 from icefloe.convert import RecordConverter, TargetTable, renamed
-from icefloe.errors import ConfigError
+from icefloe.errors import ConfigError, KeyedTableError
 from icefloe.evolution import evolve_table, infer_fields, infer_schema, plan_evolution
 from icefloe.maintenance import recommended_properties
 from icefloe.plugins import Plugins, get_plugins
@@ -54,6 +55,8 @@ DEAD_LETTER_SCHEMA = Schema(
 )
 """The fixed schema of an ``[errors] dead_letter_table``: one row per bad record, with the
 raw bytes, so it can be inspected, fixed and replayed."""
+
+FORMAT_VERSION = "format-version"
 
 _PARTITION = re.compile(r"^\s*(\w+)\s*\(\s*(?:(\d+)\s*,\s*)?([\w.]+)\s*\)\s*$")
 _WITH_ARG = ("bucket", "truncate")
@@ -105,8 +108,18 @@ def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> Non
     fields = [f.with_nullable(False) if f.name in table.id_columns else f for f in schema]
     namespace = table.name.rsplit(".", 1)[0]
     catalog.create_namespace_if_not_exists(namespace)
+    properties = recommended_properties(table.properties)
+    if table.keyed:  # deletes (what upserts become) need format version 2
+        if properties.get(FORMAT_VERSION, "2") == "1":
+            raise KeyedTableError(
+                f"tables.properties.{FORMAT_VERSION}",
+                f'mode "{table.mode}" writes deletes, which format version 1 has not',
+                f'remove the property or set "{FORMAT_VERSION}" = "2"',
+                "1",
+            )
+        properties[FORMAT_VERSION] = "2"
     txn = catalog.create_table_transaction(
-        table.name, schema=pa.schema(fields), properties=recommended_properties(table.properties)
+        table.name, schema=pa.schema(fields), properties=properties
     )
     if table.partition_by:
         with txn.update_spec() as spec:
@@ -119,6 +132,46 @@ def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> Non
     txn.commit_transaction()
 
 
+def check_keyed_table(table: Table, config: TableConfig) -> None:
+    """KeyedTableError unless an upsert/CDC ``table`` can be written by key: format version 2
+    (delete files) and identifier fields exactly the configured ``id_columns`` (the key files
+    and the coordinator's resolution of them use the table's identifier field ids)."""
+    if not config.keyed:
+        return
+    name = config.name
+    if table.format_version < 2:
+        raise KeyedTableError(
+            "tables.mode",
+            f"table '{name}' is format version {table.format_version}; mode "
+            f'"{config.mode}" writes deletes, which need format version 2',
+            "upgrade the table (pyiceberg: with table.transaction() as t: "
+            "t.upgrade_table_version(2); Spark: ALTER TABLE ... SET TBLPROPERTIES "
+            "('format-version'='2'))",
+            table.format_version,
+        )
+    schema = table.schema()
+    missing = [c for c in config.id_columns if c not in schema.column_names]
+    if missing:
+        raise KeyedTableError(
+            "tables.id_columns",
+            f"table '{name}' has no column(s) {missing}",
+            "list columns of the table in id_columns",
+            config.id_columns,
+        )
+    have = sorted(schema.identifier_field_names())
+    if have != sorted(config.id_columns):
+        columns = ", ".join(config.id_columns)
+        raise KeyedTableError(
+            "tables.id_columns",
+            f"table '{name}' has identifier fields {have}, not the configured id_columns",
+            f"make them the table's identifier fields (pyiceberg: with table.update_schema() as "
+            f"u: u.set_identifier_fields({', '.join(repr(c) for c in config.id_columns)}); "
+            f"Spark: ALTER TABLE {name} SET IDENTIFIER FIELDS {columns}), or set id_columns "
+            "to the table's identifier fields",
+            config.id_columns,
+        )
+
+
 def ensure_tables(
     catalog: Catalog, config: PipelineConfig, plugins: Plugins | None = None
 ) -> list[str]:
@@ -129,7 +182,7 @@ def ensure_tables(
     schema: pa.Schema | None = None
     for t in config.tables:
         try:
-            catalog.load_table(t.name)
+            check_keyed_table(catalog.load_table(t.name), t)
             continue
         except NoSuchTableError:
             if not t.auto_create:
@@ -145,7 +198,7 @@ def ensure_tables(
             log.info("table %s will be created from the first records for it", t.name)
             continue
         try:
-            create_table(catalog, t, schema)
+            create_table(catalog, t, row_schema(schema, t))
         except TableAlreadyExistsError:  # another driver of the pipeline was quicker
             continue
         log.info("created table %s", t.name)
@@ -226,6 +279,9 @@ class TableResolver:
         )
         if busy and data.num_rows:
             configs += self._prepare(self.base.decode_parts(data), tables)
+        for c in configs:
+            if c.name in tables:
+                check_keyed_table(tables[c.name], c)
         targets = [TargetTable.of(c, tables[c.name]) for c in configs if c.name in tables]
         note = ""
         if dynamic is not None:
@@ -265,7 +321,8 @@ class TableResolver:
                     mask = route_masks(part, [cfg], ci)[cfg.name]
                 except ConfigError:  # no record of this part has the route field
                     continue
-                rows = renamed(part if mask is None else part.filter(mask), cfg.rename)
+                routed = part if mask is None else part.filter(mask)
+                rows = renamed(schema_rows(routed, cfg), cfg.rename)
                 if rows.num_rows == 0:
                     continue
                 table = tables.get(cfg.name) or self._load_or_create(cfg, rows)
@@ -300,7 +357,9 @@ class TableResolver:
         except NoSuchTableError:
             if not cfg.auto_create:
                 return None
-        schema = self.declared if self.declared is not None else self._infer(cfg, rows)
+        # ``rows`` are row images already (schema_rows); a declared schema may be an envelope
+        declared = None if self.declared is None else row_schema(self.declared, cfg)
+        schema = declared if declared is not None else self._infer(cfg, rows)
         if not len(schema):
             return None  # records without any value: nothing to create a table from yet
         try:
