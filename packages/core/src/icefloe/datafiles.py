@@ -14,8 +14,10 @@ from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
-from pyiceberg.io.pyarrow import _dataframe_to_data_files
+import pyarrow.parquet as pq
+from pyiceberg.io.pyarrow import _dataframe_to_data_files, schema_to_pyarrow
 from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+from pyiceberg.schema import Schema
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.typedef import Record
@@ -145,3 +147,37 @@ def write_data_files(
         table_metadata=table.metadata, df=data, io=table.io, write_uuid=write_uuid
     )
     return [to_meta(f, table.metadata) for f in files]
+
+
+def write_key_file(table: Table, keys: pa.Table) -> DataFileMeta | None:
+    """Write the upsert/CDC key file of a batch: only the table's identifier columns (by
+    name in ``keys``, written with the table's field ids), one row per key the batch touches.
+
+    It travels as an equality-delete file on the identifier fields, but is never committed:
+    the committer resolves it into position deletes (:mod:`icefloe.rowdelta`), because
+    pyiceberg cannot read equality deletes. Unpartitioned, since it is never part of the table.
+    None when ``keys`` is empty; ValueError when the table has no identifier fields.
+    """
+    if keys.num_rows == 0:
+        return None
+    schema = table.schema()
+    ids = sorted(schema.identifier_field_ids)
+    if not ids:
+        raise ValueError(f"table '{'.'.join(table.name())}' has no identifier fields")
+    fields = [schema.find_field(i) for i in ids]
+    arrow = schema_to_pyarrow(Schema(*fields), include_field_ids=True)
+    data = keys.select([f.name for f in fields]).cast(arrow)
+    path = table.location_provider().new_data_location(f"{uuid.uuid4()}-keys.parquet")
+    output = table.io.new_output(path)
+    with output.create(overwrite=True) as stream:
+        pq.write_table(data, stream)
+    return DataFileMeta(
+        path=path,
+        record_count=data.num_rows,
+        file_size_in_bytes=len(output),
+        file_format="PARQUET",
+        content=FileContent.EQUALITY_DELETES,
+        spec_id=table.metadata.default_spec_id,
+        partition=(),
+        equality_ids=tuple(ids),
+    )

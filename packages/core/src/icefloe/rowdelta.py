@@ -142,8 +142,12 @@ def identifier_fields(table: Table) -> list[NestedField]:
     return [schema.find_field(i) for i in ids]
 
 
-def resolve(table: Table, base_snapshot_id: int | None, batches: Sequence[Batch]) -> Resolution:
-    """Find the rows the batches' keys replace, as new positions per data file."""
+def resolve(
+    table: Table, base_snapshot_id: int | None, batches: Sequence[Batch], *, prune: bool = True
+) -> Resolution:
+    """Find the rows the batches' keys replace, as new positions per data file.
+
+    ``prune=False`` reads every live file (only to measure what pruning saves)."""
     fields = identifier_fields(table)
     names = [f.name for f in fields]
     ids = [f.field_id for f in fields]
@@ -186,7 +190,7 @@ def resolve(table: Table, base_snapshot_id: int | None, batches: Sequence[Batch]
                 )
             )
             if keys.num_rows:
-                test = pruner.for_keys(keys)
+                test = pruner.for_keys(keys) if prune else _always
                 for path, data_file in live.items():
                     result.candidates += 1
                     if not test(data_file):
@@ -363,6 +367,10 @@ class _RowDelta(_MergeAppendFiles):
             return super()._summary(snapshot_properties)
         finally:
             self._added_data_files = data
+
+
+def _always(data_file: DataFile) -> bool:
+    return True
 
 
 def _read_ids(

@@ -34,7 +34,7 @@ from icefloe.committer import (
     TableCommitRequest,
     TableCommitResult,
 )
-from icefloe.datafiles import DataFileBuilder, write_data_files
+from icefloe.datafiles import DataFileBuilder, write_data_files, write_key_file
 from icefloe.errors import RowDeltaNotSupportedError, RowDeltaTableError
 from icefloe.events import DataFileMeta, FileContent
 
@@ -100,7 +100,10 @@ class Cycle:
         id_count = len(schema.identifier_field_ids)
         keys = [row[:id_count] for row in upserts] + list(deletes)
         if keys:
-            metas.append(write_key_file(self.table, keys))
+            names = [schema.find_field(i).name for i in sorted(schema.identifier_field_ids)]
+            key_file = write_key_file(self.table, pa.table(list(zip(*keys, strict=True)), names))
+            assert key_file is not None
+            metas.append(key_file)
         self.files += [PendingFile(m, writer, seq, "0", offset, uid) for m in metas]
         return self
 
@@ -113,28 +116,6 @@ class Cycle:
             source_offsets={},
             fencing_token=1,
         )
-
-
-def write_key_file(table: Table, keys: Sequence[tuple[Any, ...]]) -> DataFileMeta:
-    """A real key file: only the identifier columns, with the table's field ids."""
-    schema = table.schema()
-    id_fields = [schema.find_field(i) for i in sorted(schema.identifier_field_ids)]
-    arrow = schema_to_pyarrow(Schema(*id_fields), include_field_ids=True)
-    columns = list(zip(*keys, strict=True))
-    data = pa.table([pa.array(c, f.type) for c, f in zip(columns, arrow, strict=True)], arrow)
-    path = table.location_provider().new_data_location(f"keys-{uuid.uuid4()}.parquet")
-    with table.io.new_output(path).create() as stream:
-        pq.write_table(data, stream)
-    return DataFileMeta(
-        path=path,
-        record_count=data.num_rows,
-        file_size_in_bytes=len(table.io.new_input(path)),
-        file_format="PARQUET",
-        content=FileContent.EQUALITY_DELETES,
-        spec_id=table.metadata.default_spec_id,
-        partition=(),
-        equality_ids=tuple(f.field_id for f in id_fields),
-    )
 
 
 def commit(catalog: SqlCatalog, cycle: Cycle, commit_id: str | None = None) -> TableCommitResult:
