@@ -401,7 +401,7 @@ def _matching_positions(
 ) -> np.ndarray[Any, np.dtype[np.int64]]:
     """Sorted row positions of ``rows`` whose key is in ``keys`` (vectorised)."""
     if len(names) == 1:
-        mask = pc.is_in(rows.column(0), value_set=keys.column(0))
+        mask = pc.is_in(rows.column(0), value_set=keys.column(0).combine_chunks())
         hits = np.flatnonzero(mask.to_numpy(zero_copy_only=False))
         return hits.astype(np.int64)
     numbered = rows.append_column("__icefloe_pos", pa.array(np.arange(rows.num_rows)))

@@ -341,3 +341,41 @@ def test_key_files_on_other_columns_and_position_deletes_are_refused(
     assert screening.accepted == (data, key)
     kinds = [type(e) for _, e in screening.refused]
     assert kinds == [RowDeltaTableError, RowDeltaNotSupportedError]
+
+
+def test_conflict_resolves_again_against_the_new_head(catalog: SqlCatalog, table: Table) -> None:
+    seed(catalog, table, range(4))
+    calls: list[int] = []
+
+    def foreign_append() -> None:
+        # another tool appends a second row with key 2 while the commit is being prepared
+        calls.append(1)
+        if len(calls) == 1:
+            arrow = schema_to_pyarrow(SCHEMA, include_field_ids=False)
+            catalog.load_table(NAME).append(pa.table([[2], ["foreign"]], arrow))
+
+    committer = IcebergCommitter(catalog, GROUP, before_commit=foreign_append, retry_wait_s=0.001)
+    committer.commit(Cycle(table).batch("w1", 0, upserts=[(2, "mine")]).request())
+
+    assert len(calls) == 2  # the first attempt lost the race, the second re-resolved
+    assert content(catalog) == [(0, "v0"), (1, "v0"), (2, "mine"), (3, "v0")]
+    assert summary(catalog)["added-position-deletes"] == "2"
+
+
+def test_row_delta_on_a_new_branch_leaves_main_alone(catalog: SqlCatalog, table: Table) -> None:
+    seed(catalog, table, range(3))
+    main_head = catalog.load_table(NAME).current_snapshot()
+    assert main_head is not None
+    committer = IcebergCommitter(catalog, GROUP, branch="audit")
+    committer.commit(Cycle(table).batch("w1", 0, upserts=[(1, "b")], deletes=[(0,)]).request())
+
+    loaded = catalog.load_table(NAME)
+    head = loaded.current_snapshot()
+    assert head is not None
+    assert head.snapshot_id == main_head.snapshot_id
+    assert content(catalog) == [(0, "v0"), (1, "v0"), (2, "v0")]
+    audit = loaded.snapshot_by_name("audit")
+    assert audit is not None
+    assert audit.parent_snapshot_id == main_head.snapshot_id
+    rows = loaded.scan(snapshot_id=audit.snapshot_id).to_arrow().to_pylist()
+    assert sorted(tuple(r.values()) for r in rows) == [(1, "b"), (2, "v0")]
