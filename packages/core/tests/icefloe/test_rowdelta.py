@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import fastavro
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -191,6 +192,17 @@ def test_position_delete_file_is_spec_valid(catalog: SqlCatalog, table: Table) -
     assert delete_file.upper_bounds[rowdelta.FILE_PATH_FIELD_ID] == data_path.encode()
     assert summary(catalog)["operation"] == "delete"
     assert content(catalog) == [(i, "v0") for i in (0, 1, 3, 5, 6, 8, 9)]
+    # the manifest list and the manifest, read with fastavro (not pyiceberg's reader)
+    with open(head.manifest_list.removeprefix("file://"), "rb") as stream:
+        listed = {m["manifest_path"]: m for m in fastavro.reader(stream)}
+    assert listed[manifests[0].manifest_path]["content"] == 1  # deletes
+    with open(manifests[0].manifest_path.removeprefix("file://"), "rb") as stream:
+        reader = fastavro.reader(stream)
+        assert reader.metadata["content"] == "deletes"
+        [raw] = list(reader)
+    assert raw["data_file"]["content"] == 1  # position deletes
+    assert raw["data_file"]["file_path"] == delete_file.file_path
+    assert raw["data_file"]["record_count"] == 3
 
 
 def test_last_change_wins_across_batches_and_writers(catalog: SqlCatalog, table: Table) -> None:
