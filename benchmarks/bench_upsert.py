@@ -15,6 +15,10 @@ For each layout it times ``rowdelta.resolve`` with and without pruning (files re
 and the whole commit (resolve, write position deletes, one Iceberg snapshot). Then it checks
 with pyiceberg's scan that the table still holds ``--rows`` rows and every updated id has its
 new value, and times that read.
+
+With ``--cycles N`` it instead commits N upsert cycles of ``--updates`` random keys each to
+one table and reports the commit times and the scan time after them (the table's final
+content is checked against the expected version of every id).
 """
 
 from __future__ import annotations
@@ -131,16 +135,57 @@ def run(layout: str, args: argparse.Namespace, root: Path) -> None:
     print(f"{layout:9} pyiceberg scan of {scanned.num_rows} rows after the upsert: {read_s:6.2f} s")
 
 
+def run_cycles(args: argparse.Namespace, root: Path) -> None:
+    catalog = SqlCatalog("bench", uri=f"sqlite:///{root}/cycles.db", warehouse=f"file://{root}/c")
+    catalog.create_namespace("db")
+    table = catalog.create_table("db.t", schema=SCHEMA)
+    committer = IcebergCommitter(catalog, "bench")
+    per_file = args.rows // args.files
+    seed: list[DataFileMeta] = []
+    for n in range(args.files):
+        seed += write_data_files(table, rows(np.arange(n * per_file, (n + 1) * per_file), "v0"))
+    committer.commit(request(table, seed, 0))
+    version = np.zeros(args.rows, dtype=np.int64)
+    rng = np.random.default_rng(11)
+    times: list[float] = []
+    for cycle in range(1, args.cycles + 1):
+        updated = np.sort(rng.choice(args.rows, size=args.updates, replace=False))
+        version[updated] = cycle
+        table = catalog.load_table("db.t")
+        metas = write_data_files(table, rows(updated, f"v{cycle}"))
+        key_file = write_key_file(table, pa.table({"id": pa.array(updated)}))
+        assert key_file is not None
+        began = time.perf_counter()
+        committer.commit(request(table, [*metas, key_file], cycle))
+        times.append(time.perf_counter() - began)
+    began = time.perf_counter()
+    scanned = catalog.load_table("db.t").scan().to_arrow()
+    read_s = time.perf_counter() - began
+    scanned = scanned.sort_by("id")
+    assert scanned["id"].to_pylist() == list(range(args.rows))
+    assert scanned["name"].to_pylist() == [f"v{v}" for v in version]
+    ordered = sorted(times)
+    print(
+        f"{args.cycles} cycles of {args.updates} random upserts on {args.rows} rows: commit "
+        f"p50 {ordered[len(ordered) // 2]:.2f} s, max {ordered[-1]:.2f} s, first "
+        f"{times[0]:.2f} s, last {times[-1]:.2f} s; pyiceberg scan after: {read_s:.2f} s"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--files", type=int, default=10)
     parser.add_argument("--updates", type=int, default=100_000)
     parser.add_argument("--layout", choices=["clustered", "random", "both"], default="both")
+    parser.add_argument("--cycles", type=int, default=0, help="run N upsert cycles instead")
     args = parser.parse_args()
     print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
     layouts = ["clustered", "random"] if args.layout == "both" else [args.layout]
     with tempfile.TemporaryDirectory() as tmp:
+        if args.cycles:
+            run_cycles(args, Path(tmp))
+            return
         for layout in layouts:
             run(layout, args, Path(tmp))
 

@@ -154,33 +154,33 @@ def resolve(
     arrow_schema = schema_to_pyarrow(Schema(*fields), include_field_ids=False)
     io = table.io
     live: dict[str, DataFile] = {}
-    deleted: dict[str, np.ndarray[Any, np.dtype[np.int64]]] = {}
+    dead: dict[str, np.ndarray[Any, np.dtype[np.bool_]]] = {}  # per data file: row deleted?
     delete_files: dict[str, list[DataFile]] = {}
     if base_snapshot_id is not None:
         for task in table.scan(snapshot_id=base_snapshot_id).plan_files():
             live[task.file.file_path] = task.file
             if task.delete_files:
                 delete_files[task.file.file_path] = list(task.delete_files)
-    read_deletes: dict[str, dict[str, pa.ChunkedArray]] = {}
+    read_deletes: dict[str, dict[str, np.ndarray[Any, np.dtype[np.int64]]]] = {}
     cache: dict[str, pa.Table] = {}
     result = Resolution()
     pruner = _Pruner(table, fields)
 
-    def already_deleted(path: str) -> np.ndarray[Any, np.dtype[np.int64]]:
-        known = deleted.get(path)
-        if known is not None:
-            return known
-        chunks: list[np.ndarray[Any, np.dtype[np.int64]]] = []
-        for df in delete_files.get(path, ()):
-            by_path = read_deletes.get(df.file_path)
-            if by_path is None:
-                by_path = _read_deletes(io, df)
-                read_deletes[df.file_path] = by_path
-            if path in by_path:
-                chunks.append(by_path[path].to_numpy().astype(np.int64))
-        known = np.unique(np.concatenate(chunks)) if chunks else np.empty(0, np.int64)
-        deleted[path] = known
-        return known
+    def dead_rows(path: str, rows: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        # a mask, not a set of positions: marking and testing stay O(positions) per file
+        mask = dead.get(path)
+        if mask is None:
+            mask = np.zeros(rows, dtype=np.bool_)
+            for df in delete_files.get(path, ()):
+                by_path = read_deletes.get(df.file_path)
+                if by_path is None:
+                    by_path = _positions_by_path(io, df)
+                    read_deletes[df.file_path] = by_path
+                positions = by_path.get(path)
+                if positions is not None:
+                    mask[positions[positions < rows]] = True
+            dead[path] = mask
+        return mask
 
     for batch in batches:
         if batch.key_files:
@@ -203,10 +203,10 @@ def resolve(
                     hit = _matching_positions(rows, keys, names)
                     if not hit.size:
                         continue
-                    before = already_deleted(path)
-                    new = np.setdiff1d(hit, before, assume_unique=True)
+                    mask = dead_rows(path, rows.num_rows)
+                    new = hit[~mask[hit]]
                     if new.size:
-                        deleted[path] = np.union1d(before, new)
+                        mask[new] = True
                         previous = result.positions.get(path)
                         result.positions[path] = (
                             new if previous is None else np.union1d(previous, new)
@@ -367,6 +367,29 @@ class _RowDelta(_MergeAppendFiles):
             return super()._summary(snapshot_properties)
         finally:
             self._added_data_files = data
+
+
+def _positions_by_path(
+    io: FileIO, delete_file: DataFile
+) -> dict[str, np.ndarray[Any, np.dtype[np.int64]]]:
+    """The positions a position delete file deletes, per data file path: read once and split
+    by path in one sort (pyiceberg's reader filters the whole file once per path)."""
+    if delete_file.file_format != FileFormat.PARQUET:
+        return {
+            path: positions.to_numpy().astype(np.int64)
+            for path, positions in _read_deletes(io, delete_file).items()
+        }
+    with io.new_input(delete_file.file_path).open() as stream:
+        rows = pq.read_table(stream, columns=["file_path", "pos"])
+    encoded = pc.dictionary_encode(rows.column("file_path").combine_chunks())
+    codes = encoded.indices.to_numpy(zero_copy_only=False)
+    positions = rows.column("pos").to_numpy().astype(np.int64)
+    order = np.argsort(codes, kind="stable")
+    bounds = np.searchsorted(codes[order], np.arange(len(encoded.dictionary) + 1))
+    return {
+        path: positions[order[bounds[i] : bounds[i + 1]]]
+        for i, path in enumerate(encoded.dictionary.to_pylist())
+    }
 
 
 def _always(data_file: DataFile) -> bool:
