@@ -133,6 +133,12 @@ def identifier_fields(table: Table) -> list[NestedField]:
             "CDC need format version 2 (position deletes). Upgrade it with "
             "`ALTER TABLE ... SET TBLPROPERTIES ('format-version'='2')` or recreate it"
         )
+    if metadata.format_version > 2:
+        # v3 forbids adding position delete files: deletes there are deletion vectors
+        raise RowDeltaTableError(
+            f"table '{name}' is Iceberg format version {metadata.format_version}; icefloe's "
+            "upsert and CDC write position deletes, which only format version 2 allows"
+        )
     schema = metadata.schema()
     ids = sorted(schema.identifier_field_ids)
     if not ids:
@@ -251,9 +257,10 @@ def write_position_deletes(table: Table, resolution: Resolution) -> list[DataFil
             pq.ParquetWriter(stream, schema=_POSITION_DELETE_ARROW) as writer,
         ):
             writer.write_table(rows)
-        metadata = writer.writer.metadata
         stats = data_file_statistics_from_parquet_metadata(
-            parquet_metadata=metadata, stats_columns=stats_plan, parquet_column_mapping=mapping
+            parquet_metadata=writer.writer.metadata,
+            stats_columns=stats_plan,
+            parquet_column_mapping=mapping,
         )
         delete_file = DataFile.from_args(
             content=DataFileContent.POSITION_DELETES,
@@ -267,7 +274,7 @@ def write_position_deletes(table: Table, resolution: Resolution) -> list[DataFil
             key_metadata=None,
             **stats.to_serialized_dict(),
         )
-        delete_file.spec_id = spec_id
+        delete_file.spec_id = spec_id  # from_args does not set it; the manifests need it
         written.append(delete_file)
     return written
 
