@@ -30,9 +30,13 @@ to create a non-main branch on a table without snapshots, so on an empty table t
 first adds one empty, unreferenced root snapshot (summary ``icefloe.branch-root``) and forks the
 branch from it.
 
-Delete files (row deltas) are not supported yet: pyiceberg 0.12 has no public API to add
-position or equality delete files to a snapshot. Such a file is refused with
-:class:`~icefloe.errors.RowDeltaNotSupportedError` instead of being appended as data.
+Upsert and CDC tables: writers announce, besides data files, *key files* (equality-delete
+content whose equality ids are the table's identifier fields). Key files are never committed:
+when a request holds any, step 4 becomes a row delta (:mod:`icefloe.rowdelta`), which resolves
+the keys into position deletes against the loaded table and commits data and deletes in one
+snapshot; everything else (summary, fencing, branch, dedupe) is the same. Position delete files
+announced by writers are refused with :class:`~icefloe.errors.RowDeltaNotSupportedError`, as
+are key files a table cannot take (:class:`~icefloe.errors.RowDeltaTableError`).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
+from icefloe import rowdelta
 from icefloe.datafiles import DataFileBuilder
 from icefloe.dedupe import POSITIONS_KEY as POSITIONS_KEY  # re-exported: summary keys
 from icefloe.dedupe import WATERMARKS_KEY as WATERMARKS_KEY
@@ -75,6 +80,7 @@ from icefloe.errors import (
     PartitionSpecChangedError,
     RefusedFileError,
     RowDeltaNotSupportedError,
+    RowDeltaTableError,
     StaleFencingTokenError,
     TableMismatchError,
     TableMissingError,
@@ -583,6 +589,14 @@ class IcebergCommitter:
             )
             files = tuple(f for f in files if f.meta.path not in live)
             skipped += len(live)
+            # a batch whose data is in the table already must not apply its keys again:
+            # they would delete the very rows it committed
+            done = {(f.writer_id, f.batch_seq) for f in request.files if f.meta.path in live}
+            stale_keys = [
+                f for f in files if _is_key_file(f) and (f.writer_id, f.batch_seq) in done
+            ]
+            files = tuple(f for f in files if f not in stale_keys)
+            skipped += len(stale_keys)
         prop = _property_token(table, self._group_id)
         boundary, retired = _next_boundary(table, request, state)
         return _Plan(
@@ -621,14 +635,53 @@ class IcebergCommitter:
         # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
         # read, which made this loop cost seconds per 10,000 files, growing with history
         build = DataFileBuilder(tx.table_metadata).build
-        # pyiceberg's merge append is a fast append unless the table enables manifest merging
-        # (commit.manifest-merge.enabled, set on tables icefloe creates): see icefloe.maintenance
-        with snapshot.merge_append() as append:
-            for f in plan.files:
-                append.append_data_file(build(f.meta))
-        kept = {"snapshot-id": append.snapshot_id, "summary": plan.summary}
+        if any(_is_key_file(f) for f in plan.files):
+            snapshot_id = self._stage_row_delta(table, tx, plan, build)
+        else:
+            # pyiceberg's merge append is a fast append unless the table enables manifest
+            # merging (commit.manifest-merge.enabled, set on tables icefloe creates): see
+            # icefloe.maintenance
+            with snapshot.merge_append() as append:
+                for f in plan.files:
+                    append.append_data_file(build(f.meta))
+            snapshot_id = append.snapshot_id
+        kept = {"snapshot-id": snapshot_id, "summary": plan.summary}
         tx.set_properties({state_property(self._group_id, self._branch): _json(kept)})
-        return tx, append.snapshot_id
+        return tx, snapshot_id
+
+    def _stage_row_delta(
+        self, table: Table, tx: Transaction, plan: _Plan, build: Callable[[DataFileMeta], Any]
+    ) -> int:
+        """Resolve the plan's key files against the branch head of ``table`` (the version this
+        attempt loaded; a commit on top of another head fails and is re-resolved) and stage
+        its data files plus the resulting position deletes as one snapshot."""
+        batches: dict[tuple[str, int], tuple[list[Any], list[Any]]] = {}
+        for f in plan.files:  # channel order; one writer's batches in source order
+            data, keys = batches.setdefault((f.writer_id, f.batch_seq), ([], []))
+            (keys if _is_key_file(f) else data).append(build(f.meta))
+        base, _ = self._branch_head(table)
+        resolution = rowdelta.resolve(
+            table,
+            None if base is None else base.snapshot_id,
+            [rowdelta.Batch(data, keys) for data, keys in batches.values()],
+        )
+        deletes = rowdelta.write_position_deletes(table, resolution)
+        logger.info(
+            "%s: %d key file(s) delete %d row(s) in %d file(s) (%d of %d candidates read)",
+            _name(table),
+            sum(len(keys) for _, keys in batches.values()),
+            resolution.deleted_rows,
+            len(resolution.targets),
+            resolution.files_read,
+            resolution.candidates,
+        )
+        return rowdelta.stage(
+            tx,
+            self._branch,
+            plan.summary,
+            (d for data, _ in batches.values() for d in data),
+            deletes,
+        )
 
     def _live_paths(self, table: Table, head: Snapshot | None, paths: set[str]) -> set[str]:
         """Which of ``paths`` the branch head already references as live data files.
@@ -667,6 +720,7 @@ class IcebergCommitter:
         except Exception as exc:  # the commit landed; the cache is only an optimisation
             logger.debug("cannot list the manifests of snapshot %d: %s", snapshot_id, exc)
             return
+        data = [f for f in plan.files if not _is_key_file(f)]
         added = [
             m
             for m in manifests
@@ -676,9 +730,9 @@ class IcebergCommitter:
             len(added) == 1
             and not added[0].existing_files_count  # a merged manifest holds older files too
             and not added[0].deleted_files_count
-            and added[0].added_files_count == len(plan.files)
+            and added[0].added_files_count == len(data)
         ):
-            self._cache_manifest(added[0].manifest_path, frozenset(f.meta.path for f in plan.files))
+            self._cache_manifest(added[0].manifest_path, frozenset(f.meta.path for f in data))
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep
@@ -712,15 +766,42 @@ class _FileRules:
         )
 
 
+def _is_key_file(f: PendingFile) -> bool:
+    """Whether ``f`` is an upsert/CDC key file (resolved at commit time, never committed)."""
+    return f.meta.content == FileContent.EQUALITY_DELETES
+
+
+def _key_file_refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
+    """Why ``table`` cannot resolve the key file ``f``, or None."""
+    try:
+        fields = rowdelta.identifier_fields(table)
+    except RowDeltaTableError as e:
+        return RowDeltaTableError(f"{f.meta.path}: {e}")
+    expected = tuple(field.field_id for field in fields)
+    if tuple(sorted(f.meta.equality_ids or ())) != expected:
+        return RowDeltaTableError(
+            f"table '{_name(table)}': key file {f.meta.path} names equality ids "
+            f"{list(f.meta.equality_ids or ())}, but the table's identifier fields are "
+            f"{list(expected)} (id_columns changed?); rewrite it with the current id columns"
+        )
+    return None
+
+
 def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileError | None:
     """Why ``table`` can never take ``f``, or None. Each reason concerns this file alone."""
     metadata = table.metadata
     path = f.meta.path
-    if f.meta.content != FileContent.DATA:
+    key_file = _is_key_file(f)
+    if key_file:
+        error = _key_file_refusal(table, f)
+        if error is not None:
+            return error
+    elif f.meta.content != FileContent.DATA:
         return RowDeltaNotSupportedError(
-            f"table '{_name(table)}': {path} is a delete file ({f.meta.content}) and needs a "
-            "row delta commit, which icefloe does not support yet (pyiceberg 0.12 cannot add "
-            "delete files); write data files only"
+            f"table '{_name(table)}': {path} is a delete file ({f.meta.content}); icefloe "
+            "builds a row delta's position deletes itself from key files (equality-delete "
+            "content on the table's identifier fields), so writers announce data and key files "
+            "only"
         )
     if (
         f.table_uuid is not None
@@ -737,7 +818,7 @@ def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileErro
             f"table '{_name(table)}': {path} lies outside the table location "
             f"{metadata.location}; refusing to commit it"
         )
-    if f.meta.spec_id != metadata.default_spec_id:
+    if not key_file and f.meta.spec_id != metadata.default_spec_id:
         # pyiceberg 0.12's fast append writes one manifest with the default spec
         return PartitionSpecChangedError(
             f"table '{_name(table)}': {path} was written with partition spec "
@@ -926,7 +1007,7 @@ def _json(value: Any) -> str:
 
 
 def _result(request: TableCommitRequest, plan: _Plan, snapshot_id: int | None) -> TableCommitResult:
-    committed = plan.files if snapshot_id is not None else ()
+    committed = [f for f in plan.files if not _is_key_file(f)] if snapshot_id is not None else []
     return TableCommitResult(
         table=request.table,
         commit_id=request.commit_id,

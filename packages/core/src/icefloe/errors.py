@@ -224,6 +224,11 @@ class RowDeltaNotSupportedError(RefusedFileError):
     """A commit request holds delete files; pyiceberg 0.12 cannot commit a row delta yet."""
 
 
+class RowDeltaTableError(RowDeltaNotSupportedError):
+    """A table cannot take upsert/CDC key files: it is format version 1 (no position deletes),
+    has no identifier fields, or a key file's equality ids are not its identifier fields."""
+
+
 class PartitionSpecChangedError(RefusedFileError):
     """A data file was written with a partition spec that is no longer the table's default."""
 

@@ -1,0 +1,192 @@
+"""Upsert row-delta cost: resolving key files into position deletes, and the commit.
+
+    python benchmarks/bench_upsert.py --rows 1000000 --files 10 --updates 100000
+
+Builds a real SQLite-catalog table with ``--files`` data files of ``--rows / --files`` rows
+each (ids ascending, so every file holds one id range), then commits one upsert cycle of
+``--updates`` changed rows (a data file with the new images plus a key file) through the real
+committer, for each key layout:
+
+* ``clustered``: the updated ids are one contiguous range (a recent-rows workload): column
+  bounds leave only the files holding that range;
+* ``random``: ids drawn uniformly over the table: every file is a candidate.
+
+For each layout it times ``rowdelta.resolve`` with and without pruning (files read, seconds),
+and the whole commit (resolve, write position deletes, one Iceberg snapshot). Then it checks
+with pyiceberg's scan that the table still holds ``--rows`` rows and every updated id has its
+new value, and times that read.
+
+With ``--cycles N`` it instead commits N upsert cycles of ``--updates`` random keys each to
+one table and reports the commit times and the scan time after them (the table's final
+content is checked against the expected version of every id).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.schema import Schema
+from pyiceberg.table import Table
+from pyiceberg.types import LongType, NestedField, StringType
+
+from icefloe import rowdelta
+from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.datafiles import DataFileBuilder, write_data_files, write_key_files
+from icefloe.events import DataFileMeta
+
+SCHEMA = Schema(
+    NestedField(1, "id", LongType(), required=True),
+    NestedField(2, "name", StringType(), required=False),
+    NestedField(3, "amount", LongType(), required=False),
+    identifier_field_ids=[1],
+)
+ARROW = pa.schema(
+    [
+        pa.field("id", pa.int64(), nullable=False),
+        pa.field("name", pa.string()),
+        pa.field("amount", pa.int64()),
+    ]
+)
+
+
+def rows(ids: np.ndarray, name: str) -> pa.Table:
+    return pa.table([pa.array(ids), pa.array([name] * len(ids)), pa.array(ids * 3)], schema=ARROW)
+
+
+def request(table: Table, metas: list[DataFileMeta], seq: int) -> TableCommitRequest:
+    uid = str(table.metadata.table_uuid)
+    return TableCommitRequest(
+        table=".".join(table.name()),
+        commit_id=str(uuid.uuid4()),
+        files=tuple(PendingFile(m, "bench", seq, "0", seq, uid) for m in metas),
+        positions={"0": seq + 1},
+        source_offsets={},
+        fencing_token=1,
+    )
+
+
+def run(layout: str, args: argparse.Namespace, root: Path) -> None:
+    catalog = SqlCatalog(
+        "bench", uri=f"sqlite:///{root}/{layout}.db", warehouse=f"file://{root}/{layout}"
+    )
+    catalog.create_namespace("db")
+    table = catalog.create_table("db.t", schema=SCHEMA)
+    committer = IcebergCommitter(catalog, "bench")
+    per_file = args.rows // args.files
+    seed: list[DataFileMeta] = []
+    for n in range(args.files):
+        seed += write_data_files(table, rows(np.arange(n * per_file, (n + 1) * per_file), "v0"))
+    committer.commit(request(table, seed, 0))
+
+    began = time.perf_counter()
+    before = catalog.load_table("db.t").scan().to_arrow().num_rows
+    print(
+        f"{layout:9} pyiceberg scan of {before} rows before the upsert: "
+        f"{time.perf_counter() - began:6.2f} s"
+    )
+
+    rng = np.random.default_rng(7)
+    if layout == "clustered":
+        start = int(rng.integers(0, args.rows - args.updates))
+        updated = np.arange(start, start + args.updates)
+    else:
+        updated = np.sort(rng.choice(args.rows, size=args.updates, replace=False))
+    table = catalog.load_table("db.t")
+    metas = write_data_files(table, rows(updated, "v1"))
+    (key_file,) = write_key_files(table, pa.table({"id": pa.array(updated)}))
+    metas.append(key_file)
+
+    build = DataFileBuilder(table.metadata).build
+    data = [build(m) for m in metas[:-1]]
+    batch = [rowdelta.Batch(data, [build(key_file)])]
+    head = table.current_snapshot()
+    assert head is not None
+    for prune in (True, False):
+        began = time.perf_counter()
+        resolution = rowdelta.resolve(table, head.snapshot_id, batch, prune=prune)
+        took = time.perf_counter() - began
+        assert resolution.deleted_rows == args.updates
+        print(
+            f"{layout:9} resolve prune={prune!s:5} files read {resolution.files_read:3}"
+            f"/{resolution.candidates}: {took:6.2f} s"
+        )
+    began = time.perf_counter()
+    result = committer.commit(request(table, metas, 1))
+    commit_s = time.perf_counter() - began
+    assert result.snapshot_id is not None
+    print(f"{layout:9} commit (resolve + write deletes + snapshot): {commit_s:6.2f} s")
+
+    began = time.perf_counter()
+    scanned = catalog.load_table("db.t").scan().to_arrow()
+    read_s = time.perf_counter() - began
+    assert scanned.num_rows == args.rows, scanned.num_rows
+    new = scanned.filter(pc.equal(scanned["name"], "v1"))
+    assert sorted(new["id"].to_pylist()) == updated.tolist()
+    print(f"{layout:9} pyiceberg scan of {scanned.num_rows} rows after the upsert: {read_s:6.2f} s")
+
+
+def run_cycles(args: argparse.Namespace, root: Path) -> None:
+    catalog = SqlCatalog("bench", uri=f"sqlite:///{root}/cycles.db", warehouse=f"file://{root}/c")
+    catalog.create_namespace("db")
+    table = catalog.create_table("db.t", schema=SCHEMA)
+    committer = IcebergCommitter(catalog, "bench")
+    per_file = args.rows // args.files
+    seed: list[DataFileMeta] = []
+    for n in range(args.files):
+        seed += write_data_files(table, rows(np.arange(n * per_file, (n + 1) * per_file), "v0"))
+    committer.commit(request(table, seed, 0))
+    version = np.zeros(args.rows, dtype=np.int64)
+    rng = np.random.default_rng(11)
+    times: list[float] = []
+    for cycle in range(1, args.cycles + 1):
+        updated = np.sort(rng.choice(args.rows, size=args.updates, replace=False))
+        version[updated] = cycle
+        table = catalog.load_table("db.t")
+        metas = write_data_files(table, rows(updated, f"v{cycle}"))
+        (key_file,) = write_key_files(table, pa.table({"id": pa.array(updated)}))
+        began = time.perf_counter()
+        committer.commit(request(table, [*metas, key_file], cycle))
+        times.append(time.perf_counter() - began)
+    began = time.perf_counter()
+    scanned = catalog.load_table("db.t").scan().to_arrow()
+    read_s = time.perf_counter() - began
+    scanned = scanned.sort_by("id")
+    assert scanned["id"].to_pylist() == list(range(args.rows))
+    assert scanned["name"].to_pylist() == [f"v{v}" for v in version]
+    ordered = sorted(times)
+    print(
+        f"{args.cycles} cycles of {args.updates} random upserts on {args.rows} rows: commit "
+        f"p50 {ordered[len(ordered) // 2]:.2f} s, max {ordered[-1]:.2f} s, first "
+        f"{times[0]:.2f} s, last {times[-1]:.2f} s; pyiceberg scan after: {read_s:.2f} s"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--files", type=int, default=10)
+    parser.add_argument("--updates", type=int, default=100_000)
+    parser.add_argument("--layout", choices=["clustered", "random", "both"], default="both")
+    parser.add_argument("--cycles", type=int, default=0, help="run N upsert cycles instead")
+    args = parser.parse_args()
+    print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
+    layouts = ["clustered", "random"] if args.layout == "both" else [args.layout]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.cycles:
+            run_cycles(args, Path(tmp))
+            return
+        for layout in layouts:
+            run(layout, args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
