@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,8 +31,15 @@ IMPORT_NAMES = {
 ALL_WITH_TEST_EXTRAS = [f"./packages/{d}[test]" for d in LOCAL_DEPS]
 
 
+# Most tests wait (process and JVM start-up, commit intervals, servers), so several run at
+# once even on two cores (pytest-xdist; every test has its own topic, table, pipeline name and
+# session fixtures per worker). ICEFLOE_TEST_WORKERS=1 runs them one by one.
+WORKERS = os.environ.get("ICEFLOE_TEST_WORKERS", "4")
+
+
 def _pytest_args(session: nox.Session) -> list[str]:
-    return ["-p", "no:cacheprovider", "-rfEs", "--durations=15", *session.posargs]
+    parallel = [] if WORKERS in ("0", "1") else ["-n", WORKERS, "--dist", "worksteal"]
+    return ["-p", "no:cacheprovider", "-rfEs", "--durations=15", *parallel, *session.posargs]
 
 
 @nox.session
