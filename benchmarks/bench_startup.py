@@ -38,7 +38,7 @@ BACKENDS: dict[str, dict[str, Any]] = {
 }
 
 
-def one(work: Path, bootstrap: str, backend: str) -> tuple[float, list[str]]:
+def one(work: Path, bootstrap: str, backend: str, when_idle: bool) -> tuple[float, list[str]]:
     """One start: seconds to the first table commit, and the timestamped output lines."""
     topic = f"startup-{uuid.uuid4().hex[:8]}"
     create_topic(bootstrap, topic, 2)
@@ -66,7 +66,7 @@ def one(work: Path, bootstrap: str, backend: str) -> tuple[float, list[str]]:
         "source": {"bootstrap_servers": bootstrap, "topics": [topic]},
         "tables": [{"name": "bench.events"}],
         "catalog": {"name": "bench", "properties": catalog},
-        "coordination": {"backend": backend, backend: settings},
+        "coordination": {"backend": backend, "commit_when_idle": when_idle, backend: settings},
         "spark": {"checkpoint_location": str(work / "checkpoint")},
     }
     (work / "p.toml").write_text(tomli_w.dumps(config))
@@ -99,13 +99,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backend", default="kafka", choices=["kafka", *BACKENDS])
     ap.add_argument("--verbose", action="store_true", help="print each run's output lines")
+    ap.add_argument(
+        "--interval-only",
+        action="store_true",
+        help="coordination.commit_when_idle = false (cycles only every commit_interval_s)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, EmbeddedKafkaBroker() as broker:
         figures = []
         for i in range(args.repeats):
             work = Path(tmp) / f"run{i}"
             work.mkdir()
-            seconds, lines = one(work, broker.bootstrap_servers, args.backend)
+            seconds, lines = one(
+                work, broker.bootstrap_servers, args.backend, not args.interval_only
+            )
             figures.append(seconds)
             print(f"run {i + 1}: first commit {seconds:.1f} s after start", flush=True)
             if args.verbose:
