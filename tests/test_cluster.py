@@ -156,11 +156,12 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkClu
 
 
 def _pipeline(
-    tmp: Path, broker: EmbeddedKafkaBroker, topic: str, master: str
+    tmp: Path, broker: EmbeddedKafkaBroker, topic: str, master: str, create_table: bool
 ) -> tuple[Path, dict[str, str]]:
     """A pipeline TOML for the cluster. The SQLite catalog and the warehouse are plain paths
     every executor can open because they run on this machine; a real cluster needs shared
-    storage and a shared catalog instead (docs/spark-runner.md)."""
+    storage and a shared catalog instead (docs/spark-runner.md). Without ``create_table`` the
+    table is left to JSON auto-create, i.e. to a write task on an executor."""
     catalog = {
         "type": "sql",
         "uri": f"sqlite:///{tmp / 'catalog.db'}",
@@ -168,7 +169,8 @@ def _pipeline(
     }
     cat = load_catalog("cl", **catalog)
     cat.create_namespace("cluster")
-    cat.create_table(TABLE, schema=EVENTS_SCHEMA, partition_spec=EVENTS_SPEC)
+    if create_table:
+        cat.create_table(TABLE, schema=EVENTS_SCHEMA, partition_spec=EVENTS_SPEC)
     config: dict[str, Any] = {
         "name": f"cluster-{uuid.uuid4().hex[:8]}",
         "source": {
@@ -177,7 +179,7 @@ def _pipeline(
             "max_records_per_batch": 25,  # several batches, so several cycles
             "reader_options": {"probeHighWatermark": "true", "pollTimeoutMs": "20000"},
         },
-        "tables": [{"name": TABLE}],
+        "tables": [{"name": TABLE, "auto_create": not create_table}],
         "catalog": {"name": "cl", "properties": catalog},
         "coordination": {
             "backend": "kafka",
@@ -204,8 +206,6 @@ def _pipeline(
                 # schedule only once both executors joined, so both take tasks
                 "spark.scheduler.minRegisteredResourcesRatio": "1.0",
                 "spark.sql.shuffle.partitions": "2",
-                "spark.pyspark.python": sys.executable,
-                "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
             },
         },
     }
@@ -214,19 +214,51 @@ def _pipeline(
     return path, catalog
 
 
-def _executor_logs(work_dirs: tuple[Path, ...]) -> dict[Path, list[Path]]:
-    """Each worker's executor stderr files (``<work>/<app-id>/<executor-id>/stderr``), where
-    the executor logs every task it runs."""
-    return {w: sorted(w.glob("app-*/*/stderr")) for w in work_dirs}
+def _tasks_per_worker(work_dirs: tuple[Path, ...], before: set[Path]) -> dict[Path, int]:
+    """Tasks each worker's executors ran for applications started after ``before`` was taken
+    (an executor logs each task to ``<work>/<app-id>/<executor-id>/stderr``)."""
+    return {
+        w: sum(
+            f.read_text(errors="replace").count("Running task")
+            for f in w.glob("app-*/*/stderr")
+            if f.parent.parent not in before
+        )
+        for w in work_dirs
+    }
 
 
+def _apps(work_dirs: tuple[Path, ...]) -> set[Path]:
+    return {app for w in work_dirs for app in w.glob("app-*")}
+
+
+def _icefloe(args: list[str], out: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    with out.open("wb") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "icefloe", *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=cwd,
+            start_new_session=True,  # its own group: SIGTERM reaches it as under a supervisor
+        )
+
+
+@pytest.mark.parametrize(
+    "coordinator",
+    ["in-driver", "standalone"],
+)
 def test_run_on_a_standalone_cluster_commits_every_record_once(
     tmp_path: Path,
     kafka_broker: EmbeddedKafkaBroker,
     spark_cluster: SparkCluster,
+    coordinator: str,
 ) -> None:
     """Four partitions, records produced before and while the query runs on two executors in
-    other JVMs; ``icefloe run`` stops on SIGTERM once pyiceberg sees every id."""
+    other JVMs; every process stops cleanly on SIGTERM once pyiceberg sees every id.
+
+    ``in-driver``: a pre-created partitioned table, committed by the driver's coordinator
+    thread. ``standalone``: ``icefloe run --no-coordinator`` next to ``icefloe coordinator``,
+    and the table auto-created from JSON by a task on an executor."""
     topic = f"t-{uuid.uuid4().hex[:10]}"
     create_topic(kafka_broker.bootstrap_servers, topic, 4)
 
@@ -243,52 +275,61 @@ def test_run_on_a_standalone_cluster_commits_every_record_once(
             ),
         )
 
+    standalone = coordinator == "standalone"
     half = RECORDS // 2
     send(range(half))
-    config, catalog_props = _pipeline(tmp_path, kafka_broker, topic, spark_cluster.master_url)
-    out = tmp_path / "run.log"
-    with out.open("wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "icefloe", "run", "--config", str(config), "--quiet"],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            cwd=tmp_path,
-            start_new_session=True,
+    config, catalog_props = _pipeline(
+        tmp_path, kafka_broker, topic, spark_cluster.master_url, create_table=not standalone
+    )
+    apps_before = _apps(spark_cluster.worker_dirs)
+    procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    run_args = ["run", "--config", str(config), "--quiet"]
+    if standalone:
+        out = tmp_path / "coordinator.log"
+        procs["coordinator"] = (
+            _icefloe(["coordinator", "--config", str(config)], out, tmp_path),
+            out,
         )
+        run_args.append("--no-coordinator")
+    out = tmp_path / "run.log"
+    procs["run"] = (_icefloe(run_args, out, tmp_path), out)
     catalog = load_catalog("cl", **catalog_props)
 
+    def logs() -> str:
+        return "\n".join(f"--- {name}\n{log.read_text()}" for name, (_, log) in procs.items())
+
     def rows() -> int:
+        if not catalog.table_exists(TABLE):
+            return 0
         table = catalog.load_table(TABLE)
         return 0 if table.current_snapshot() is None else table.scan().to_arrow().num_rows
 
     def wait_rows(n: int) -> None:
         deadline = time.monotonic() + RUN_S
         while rows() < n:
-            if proc.poll() is not None:
-                pytest.fail(f"icefloe run exited ({proc.returncode}):\n{out.read_text()}")
+            exited = {name: p.returncode for name, (p, _) in procs.items() if p.poll() is not None}
+            if exited:
+                pytest.fail(f"exited early {exited}:\n{logs()}")
             if time.monotonic() > deadline:
-                pytest.fail(f"{rows()} of {n} rows after {RUN_S:.0f}s:\n{out.read_text()}")
+                pytest.fail(f"{rows()} of {n} rows after {RUN_S:.0f}s:\n{logs()}")
             time.sleep(1.0)
 
     try:
         wait_rows(half)
         send(range(half, RECORDS))
         wait_rows(RECORDS)
-        os.killpg(proc.pid, signal.SIGTERM)
-        rc = proc.wait(RUN_S)
-        text = out.read_text()
-        assert rc == 0, text
-        assert "stopped cleanly" in text, text
+        for proc, _ in procs.values():
+            os.killpg(proc.pid, signal.SIGTERM)
+        for name, (proc, _) in procs.items():
+            rc = proc.wait(RUN_S)
+            assert rc == 0, f"{name} exited {rc}:\n{logs()}"
+        assert "stopped cleanly" in (tmp_path / "run.log").read_text(), logs()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(60)
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(60)
     assert_exactly_once(catalog, TABLE, list(range(RECORDS)))
     # the tasks really ran on the cluster: each worker's executor ran some of them
-    logs = _executor_logs(spark_cluster.worker_dirs)
-    ran = {
-        w: sum(f.read_text(errors="replace").count("Running task") for f in fs)
-        for w, fs in logs.items()
-    }
-    assert all(ran.values()), f"a worker ran no task: {ran}"
+    ran = _tasks_per_worker(spark_cluster.worker_dirs, apps_before)
+    assert all(ran.values()), f"a worker ran no task for this run: {ran}"
