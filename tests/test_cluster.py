@@ -8,6 +8,7 @@ here; the table is counted with pyiceberg against the ids produced.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fastavro
 import pytest
 import tomli_w
 from pyiceberg.catalog import load_catalog
@@ -34,6 +36,16 @@ START_S = 180.0  # a generous bound for JVMs starting on a loaded 2-core machine
 RUN_S = 300.0
 TABLE = "cluster.events"
 RECORDS = 60
+# the Avro writer schema of the in-driver variant's records (EVENTS_SCHEMA's columns)
+AVRO_SCHEMA = {
+    "type": "record",
+    "name": "Event",
+    "fields": [
+        {"name": "id", "type": "long"},
+        {"name": "name", "type": ["null", "string"]},
+        {"name": "kind", "type": ["null", "string"]},
+    ],
+}
 
 
 @dataclass(frozen=True)
@@ -161,7 +173,9 @@ def _pipeline(
     """A pipeline TOML for the cluster. The SQLite catalog and the warehouse are plain paths
     every executor can open because they run on this machine; a real cluster needs shared
     storage and a shared catalog instead (docs/spark-runner.md). Without ``create_table`` the
-    table is left to JSON auto-create, i.e. to a write task on an executor."""
+    table is left to JSON auto-create, i.e. to a write task on an executor. With it, records
+    are Avro whose schema is a file named relative to the pipeline file, which the executors
+    (working in their worker's directory) cannot open themselves."""
     catalog = {
         "type": "sql",
         "uri": f"sqlite:///{tmp / 'catalog.db'}",
@@ -171,12 +185,19 @@ def _pipeline(
     cat.create_namespace("cluster")
     if create_table:
         cat.create_table(TABLE, schema=EVENTS_SCHEMA, partition_spec=EVENTS_SPEC)
+        (tmp / "event.avsc").write_text(json.dumps(AVRO_SCHEMA))
+    formats: dict[str, Any] = (
+        {"format": "avro", "format_options": {"schema_file": "event.avsc"}}
+        if create_table
+        else {"format": "json"}
+    )
     config: dict[str, Any] = {
         "name": f"cluster-{uuid.uuid4().hex[:8]}",
         "source": {
             "bootstrap_servers": broker.bootstrap_servers,
             "topics": [topic],
             "max_records_per_batch": 25,  # several batches, so several cycles
+            **formats,
             "reader_options": {"probeHighWatermark": "true", "pollTimeoutMs": "20000"},
         },
         "tables": [{"name": TABLE, "auto_create": not create_table}],
@@ -256,26 +277,33 @@ def test_run_on_a_standalone_cluster_commits_every_record_once(
     """Four partitions, records produced before and while the query runs on two executors in
     other JVMs; every process stops cleanly on SIGTERM once pyiceberg sees every id.
 
-    ``in-driver``: a pre-created partitioned table, committed by the driver's coordinator
-    thread. ``standalone``: ``icefloe run --no-coordinator`` next to ``icefloe coordinator``,
-    and the table auto-created from JSON by a task on an executor."""
+    ``in-driver``: Avro records (their schema in a file beside the pipeline file) into a
+    pre-created partitioned table, committed by the driver's coordinator thread.
+    ``standalone``: ``icefloe run --no-coordinator`` next to ``icefloe coordinator``, and the
+    table auto-created from JSON by a task on an executor."""
     topic = f"t-{uuid.uuid4().hex[:10]}"
     create_topic(kafka_broker.bootstrap_servers, topic, 4)
+
+    standalone = coordinator == "standalone"
+    parsed = fastavro.parse_schema(AVRO_SCHEMA)
+
+    def encode(record: dict[str, Any]) -> bytes:
+        if standalone:
+            return json.dumps(record).encode()
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, parsed, record)
+        return out.getvalue()
 
     def send(ids: range) -> None:
         produce(
             kafka_broker.bootstrap_servers,
             topic,
             (
-                (
-                    str(i).encode(),
-                    json.dumps({"id": i, "name": f"n{i}", "kind": "abc"[i % 3]}).encode(),
-                )
+                (str(i).encode(), encode({"id": i, "name": f"n{i}", "kind": "abc"[i % 3]}))
                 for i in ids
             ),
         )
 
-    standalone = coordinator == "standalone"
     half = RECORDS // 2
     send(range(half))
     config, catalog_props = _pipeline(
