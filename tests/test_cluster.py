@@ -71,8 +71,10 @@ def _spark_home() -> Path:
 
 
 def _cluster_env(spark_home: Path, logs: Path) -> dict[str, str]:
+    """Spark's own defaults (no SPARK_CONF_DIR of the caller's): executors log each task at
+    INFO, which the test reads."""
     return {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "SPARK_CONF_DIR"},
         "SPARK_HOME": str(spark_home),
         "SPARK_LOCAL_IP": "127.0.0.1",
         "SPARK_LOG_DIR": str(logs),
