@@ -28,6 +28,7 @@ from pyspark.sql.streaming.query import StreamingQuery
 
 from icefloe.backends import open_backend
 from icefloe.channel import Backend
+from icefloe.codecs import self_contained
 from icefloe.config import PipelineConfig
 from icefloe.coordinator import Coordinator, CoordinatorSettings
 from icefloe.errors import ChannelIdentityError
@@ -213,7 +214,9 @@ class Pipeline:
         once: bool = False,
         log_level: int = logging.INFO,
     ) -> None:
-        self.config = config
+        # executors decode records in other processes, maybe on other machines: ship file
+        # contents (an Avro schema_file), never paths
+        self.config = config = self_contained(config)
         self.once = once
         self.log_level = log_level
         self.spark_log: Path | None = None

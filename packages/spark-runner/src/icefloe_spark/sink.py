@@ -33,6 +33,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from icefloe.codecs import self_contained
 from icefloe.config import PipelineConfig, config_error_from, load_config
 from icefloe.convert import RecordConverter
 from icefloe.errors import ConfigError, TableMismatchError
@@ -132,6 +133,8 @@ class SinkOptions:
                 "pass .option('config', pipeline_config.model_dump_json()) or "
                 ".option('config_file', 'pipeline.toml')",
             )
+        # parsed on the driver, the writer is pickled to executors: ship the schema file's text
+        config = self_contained(config)
         writer_id = opts.get(OPT_WRITER_ID)
         if not writer_id:
             checkpoint = opts.get(OPT_CHECKPOINT) or config.spark.checkpoint_location

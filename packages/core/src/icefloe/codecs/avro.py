@@ -2,7 +2,8 @@
 
 Options (``source.format_options``):
 
-* ``schema_file``: path of the writer schema (``.avsc`` JSON), or
+* ``schema_file``: path of the writer schema (``.avsc`` JSON; relative to the pipeline file,
+  and inlined as ``schema`` before the config reaches executors: see ``inline_schema_file``), or
 * ``schema``: the writer schema inline (JSON text or a TOML table);
 * ``wire_format``: ``"raw"`` (default) or ``"confluent"`` (each value starts with a zero magic
   byte and a 4-byte schema id, as Confluent's serializers write);
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,30 @@ def arrow_type(schema: Any, named: dict[str, pa.DataType] | None = None) -> pa.D
         out = arrow_type(kind, named)
     if "name" in schema and kind in ("record", "enum", "fixed"):
         named[schema["name"]] = out
+    return out
+
+
+def inline_schema_file(options: Mapping[str, Any], base_dir: Path | None) -> dict[str, Any]:
+    """``options`` with ``schema_file`` replaced by ``schema``: the file's text, read here.
+
+    The codec is built wherever records are decoded, on a cluster in executors that work in
+    their worker's directory and may not have the file at all; reading it once where the
+    pipeline starts and shipping the text makes the options self-contained. A relative path is
+    taken against ``base_dir`` (the pipeline file's directory), as backends' paths are.
+    """
+    out = dict(options)
+    file = out.pop("schema_file", None)
+    if file is None or "schema" in out:
+        return dict(options)  # nothing to inline, or both given: the codec names the error
+    path = Path(file)
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    try:
+        out["schema"] = path.read_text()
+    except OSError as exc:
+        raise ConfigError(
+            f"{_KEY}.schema_file", f"cannot read it ({exc})", "give a readable path", str(path)
+        ) from None
     return out
 
 
