@@ -315,19 +315,19 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
                 if offset is None:
                     start.append(TopicPartition(topic, p, OFFSET_BEGINNING))
                     continue
-                self._check_in_log(consumer, topic, p, int(offset))
+                self._check_in_log(topic, p, int(offset))
                 start.append(TopicPartition(topic, p, int(offset)))
             consumer.assign(start)
             self._sought = True
 
-    def _check_in_log(self, consumer: Consumer, topic: str, partition: int, offset: int) -> None:
-        """Refuse a stored position that the partition's log no longer covers."""
-        try:
-            low, high = consumer.get_watermark_offsets(
-                TopicPartition(topic, partition), timeout=self._clients.timeout
-            )
-        except KafkaException as exc:
-            raise ChannelError(f"cannot read watermarks of {topic}[{partition}]: {exc}") from exc
+    def _check_in_log(self, topic: str, partition: int, offset: int) -> None:
+        """Refuse a stored position that the partition's log no longer covers.
+
+        The bounds come from the read_uncommitted consumer: a read_committed one gets the last
+        stable offset, which Tansu reports as 0 while any transaction is open on the partition
+        (a driver killed inside its publish leaves one), and a healthy position would look
+        past the end."""
+        low, high = self._watermarks(topic, partition)
         if offset > high:
             raise ChannelResetError(
                 f"the stored position {topic}[{partition}]@{offset} lies past the end of the "
@@ -502,7 +502,7 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
         with self._lock:
             return self._clients.channel_id()
 
-    def end_position(self) -> ChannelPosition:
+    def _watermarks(self, topic: str, partition: int) -> tuple[int, int]:
         # The high watermark, asked through a read_uncommitted consumer: a read_committed one
         # gets the last stable offset, which an open transaction holds back, so a channel
         # stalled behind one would look idle (and the stall check could never see it).
@@ -512,18 +512,20 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
                 self._ends = self._clients.consumer(
                     self._clients.consumer_group("coordinator"), self._role, committed=False
                 )
-            consumer = self._ends
+            try:
+                low, high = self._ends.get_watermark_offsets(
+                    TopicPartition(topic, partition), timeout=self._clients.timeout
+                )
+            except KafkaException as exc:
+                raise ChannelError(
+                    f"cannot read watermarks of {topic}[{partition}]: {exc}"
+                ) from exc
+            return int(low), int(high)
+
+    def end_position(self) -> ChannelPosition:
+        with self._lock:
             topic = self._clients.control_topic
-            end: dict[str, int] = {}
-            for p in self._clients.partitions(topic):
-                try:
-                    _low, high = consumer.get_watermark_offsets(
-                        TopicPartition(topic, p), timeout=self._clients.timeout
-                    )
-                except KafkaException as exc:
-                    raise ChannelError(f"cannot read watermarks of {topic}[{p}]: {exc}") from exc
-                end[str(p)] = int(high)
-            return end
+            return {str(p): self._watermarks(topic, p)[1] for p in self._clients.partitions(topic)}
 
     def read_through(self) -> ChannelPosition | None:
         """The consumer's position per assigned partition: past the transaction markers that

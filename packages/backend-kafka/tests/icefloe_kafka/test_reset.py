@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
@@ -67,3 +68,34 @@ def test_pipeline_on_a_recreated_topic_is_refused(
     assert isinstance(error, (ChannelChangedError, ChannelResetError)), error
     assert old_id in str(error) or "past the end" in str(error)
     assert_exactly_once(sqlite_catalog, TABLE, committed)
+
+
+def test_a_position_behind_an_open_transaction_is_not_taken_for_a_reset(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    """A driver killed inside its publish leaves a transaction open on the control topic. The
+    log still covers every stored position; a new coordinator must seek there, not stop with
+    ChannelResetError (seen in the upsert crash test: "past the end of the log (0)")."""
+    backend = make_backend(group_id, transaction_timeout_ms=300_000)
+    clients = backend.clients
+    clients.ensure_topics()
+    topic, partition = clients.control_topic, 0
+
+    def producer(name: str) -> Any:
+        p = clients.producer(clients.transactional_id(name), name)
+        p.init_transactions(clients.timeout)
+        p.begin_transaction()
+        p.produce(topic, value=b"x", partition=partition)
+        assert p.flush(clients.timeout) == 0
+        return p
+
+    producer("done").commit_transaction(clients.timeout)
+    coord = backend.coordinator("c")
+    stored = coord.end_position()[str(partition)]
+    assert stored > 0
+    hung = producer("killed-driver")  # never ends its transaction
+    try:
+        coord.seek({str(partition): stored})
+    finally:
+        hung.abort_transaction(clients.timeout)
+        coord.close()
