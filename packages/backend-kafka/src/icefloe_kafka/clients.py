@@ -11,7 +11,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicCollection
+from confluent_kafka import (
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicCollection,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]  # stubs
 
 from icefloe.errors import ChannelError
@@ -66,6 +73,22 @@ def header_group(headers: Headers | dict[str, str | bytes | None] | None) -> str
         if name == GROUP_HEADER and value is not None:
             return value.decode(errors="replace") if isinstance(value, bytes) else value
     return None
+
+
+def log_bounds(consumer: Consumer, topic: str, partition: int, timeout: float) -> tuple[int, int]:
+    """(low, high) watermarks of a partition, asked through ``consumer``, which must be a
+    ``read_uncommitted`` one (``KafkaClients.consumer(..., committed=False)``).
+
+    Why not a read_committed consumer: it gets the last stable offset, which an open
+    transaction holds back, and Tansu reports both bounds as 0 while any transaction is open
+    on the partition (a killed driver leaves one), so positions inside the log look past it."""
+    try:
+        low, high = consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=timeout
+        )
+    except KafkaException as exc:
+        raise ChannelError(f"cannot read watermarks of {topic}[{partition}]: {exc}") from exc
+    return int(low), int(high)
 
 
 class KafkaClients:

@@ -53,6 +53,7 @@ from icefloe_kafka.clients import (
     KafkaClients,
     group_headers,
     header_group,
+    log_bounds,
     record_key,
     run_transaction,
 )
@@ -321,12 +322,7 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
             self._sought = True
 
     def _check_in_log(self, topic: str, partition: int, offset: int) -> None:
-        """Refuse a stored position that the partition's log no longer covers.
-
-        The bounds come from the read_uncommitted consumer: a read_committed one gets the last
-        stable offset, which Tansu reports as 0 while any transaction is open on the partition
-        (a driver killed inside its publish leaves one), and a healthy position would look
-        past the end."""
+        """Refuse a stored position that the partition's log no longer covers."""
         low, high = self._watermarks(topic, partition)
         if offset > high:
             raise ChannelResetError(
@@ -503,24 +499,15 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
             return self._clients.channel_id()
 
     def _watermarks(self, topic: str, partition: int) -> tuple[int, int]:
-        # The high watermark, asked through a read_uncommitted consumer: a read_committed one
-        # gets the last stable offset, which an open transaction holds back, so a channel
-        # stalled behind one would look idle (and the stall check could never see it).
+        # read_uncommitted (see log_bounds): the high watermark, not the last stable offset,
+        # so a channel stalled behind an open transaction does not look idle either
         with self._lock:
             if self._ends is None:
                 self._clients.ensure_topics()
                 self._ends = self._clients.consumer(
                     self._clients.consumer_group("coordinator"), self._role, committed=False
                 )
-            try:
-                low, high = self._ends.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=self._clients.timeout
-                )
-            except KafkaException as exc:
-                raise ChannelError(
-                    f"cannot read watermarks of {topic}[{partition}]: {exc}"
-                ) from exc
-            return int(low), int(high)
+            return log_bounds(self._ends, topic, partition, self._clients.timeout)
 
     def end_position(self) -> ChannelPosition:
         with self._lock:

@@ -37,6 +37,7 @@ from icefloe_kafka.clients import (
     KafkaClients,
     group_headers,
     header_group,
+    log_bounds,
     record_key,
     run_transaction,
 )
@@ -122,21 +123,21 @@ class KafkaWriterChannel(WriterChannel):
         return parts[zlib.crc32(self._key) % len(parts)]
 
     def _broadcast_consumer(self) -> Consumer:
-        """Reads the control topic from its current end: broadcasts sent after open()."""
+        """Reads the control topic from its current end: broadcasts sent after open(). The
+        end is the high watermark (see log_bounds): read_committed bounds can read as 0 and
+        would replay every broadcast ever sent."""
         topic = self._clients.control_topic
-        consumer = self._clients.consumer(
-            self._clients.consumer_group("writer"), f"writer-{self._writer_id}"
-        )
-        start = []
-        for p in self._clients.partitions(topic):
-            try:
-                _low, high = consumer.get_watermark_offsets(
-                    TopicPartition(topic, p), timeout=self._clients.timeout
-                )
-            except KafkaException as exc:
-                consumer.close()
-                raise ChannelError(f"cannot read the end of {topic}[{p}]: {exc}") from exc
-            start.append(TopicPartition(topic, p, high))
+        role = f"writer-{self._writer_id}"
+        group = self._clients.consumer_group("writer")
+        ends = self._clients.consumer(group, role, committed=False)
+        try:
+            start = [
+                TopicPartition(topic, p, log_bounds(ends, topic, p, self._clients.timeout)[1])
+                for p in self._clients.partitions(topic)
+            ]
+        finally:
+            ends.close()
+        consumer = self._clients.consumer(group, role)
         consumer.assign(start)
         return consumer
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.errors import ChannelChangedError, ChannelResetError
+from icefloe.events import Event, StartCommit
 from icefloe.testing.fixtures import assert_exactly_once
 from icefloe.testing.harness import RowSource, commit_batches, refused_restart
 from icefloe_kafka import KafkaBackend
@@ -70,6 +72,18 @@ def test_pipeline_on_a_recreated_topic_is_refused(
     assert_exactly_once(sqlite_catalog, TABLE, committed)
 
 
+def _open_transaction(backend: KafkaBackend, name: str, partitions: Sequence[int]) -> Any:
+    """A transactional producer with an open transaction holding one record per partition."""
+    clients = backend.clients
+    p = clients.producer(clients.transactional_id(name), name)
+    p.init_transactions(clients.timeout)
+    p.begin_transaction()
+    for partition in partitions:
+        p.produce(clients.control_topic, value=b"x", partition=partition)
+    assert p.flush(clients.timeout) == 0
+    return p
+
+
 def test_a_position_behind_an_open_transaction_is_not_taken_for_a_reset(
     make_backend: BackendMaker, group_id: str
 ) -> None:
@@ -79,23 +93,40 @@ def test_a_position_behind_an_open_transaction_is_not_taken_for_a_reset(
     backend = make_backend(group_id, transaction_timeout_ms=300_000)
     clients = backend.clients
     clients.ensure_topics()
-    topic, partition = clients.control_topic, 0
-
-    def producer(name: str) -> Any:
-        p = clients.producer(clients.transactional_id(name), name)
-        p.init_transactions(clients.timeout)
-        p.begin_transaction()
-        p.produce(topic, value=b"x", partition=partition)
-        assert p.flush(clients.timeout) == 0
-        return p
-
-    producer("done").commit_transaction(clients.timeout)
+    _open_transaction(backend, "done", [0]).commit_transaction(clients.timeout)
     coord = backend.coordinator("c")
-    stored = coord.end_position()[str(partition)]
+    stored = coord.end_position()["0"]
     assert stored > 0
-    hung = producer("killed-driver")  # never ends its transaction
+    hung = _open_transaction(backend, "killed-driver", [0])  # never ends its transaction
     try:
-        coord.seek({str(partition): stored})
+        coord.seek({"0": stored})
     finally:
         hung.abort_transaction(clients.timeout)
         coord.close()
+
+
+def test_a_writer_opened_behind_an_open_transaction_reads_broadcasts_from_the_end(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    """A writer reads only broadcasts sent after it opened, even while another producer's
+    transaction is open (read_committed bounds read as 0 then: it would replay them all)."""
+    backend = make_backend(group_id, transaction_timeout_ms=300_000)
+    clients = backend.clients
+    coord = backend.coordinator("c")
+    assert coord.acquire(20) is not None
+    coord.broadcast(Event(group_id, StartCommit("before-open")))
+    hung = _open_transaction(backend, "killed-driver", clients.partitions(clients.control_topic))
+    writer = backend.writer("w")
+    try:
+        writer.open()
+    finally:
+        hung.abort_transaction(clients.timeout)
+    coord.broadcast(Event(group_id, StartCommit("after-open")))
+    got: list[Event] = []
+    deadline = time.monotonic() + 20
+    while StartCommit("after-open") not in [e.payload for e in got]:
+        assert time.monotonic() < deadline, f"the broadcast never arrived (got {got})"
+        got.extend(writer.poll_broadcasts(0.2))
+    assert [e.payload for e in got] == [StartCommit("after-open")]
+    writer.close()
+    coord.close()
