@@ -18,6 +18,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -96,6 +97,18 @@ def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> Spar
     # (only the main thread may set handlers; PySpark sets none from other threads either)
     if previous_sigint is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, previous_sigint)
+    return session
+
+
+def activate(session: SparkSession) -> SparkSession:
+    """Make ``session`` the JVM's active session of the calling thread, as building it there
+    would have. Why: the session is built in a helper thread (to overlap start-up), and the
+    JVM finds Python data sources registered on a session through the *active* session of
+    the thread that starts the query (else ``DATA_SOURCE_NOT_FOUND: icefloe``). PySpark
+    offers no public call for this (``createDataFrame`` does it as a side effect)."""
+    jvm = session._jvm
+    assert jvm is not None
+    SparkSession._get_j_spark_session_class(jvm).setActiveSession(session._jsparkSession)
     return session
 
 
@@ -257,18 +270,30 @@ class Pipeline:
 
     def _start(self) -> None:
         config = self.config
-        self.catalog = open_catalog(config)
-        ensure_tables(self.catalog, config, self.plugins)
-        self.backend = open_backend(config, self.plugins)
-        resume = self._check_start(self.backend, self.catalog)
-        self.publisher = WriterPublisher(self.backend, config.name, self.writer_id).start()
-        self.server = PublishServer(self.publisher)
-        if self.run_coordinator:
-            self.coordinator = CoordinatorThread(
-                config, self.backend, self.catalog, self.plugins
-            ).start()
+        # The JVM and SparkContext take seconds to start and need none of the steps below:
+        # start them meanwhile (they overlap the catalog, the backend and the coordinator)
+        session: Future[SparkSession] | None = None
         if self._spark is None:
-            self._spark = build_session(config, self.log_level)
+            pool = ThreadPoolExecutor(1, thread_name_prefix="icefloe-spark-session")
+            session = pool.submit(build_session, config, self.log_level)
+            pool.shutdown(wait=False)
+        try:
+            self.catalog = open_catalog(config)
+            ensure_tables(self.catalog, config, self.plugins)
+            self.backend = open_backend(config, self.plugins)
+            resume = self._check_start(self.backend, self.catalog)
+            self.publisher = WriterPublisher(self.backend, config.name, self.writer_id).start()
+            self.server = PublishServer(self.publisher)
+            if self.run_coordinator:
+                self.coordinator = CoordinatorThread(
+                    config, self.backend, self.catalog, self.plugins
+                ).start()
+        except BaseException:
+            if session is not None and session.exception() is None:
+                self._spark = session.result()  # so that stop() stops it
+            raise
+        if session is not None:
+            self._spark = activate(session.result())
         self.spark_log = sparklog.log_file_of(dict(self.spark.sparkContext.getConf().getAll()))
         register(self.spark)
         options = sink_options(
