@@ -103,6 +103,14 @@ def bench_startup(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_startup.py", *session.posargs)
 
 
+@nox.session(name="bench-soak", default=False)
+def bench_soak(session: nox.Session) -> None:
+    """Soak benchmark (not run by default): RSS of the driver, JVM and Python workers of
+    `icefloe run` held at full speed, e.g. `nox -s bench-soak -- --minutes 10`."""
+    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
+    session.run("python", "benchmarks/bench_soak.py", *session.posargs)
+
+
 @nox.session(default=False)
 def faults(session: nox.Session) -> None:
     """Randomized fault suite (not run by default): kill -9 of whole `icefloe run` trees at
