@@ -59,9 +59,9 @@ def delete_mask(
     if options.mode != "cdc":
         return np.zeros(n, dtype=bool)
     field = options.cdc_op_field
+    if n == 0:  # (an empty column may have no chunks: no first bad op to point at)
+        return np.zeros(0, dtype=bool)
     if field not in rows.column_names:
-        if n == 0:
-            return np.zeros(0, dtype=bool)
         raise _error(context, 0, field, f"the record has no op field '{field}'")
     try:
         ops = pc.cast(rows[field], pa.string())
@@ -80,7 +80,7 @@ def delete_mask(
             f"op {value!r} is none of cdc_upsert_ops {options.cdc_upsert_ops} and "
             f"cdc_delete_ops {options.cdc_delete_ops}; add it to one of them",
         )
-    mask = pc.fill_null(delete, False).combine_chunks() if n else pa.array([], pa.bool_())
+    mask = pc.fill_null(delete, False).combine_chunks()
     return np.asarray(mask.to_numpy(zero_copy_only=False), dtype=bool)
 
 

@@ -88,6 +88,14 @@ def test_an_unknown_or_missing_op_is_a_conform_error_naming_the_field_and_fix() 
         delete_mask(pa.table({"kind": ["c"]}), CDC)
 
 
+def test_a_task_without_records_for_a_cdc_table_has_no_deletes() -> None:
+    """A write task whose records all went elsewhere hands the table an empty slice whose
+    op column has no chunks at all (seen: IndexError from reading the 'first bad op')."""
+    empty = pa.table({"op": pa.chunked_array([], pa.string())})
+    assert delete_mask(empty, CDC).tolist() == []
+    assert delete_mask(pa.table({"op": pa.array([], pa.string())}), CDC).tolist() == []
+
+
 def test_configured_op_values_replace_the_debezium_ones() -> None:
     custom = FLAT.model_copy(
         update={"cdc_upsert_ops": ["INSERT", "UPDATE"], "cdc_delete_ops": ["DELETE"]}
