@@ -183,6 +183,54 @@ def test_every_record_lands_exactly_once(
     assert len(set(committed_paths(catalog))) == len(committed_paths(catalog))
 
 
+@pytest.mark.parametrize("data_path", ["ranges", "records"])
+def test_each_data_path_commits_every_record_once_with_partitions_split_over_tasks(
+    data_path: str,
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """``ranges`` (the default): the source's rows are offset ranges, one per task, and the
+    sink's tasks read the records; a partition's range longer than max_records_per_task is
+    split over several tasks. ``records``: Spark moves the records themselves."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker, partitions=1)
+    catalog = make_table(catalog_properties)
+    name = f"e2e-path-{uuid.uuid4().hex[:10]}"
+    data = pipeline_dict(name, kafka_broker, topic, catalog_properties, "kafka", tmp_path / "c")
+    data["spark"].update({"data_path": data_path, "max_records_per_task": 40})
+    produce_json(bootstrap, topic, range(300))
+    with Pipeline(config_from_dict(data), spark=spark, source_extra_options=SOURCE_OPTIONS) as p:
+        wait_until(lambda: committed_rows(catalog) >= 300, WAIT_S, "all 300 rows")
+        assert p.query is not None
+        progress = [r for r in p.query.recentProgress if r["numInputRows"]]
+        assert p.stats.records == 300
+    input_rows = sum(r["numInputRows"] for r in progress)
+    if data_path == "ranges":  # ranges of at most 40 offsets: no record crossed the JVM
+        assert input_rows == sum(-(-n // 40) for n in batch_sizes(progress))
+    else:
+        assert input_rows == 300
+    assert_exactly_once(catalog, TABLE, range(300))
+
+
+def batch_sizes(progress: list[dict[str, Any]]) -> list[int]:
+    """Offsets each batch spanned (its one partition's end minus start)."""
+    out = []
+    for report in progress:
+        (source,) = report["sources"]
+        start, end = (
+            (json.loads(x) if isinstance(x, str) else x) or {}  # none: the topic's beginning
+            for x in (source["startOffset"], source["endOffset"])
+        )
+        out += [
+            int(o) - int(start.get(t, {}).get(p, 0))
+            for t, parts in end.items()
+            for p, o in parts.items()
+        ]
+    return out
+
+
 def test_fresh_checkpoint_at_the_same_place_resumes_from_the_table_and_loses_nothing(
     spark: Any,
     kafka_broker: EmbeddedKafkaBroker,

@@ -295,6 +295,10 @@ class SparkConfig(_Model):
     app_name: str = "icefloe"
     checkpoint_location: str | None = None
     trigger_interval_s: float = Field(default=1.0, ge=0)
+    #: ``ranges``: the source hands the sink offset ranges and the sink's tasks read them
+    #: (records never cross into the JVM); ``records``: Spark moves the records themselves
+    data_path: Literal["ranges", "records"] = "ranges"
+    max_records_per_task: int | None = Field(default=50_000, gt=0)
     conf: dict[str, str] = Field(default_factory=dict)
 
 

@@ -26,7 +26,9 @@ MetricsPortOption = Annotated[
     ),
 ]
 
-RECORDS_READ = Counter("icefloe_records_read", "Source records read by the streaming query.")
+RECORDS_READ = Counter(
+    "icefloe_records_read", "Source records read by the streaming query's published batches."
+)
 RECORDS_WRITTEN = Counter(
     "icefloe_records_written", "Records written to data files and published by this writer."
 )

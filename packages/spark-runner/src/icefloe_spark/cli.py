@@ -6,7 +6,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -16,7 +16,6 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from icefloe import metrics
 from icefloe.config import load_config
 from icefloe.errors import ConfigError
 from icefloe.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve_level
@@ -59,14 +58,16 @@ def watch(
     progress_log = ProgressLog(pipeline.config.name)
     progress_log.tables(tables, pipeline.stats)
     last_tables = 0.0
-    seen_batch = -1
     live = live and console.is_terminal
 
     def view() -> Any:
         assert pipeline.query is not None
         return render(
             pipeline.config.name,
-            QueryProgress.from_spark(pipeline.query.lastProgress),
+            QueryProgress.from_spark(
+                pipeline.query.lastProgress,
+                pipeline.stats.last_batch_records if pipeline.reads_ranges else None,
+            ),
             pipeline.stats,
             tables,
             coordinator_state(pipeline),
@@ -87,7 +88,6 @@ def watch(
                     tables = monitor.tables()
                     last_tables = now
                     progress_log.tables(tables, pipeline.stats)
-                    seen_batch = count_records_read(pipeline.query.recentProgress, seen_batch)
                 if isinstance(display, Live):
                     display.update(view())
                 if until is not None and until():
@@ -96,18 +96,6 @@ def watch(
         monitor.close()
         if live:
             console.print()  # the live view leaves the cursor at the end of its last line
-
-
-def count_records_read(progress: Sequence[Mapping[str, Any]], seen_batch: int) -> int:
-    """Add the input rows of batches not counted yet to the records-read metric; returns the
-    newest batch id counted (Spark keeps the last hundred or so reports)."""
-    newest = seen_batch
-    for report in progress:
-        batch = int(report.get("batchId", -1))
-        if batch > seen_batch:
-            metrics.RECORDS_READ.inc(int(report.get("numInputRows") or 0))
-            newest = max(newest, batch)
-    return newest
 
 
 def coordinator_state(pipeline: Pipeline) -> str:
@@ -296,16 +284,33 @@ def demo(
         bool,
         typer.Option("--keep", help="Keep the temporary directory (catalog, table, config)."),
     ] = False,
+    cdc: Annotated[
+        bool,
+        typer.Option(
+            "--cdc",
+            help="A Debezium-style change stream (creates, updates, deletes) into a keyed "
+            "table in cdc mode, checked against the final state.",
+        ),
+    ] = False,
     verbose: VerboseOption = False,
     log_level: LogLevelOption = None,
 ) -> None:
     """Kafka -> Spark -> Iceberg on this machine: an embedded broker, an SQLite catalog, sample
-    events; checks that the table holds every event exactly once."""
+    events; checks that the table holds every event exactly once (with --cdc: each key's final
+    row, after updates and deletes)."""
     from icefloe_spark.demo import run_demo
+    from icefloe_spark.demo_cdc import Changes
 
     level = resolve_level(log_level, verbose, quiet=log_level is None and not verbose)
     configure_logging(level)
-    ok = run_demo(directory, records=records, partitions=partitions, timeout_s=timeout, keep=keep)
+    ok = run_demo(
+        directory,
+        records=records,
+        partitions=partitions,
+        timeout_s=timeout,
+        keep=keep,
+        scenario=Changes(records) if cdc else None,
+    )
     if not ok:
         raise typer.Exit(1)
 

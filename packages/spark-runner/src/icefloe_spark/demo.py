@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any, Protocol
 
 import pyarrow.compute as pc
 import tomli_w
@@ -58,7 +59,52 @@ SPEC = PartitionSpec(PartitionField(5, 1000, DayTransform(), "ts_day"))
 SOURCE_OPTIONS = {"probeHighWatermark": "true"}
 
 
-def demo_config(directory: Path, bootstrap: str, partitions: int) -> PipelineConfig:
+class Scenario(Protocol):
+    """What a demo variant writes, and how it knows and checks that the table is complete."""
+
+    table: str
+
+    def tables(self) -> list[dict[str, Any]]:
+        """The pipeline's ``[[tables]]`` entries."""
+
+    def create(self, catalog: Catalog) -> str:
+        """Create the table; a line saying what it is."""
+
+    def events(self, first: int, count: int, rng: random.Random) -> Iterator[tuple[bytes, bytes]]:
+        """(key, value) records ``first`` .. ``first + count - 1``."""
+
+    def finished(self, catalog: Catalog, records: int, bootstrap: str) -> bool:
+        """Whether the table holds all ``records`` (called once production ended)."""
+
+    def summarize(self, catalog: Catalog, produced: int, seconds: float, out: Console) -> bool:
+        """Print what the table holds against what was produced; True when exact."""
+
+
+class Events:
+    """The append demo: sample events into a day-partitioned table, each exactly once."""
+
+    table = TABLE
+
+    def tables(self) -> list[dict[str, Any]]:
+        return [{"name": TABLE}]
+
+    def create(self, catalog: Catalog) -> str:
+        create_table(catalog)
+        return f"table {TABLE} (partitioned by day(ts))"
+
+    def events(self, first: int, count: int, rng: random.Random) -> Iterator[tuple[bytes, bytes]]:
+        return events(first, count, rng)
+
+    def finished(self, catalog: Catalog, records: int, bootstrap: str) -> bool:
+        return table_rows(catalog) >= records
+
+    def summarize(self, catalog: Catalog, produced: int, seconds: float, out: Console) -> bool:
+        return summarize(catalog, produced, seconds, out)
+
+
+def demo_config(
+    directory: Path, bootstrap: str, partitions: int, scenario: Scenario | None = None
+) -> PipelineConfig:
     """The pipeline the demo runs: short intervals so the table fills up visibly."""
     return config_from_dict(
         {
@@ -70,7 +116,7 @@ def demo_config(directory: Path, bootstrap: str, partitions: int) -> PipelineCon
                 "starting_offsets": "earliest",
                 "max_records_per_batch": 4_000,
             },
-            "tables": [{"name": TABLE}],
+            "tables": (scenario or Events()).tables(),
             "catalog": {"name": "demo", "properties": catalog_properties(directory)},
             "coordination": {
                 "backend": "kafka",
@@ -125,16 +171,22 @@ def events(first_id: int, count: int, rng: random.Random) -> Iterator[tuple[byte
 
 
 def produce_in_chunks(
-    bootstrap: str, records: int, chunks: int, pause_s: float, done: threading.Event
+    bootstrap: str,
+    records: int,
+    chunks: int,
+    pause_s: float,
+    done: threading.Event,
+    scenario: Scenario | None = None,
 ) -> None:
     """Produce in chunks, so the table visibly fills up while the query runs."""
     rng = random.Random(7)
     per_chunk = -(-records // chunks)
     produced = 0
+    make = (scenario or Events()).events
     try:
         while produced < records:
             n = min(per_chunk, records - produced)
-            produced += produce(bootstrap, TOPIC, events(produced, n, rng))
+            produced += produce(bootstrap, TOPIC, make(produced, n, rng))
             if produced < records:
                 time.sleep(pause_s)
     finally:
@@ -185,7 +237,7 @@ def write_pipeline_toml(config: PipelineConfig, path: Path) -> None:
     path.write_text(tomli_w.dumps(data))
 
 
-def where_things_are(root: Path, kept: bool, out: Console) -> None:
+def where_things_are(root: Path, kept: bool, out: Console, table: str = TABLE) -> None:
     """The demo's last lines: where the table is and how to read it without icefloe."""
     if not kept:
         out.print(f"removed {root}; run `icefloe demo --keep` to keep the catalog and table")
@@ -199,7 +251,7 @@ def where_things_are(root: Path, kept: bool, out: Console) -> None:
     snippet = (
         "from pyiceberg.catalog import load_catalog\n"
         f"catalog = load_catalog('demo', {args})\n"
-        f"print(catalog.load_table('{TABLE}').scan().to_arrow().to_pandas())"
+        f"print(catalog.load_table('{table}').scan().to_arrow().to_pandas())"
     )
     out.print(snippet, markup=False, highlight=False, soft_wrap=True)
 
@@ -211,9 +263,12 @@ def run_demo(
     partitions: int = 4,
     timeout_s: float = 180.0,
     keep: bool = False,
+    scenario: Scenario | None = None,
 ) -> bool:
-    """Run the demo; True when every event is in the table exactly once. A temporary
-    directory is removed at the end unless ``keep``; ``directory`` is always kept."""
+    """Run the demo; True when the table holds exactly what the events imply (every event
+    once; with the CDC scenario, each key's final row). A temporary directory is removed at
+    the end unless ``keep``; ``directory`` is always kept."""
+    scenario = scenario or Events()
     temporary = directory is None and not keep
     root = Path(tempfile.mkdtemp(prefix="icefloe-demo-")) if directory is None else directory
     root.mkdir(parents=True, exist_ok=True)
@@ -224,14 +279,15 @@ def run_demo(
             bootstrap = broker.bootstrap_servers
             console.print(f"broker: Tansu on {bootstrap}")
             create_topic(bootstrap, TOPIC, partitions)
-            config = demo_config(root, bootstrap, partitions)
+            config = demo_config(root, bootstrap, partitions, scenario)
             write_pipeline_toml(config, root / "pipeline.toml")
             catalog = load_catalog("demo", **catalog_properties(root))
-            create_table(catalog)
-            console.print(f"table {TABLE} (partitioned by day(ts)); starting Spark ...")
+            console.print(f"{scenario.create(catalog)}; starting Spark ...")
             done = threading.Event()
             producer = threading.Thread(
-                target=produce_in_chunks, args=(bootstrap, records, 4, 1.5, done), daemon=True
+                target=produce_in_chunks,
+                args=(bootstrap, records, 4, 1.5, done, scenario),
+                daemon=True,
             )
             stop = threading.Event()
             deadline = time.monotonic() + timeout_s
@@ -246,7 +302,7 @@ def run_demo(
                         if time.monotonic() > deadline:
                             console.print("[red]timed out waiting for the table[/red]")
                             return True
-                        return done.is_set() and table_rows(catalog) >= records
+                        return done.is_set() and scenario.finished(catalog, records, bootstrap)
 
                     watch(pipeline, stop, until=finished)
                 finally:
@@ -254,8 +310,8 @@ def run_demo(
                     pipeline.stop()
             producer.join(timeout=30)
         console.print()
-        return summarize(catalog, records, time.monotonic() - started, console)
+        return scenario.summarize(catalog, records, time.monotonic() - started, console)
     finally:
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
-        where_things_are(root, not temporary, console)
+        where_things_are(root, not temporary, console, scenario.table)

@@ -37,8 +37,19 @@ from icefloe.plugins import Plugins, get_plugins
 from icefloe.resume import check_batch_continuity, committed, published, start_offsets
 from icefloe_spark import faults, sparklog
 from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
-from icefloe_spark.sink import SINK_NAME, IcefloeSink, derive_writer_id, sink_options
-from icefloe_spark.source import SOURCE_NAME, register_sources, source_options
+from icefloe_spark.sink import (
+    OPT_SOURCE,
+    SINK_NAME,
+    IcefloeSink,
+    derive_writer_id,
+    sink_options,
+)
+from icefloe_spark.source import (
+    RANGES_SOURCE_NAME,
+    SOURCE_NAME,
+    register_sources,
+    source_options,
+)
 from icefloe_spark.tables import ensure_tables
 
 log = logging.getLogger(__name__)
@@ -98,6 +109,13 @@ def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> Spar
     if previous_sigint is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, previous_sigint)
     return session
+
+
+def any_keyed(config: PipelineConfig) -> bool:
+    """Whether some table replaces rows by key: then one partition's records of a batch stay
+    in one task, where the last change per key is decided."""
+    dynamic = config.dynamic_tables
+    return any(t.keyed for t in config.tables) or (dynamic is not None and dynamic.keyed)
 
 
 def activate(session: SparkSession) -> SparkSession:
@@ -256,6 +274,11 @@ class Pipeline:
         return self._spark
 
     @property
+    def reads_ranges(self) -> bool:
+        """Whether the query runs the ``ranges`` data path (sink tasks read the records)."""
+        return self.reader is None and self.config.spark.data_path == "ranges"
+
+    @property
     def stats(self) -> PublishStats:
         return self.publisher.stats if self.publisher else PublishStats()
 
@@ -296,15 +319,20 @@ class Pipeline:
             self._spark = activate(session.result())
         self.spark_log = sparklog.log_file_of(dict(self.spark.sparkContext.getConf().getAll()))
         register(self.spark)
+        reader_options = {**source_options(config), **resume, **self.source_extra_options}
+        ranges = self.reads_ranges
         options = sink_options(
             config,
             self.writer_id,
             self.server.address,
             self.server.secret,
-            extra=self.sink_extra_options,
+            extra={
+                **({OPT_SOURCE: json.dumps(reader_options)} if ranges else {}),
+                **self.sink_extra_options,
+            },
         )
         writer = (
-            self._input(resume)
+            self._input(reader_options, ranges)
             .writeStream.format(SINK_NAME)
             .options(**options)
             .option("checkpointLocation", self.checkpoint)
@@ -351,13 +379,18 @@ class Pipeline:
         nested = {t: {str(p): o for p, o in sorted(ps.items())} for t, ps in offsets.items()}
         return {"startingOffsets": json.dumps(nested)}
 
-    def _input(self, resume: Mapping[str, str]) -> DataFrame:
-        """The configured source, or the caller's streaming DataFrame in Spark's Kafka layout
-        (e.g. from Spark's own ``kafka`` source where its connector is installed)."""
+    def _input(self, options: Mapping[str, str], ranges: bool) -> DataFrame:
+        """The configured source (its offset ranges on the ``ranges`` data path), or the
+        caller's streaming DataFrame in Spark's Kafka layout (e.g. from Spark's own ``kafka``
+        source where its connector is installed)."""
         if self.reader is not None:
             return self.reader(self.spark)
-        options = {**source_options(self.config), **resume, **self.source_extra_options}
-        df: DataFrame = self.spark.readStream.format(SOURCE_NAME).options(**options).load()
+        if not ranges:
+            return self.spark.readStream.format(SOURCE_NAME).options(**options).load()
+        split = self.config.spark.max_records_per_task
+        if split is not None and not any_keyed(self.config):
+            options = {"maxRecordsPerPartition": str(split), **options}
+        df: DataFrame = self.spark.readStream.format(RANGES_SOURCE_NAME).options(**options).load()
         return df
 
     def all_committed(self) -> bool:

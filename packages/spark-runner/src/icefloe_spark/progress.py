@@ -49,13 +49,24 @@ class QueryProgress:
     rows_per_s: float = 0.0
 
     @classmethod
-    def from_spark(cls, progress: Mapping[str, Any] | None) -> QueryProgress:
+    def from_spark(
+        cls, progress: Mapping[str, Any] | None, records: int | None = None
+    ) -> QueryProgress:
+        """``records``: the batch's records when Spark's ``numInputRows`` does not count
+        them (on the ``ranges`` data path it counts offset ranges, one per task)."""
         if not progress:
             return cls()
+        if records is None:
+            return cls(
+                batch_id=progress.get("batchId"),
+                input_rows=int(progress.get("numInputRows") or 0),
+                rows_per_s=float(progress.get("processedRowsPerSecond") or 0.0),
+            )
+        seconds = float((progress.get("durationMs") or {}).get("triggerExecution") or 0) / 1000
         return cls(
             batch_id=progress.get("batchId"),
-            input_rows=int(progress.get("numInputRows") or 0),
-            rows_per_s=float(progress.get("processedRowsPerSecond") or 0.0),
+            input_rows=records,
+            rows_per_s=records / seconds if seconds > 0 else 0.0,
         )
 
 

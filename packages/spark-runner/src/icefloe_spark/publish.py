@@ -82,6 +82,7 @@ class PublishStats:
     skipped: int = 0
     dead_lettered: int = 0
     last_batch_seq: int | None = None
+    last_batch_records: int = 0  # read by the last batch's tasks (good, skipped, dead-lettered)
     last_publish_at: float | None = None  # time.time()
 
 
@@ -125,8 +126,10 @@ class WriterPublisher:
             s.skipped += request.skipped
             s.dead_lettered += request.dead_lettered
             s.last_batch_seq = request.batch_seq
+            s.last_batch_records = request.records + request.skipped + request.dead_lettered
             s.last_publish_at = time.time()
             if added:
+                metrics.RECORDS_READ.inc(s.last_batch_records)
                 metrics.RECORDS_DEAD_LETTERED.inc(request.dead_lettered)
                 metrics.RECORDS_SKIPPED.inc(request.skipped)
                 metrics.RECORDS_WRITTEN.inc(request.records)

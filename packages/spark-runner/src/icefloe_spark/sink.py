@@ -47,6 +47,7 @@ from icefloe_spark.publish import (
     RemotePublisher,
     local_publisher,
 )
+from icefloe_spark.source import RANGE_ARROW_SCHEMA, SourceOptions, read_ranges
 from icefloe_spark.tables import TableResolver
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ OPT_WRITER_ID = "writer_id"
 OPT_CHECKPOINT = "checkpointlocation"
 OPT_PUBLISHER_ADDRESS = "publisher.address"
 OPT_PUBLISHER_SECRET = "publisher.secret"
+OPT_SOURCE = "source.options"  # JSON reader options: tasks read the ranges they are given
 
 
 INCARNATION_FILE = "icefloe-incarnation"
@@ -115,6 +117,7 @@ class SinkOptions:
     publisher_address: str | None = None
     publisher_secret: str | None = field(default=None, repr=False)
     fail_task: dict[str, Any] | None = None
+    source: SourceOptions | None = field(default=None, repr=False)  # for range rows
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SinkOptions:
@@ -154,7 +157,8 @@ class SinkOptions:
                 "set both (the pipeline does) or neither",
             )
         fail_task = faults.parse_fail_task(opts.get(faults.FAIL_TASK_OPTION))
-        return cls(config, writer_id, address, secret, fail_task)
+        source = SourceOptions.parse(json.loads(opts[OPT_SOURCE])) if OPT_SOURCE in opts else None
+        return cls(config, writer_id, address, secret, fail_task, source)
 
     def publisher(self) -> BatchPublisher:
         """The driver's server when the pipeline runs one, else this process's own client."""
@@ -259,6 +263,16 @@ class IcefloeStreamWriter(DataSourceStreamArrowWriter):
         partition_id = ctx.partitionId() if ctx is not None else 0
         attempt = ctx.attemptNumber() if ctx is not None else 0
         batches = list(iterator)
+        if batches and batches[0].schema.names == RANGE_ARROW_SCHEMA.names:
+            if self.options.source is None:
+                raise ConfigError(
+                    "sink option source.options",
+                    "the input rows are offset ranges (icefloe-kafka-ranges) but the sink "
+                    "was not told how to read them",
+                    "pass the source's reader options as JSON in .option('source.options', "
+                    "...), as icefloe run does",
+                )
+            batches = read_ranges(self.options.source, batches)
         if not batches:
             return IcefloeCommitMessage(partition_id, attempt)
         data = pa.Table.from_batches(batches)
@@ -343,7 +357,9 @@ class IcefloeSink(DataSource):
         return SINK_NAME
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802 - Spark's name
-        check_columns([f.name for f in schema.fields])
+        names = [f.name for f in schema.fields]
+        if names != RANGE_ARROW_SCHEMA.names:
+            check_columns(names)
         return IcefloeStreamWriter(SinkOptions.parse(dict(self.options)))
 
 

@@ -36,6 +36,12 @@ Options (Spark-style names; keys are case-insensitive):
   instead of a ListOffsets request; for brokers whose ListOffsets lags behind the log end
   (the embedded Tansu 0.6 answers the last *batch's* base offset + 1).
 * ``pollTimeoutMs`` (default 30000): how long a task waits for records it knows exist.
+* ``maxRecordsPerPartition``: split a partition's range of a micro-batch into input
+  partitions of at most this many offsets (default: one input partition per Kafka partition).
+
+``icefloe-kafka-ranges`` plans exactly as ``icefloe-kafka`` but its rows are the ranges
+themselves (``topic, partition, start, end``), one per input partition: the ``icefloe`` sink
+reads each range in its own task (:func:`read_ranges`), so records never cross into the JVM.
 
 New partitions (and topics created after the start) are picked up from their earliest
 offset: the batch that discovers one records it at its earliest offset, the next reads it.
@@ -97,6 +103,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "icefloe-kafka"
+RANGES_SOURCE_NAME = "icefloe-kafka-ranges"
 
 KAFKA_SCHEMA = StructType(
     [
@@ -117,6 +124,15 @@ KAFKA_SCHEMA = StructType(
 )
 # exactly what Spark checks returned batches against
 KAFKA_ARROW_SCHEMA: pa.Schema = to_arrow_schema(KAFKA_SCHEMA, timezone="UTC")
+RANGE_SCHEMA = StructType(
+    [
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("start", LongType()),
+        StructField("end", LongType()),
+    ]
+)
+RANGE_ARROW_SCHEMA: pa.Schema = to_arrow_schema(RANGE_SCHEMA, timezone="UTC")
 
 EARLIEST, LATEST = -2, -1  # Spark's markers in JSON starting offsets
 _READ_BATCH = 20_000
@@ -173,6 +189,7 @@ class SourceOptions:
     fail_on_data_loss: bool = True
     probe_high_watermark: bool = False
     poll_timeout_s: float = 30.0
+    max_partition_records: int | None = None  # maxRecordsPerPartition: split longer ranges
     client_conf: dict[str, str] = field(default_factory=dict)
     catalog_name: str = "default"
     catalog_properties: dict[str, str] = field(default_factory=dict)
@@ -243,6 +260,7 @@ class SourceOptions:
             fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
             probe_high_watermark=_bool(opts, "probeHighWatermark", False),
             poll_timeout_s=(poll_ms or 30_000) / 1000.0,
+            max_partition_records=_int(opts, "maxRecordsPerPartition", None),
             client_conf={
                 k[len("kafka.") :]: v
                 for k, v in opts.items()
@@ -273,6 +291,9 @@ class SourceOptions:
         """Consumer settings: the user's ``kafka.*`` options, then what bounded reads need."""
         conf: dict[str, Any] = {
             "group.id": f"icefloe-source-{uuid.uuid4().hex}",  # required; never joined
+            # reads are bounded: at a range's or the log's end, a fetch that waits for more
+            # data (500 ms by default) only delays the EOF that ends the read
+            "fetch.wait.max.ms": 10,
             **self._base_conf(),
             **self.client_conf,
         }
@@ -312,6 +333,7 @@ READER_OPTIONS = (
     "failOnDataLoss",
     "probeHighWatermark",
     "pollTimeoutMs",
+    "maxRecordsPerPartition",
 )
 _READER_PREFIXES = ("kafka.", "icefloe.")
 
@@ -552,7 +574,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         deadline = time.monotonic() + self._timeout()
         try:
             while pending and time.monotonic() < deadline:
-                for msg in self._probe.consume(num_messages=10_000, timeout=0.2):
+                for msg in self._probe.consume(num_messages=10_000, timeout=0.02):
                     tp = (str(msg.topic()), _int_of(msg.partition()))
                     err = msg.error()
                     if err is None:
@@ -674,8 +696,13 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         out: list[InputPartition] = []
         for tp in sorted(stop):
             first = begin.get(tp, stop[tp])
-            if stop[tp] > first:
-                out.append(KafkaInputPartition(tp[0], tp[1], first, stop[tp]))
+            if stop[tp] <= first:
+                continue
+            step = self.options.max_partition_records or stop[tp] - first
+            out += [
+                KafkaInputPartition(tp[0], tp[1], lo, min(lo + step, stop[tp]))
+                for lo in range(first, stop[tp], step)
+            ]
         return out
 
     def commit(self, end: dict[str, Any]) -> None:
@@ -740,6 +767,28 @@ def read_range(
                 msgs = []
     finally:
         consumer.close()
+
+
+class KafkaRangeReader(KafkaStreamReader):
+    """Plans like :class:`KafkaStreamReader`; each input partition's one row is its range."""
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, KafkaInputPartition)
+        p = partition
+        yield pa.RecordBatch.from_pylist(
+            [{"topic": p.topic, "partition": p.partition, "start": p.start, "end": p.end}],
+            schema=RANGE_ARROW_SCHEMA,
+        )
+
+
+def read_ranges(options: SourceOptions, ranges: Iterable[pa.RecordBatch]) -> list[pa.RecordBatch]:
+    """The records of range rows (``icefloe-kafka-ranges``), as Kafka-layout batches."""
+    out: list[pa.RecordBatch] = []
+    for batch in ranges:
+        for row in batch.to_pylist():
+            part = KafkaInputPartition(row["topic"], row["partition"], row["start"], row["end"])
+            out += read_range(options, part)
+    return out
 
 
 def _range_ends_here(part: KafkaInputPartition, events: Sequence[Any]) -> bool:
@@ -809,17 +858,31 @@ def to_record_batch(topic: str, partition: int, msgs: Sequence[Any]) -> pa.Recor
 class IcefloeKafkaDataSource(DataSource):
     """``spark.readStream.format("icefloe-kafka")``."""
 
+    source_name = SOURCE_NAME
+    row_schema = KAFKA_SCHEMA
+    stream_reader_class: type[KafkaStreamReader] = KafkaStreamReader
+
     @classmethod
     def name(cls) -> str:
-        return SOURCE_NAME
+        return cls.source_name
 
     def schema(self) -> StructType:
-        return KAFKA_SCHEMA
+        return self.row_schema
 
     def streamReader(self, schema: StructType) -> KafkaStreamReader:  # noqa: N802 (Spark's name)
-        return KafkaStreamReader(SourceOptions.parse(self.options))
+        return self.stream_reader_class(SourceOptions.parse(self.options))
+
+
+class IcefloeKafkaRangesDataSource(IcefloeKafkaDataSource):
+    """``spark.readStream.format("icefloe-kafka-ranges")``: offset ranges, not records."""
+
+    source_name = RANGES_SOURCE_NAME
+    row_schema = RANGE_SCHEMA
+    stream_reader_class = KafkaRangeReader
 
 
 def register_sources(spark: SparkSession) -> None:
-    """Make ``icefloe-kafka`` available to ``spark.readStream.format(...)``."""
+    """Make ``icefloe-kafka`` and ``icefloe-kafka-ranges`` available to
+    ``spark.readStream.format(...)``."""
     spark.dataSource.register(IcefloeKafkaDataSource)
+    spark.dataSource.register(IcefloeKafkaRangesDataSource)

@@ -33,6 +33,13 @@ def test_query_progress_reads_sparks_report() -> None:
     assert got == QueryProgress(4, 1000, 2500.5)
 
 
+def test_on_the_ranges_path_the_batch_records_come_from_the_sink() -> None:
+    """Spark's numInputRows counts the ranges there (one row per task), not records."""
+    report = {"batchId": 7, "numInputRows": 3, "durationMs": {"triggerExecution": 2000}}
+    assert QueryProgress.from_spark(report, records=300) == QueryProgress(7, 300, 150.0)
+    assert QueryProgress.from_spark(report).input_rows == 3
+
+
 def test_exit_after_publish_fires_only_for_its_batch() -> None:
     code = (
         "from icefloe_spark.faults import exit_after_publish\n"

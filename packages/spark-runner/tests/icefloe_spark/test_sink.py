@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 
 from icefloe.config import PipelineConfig, config_from_dict
@@ -16,12 +17,15 @@ from icefloe.events import DataFileMeta, SourcePosition
 from icefloe_spark.batch import TaskOutput
 from icefloe_spark.publish import RemotePublisher
 from icefloe_spark.sink import (
+    OPT_SOURCE,
     IcefloeCommitMessage,
+    IcefloeStreamWriter,
     SinkOptions,
     derive_writer_id,
     merge_messages,
     sink_options,
 )
+from icefloe_spark.source import RANGE_ARROW_SCHEMA
 
 
 def config(**coordination: Any) -> PipelineConfig:
@@ -175,3 +179,19 @@ def test_merge_adds_up_the_tasks_bad_record_counts() -> None:
     outs = [TaskOutput(records=10, skipped=2), TaskOutput(records=5, skipped=1, dead_lettered=4)]
     req = merge_messages([IcefloeCommitMessage(i, 0, o) for i, o in enumerate(outs)], 3)
     assert (req.records, req.skipped, req.dead_lettered) == (15, 3, 4)
+
+
+def test_range_rows_need_the_source_options_and_they_round_trip() -> None:
+    """On the ranges data path the sink's tasks read Kafka themselves: without the source's
+    options (what icefloe run passes) a range row is refused by name, never ignored."""
+    opts = sink_options(config(), "w-1")
+    ranges = pa.RecordBatch.from_pylist(
+        [{"topic": "orders", "partition": 0, "start": 0, "end": 10}], schema=RANGE_ARROW_SCHEMA
+    )
+    with pytest.raises(ConfigError, match=r"source\.options"):
+        IcefloeStreamWriter(SinkOptions.parse(opts)).write(iter([ranges]))
+    reader = {"kafka.bootstrap.servers": "k:9092", "subscribe": "orders", "pollTimeoutMs": "5000"}
+    parsed = SinkOptions.parse({**opts, OPT_SOURCE: json.dumps(reader)})
+    assert parsed.source is not None
+    assert (parsed.source.bootstrap_servers, parsed.source.topics) == ("k:9092", ("orders",))
+    assert parsed.source.poll_timeout_s == 5.0

@@ -481,3 +481,20 @@ def test_split_limit_shares_fairly(lags: dict[tuple[str, int], int], limit: int)
     assert all(0 <= out[tp] <= lags[tp] for tp in lags)
     assert sum(out.values()) == min(limit, sum(lags.values()))
     assert split_limit(lags, limit) == out  # deterministic
+
+
+def _planner(**extra: str) -> KafkaStreamReader:
+    """A reader for planning only (``partitions`` asks no broker)."""
+    return KafkaStreamReader(
+        SourceOptions.parse({"kafka.bootstrap.servers": "unused:9092", "subscribe": "t", **extra})
+    )
+
+
+def test_ranges_longer_than_max_records_per_partition_are_split_in_order() -> None:
+    split = _planner(maxRecordsPerPartition="4").partitions(
+        {"t": {"0": 3, "1": 5, "2": 9}}, {"t": {"0": 13, "1": 6, "2": 9}}
+    )
+    got = [(p.topic, p.partition, p.start, p.end) for p in split]  # type: ignore[attr-defined]
+    assert got == [("t", 0, 3, 7), ("t", 0, 7, 11), ("t", 0, 11, 13), ("t", 1, 5, 6)]
+    whole = _planner().partitions({"t": {"0": 3}}, {"t": {"0": 13}})
+    assert [(p.start, p.end) for p in whole] == [(3, 13)]  # type: ignore[attr-defined]
