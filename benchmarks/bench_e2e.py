@@ -71,7 +71,6 @@ SCHEMA = Schema(
     NestedField(9, "mobile", BooleanType(), required=False),
     NestedField(10, "ts", TimestamptzType(), required=False),
 )
-SOURCE_OPTIONS = {"probeHighWatermark": "true"}  # Tansu's ListOffsets is not exact
 
 
 def events(first: int, n: int) -> Iterator[tuple[bytes | None, bytes]]:
@@ -178,7 +177,7 @@ def end_to_end(
     (seconds, Spark batches, snapshots) of the timed part."""
     spark = build_session(config)
     spark.sparkContext.setLogLevel("ERROR")
-    pipeline = Pipeline(config, spark=spark, source_extra_options=SOURCE_OPTIONS)
+    pipeline = Pipeline(config, spark=spark)
     pipeline.start()
 
     def wait_for(rows: int) -> None:

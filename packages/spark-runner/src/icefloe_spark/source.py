@@ -32,9 +32,13 @@ Options (Spark-style names; keys are case-insensitive):
   among partitions in proportion to their lag.
 * ``failOnDataLoss`` (default true): fail when records between the checkpoint and the
   broker's earliest offset are gone; false: log it and go on from the earliest.
-* ``probeHighWatermark`` (default false): learn each partition's end from a fetch response
-  instead of a ListOffsets request; for brokers whose ListOffsets lags behind the log end
-  (the embedded Tansu 0.6 answers the last *batch's* base offset + 1).
+* ``probeHighWatermark`` (``auto``, the default; ``true``; ``false``): learn a partition's
+  end from a fetch response, not only from a ListOffsets request, for brokers whose
+  ListOffsets lags behind the log end (the embedded Tansu 0.6 answers the last *batch's* base
+  offset + 1). ``auto`` probes only partitions whose listed end has not moved since the last
+  trigger: while records arrive no probe is made (a lagging end is read by the next
+  trigger), and once they stop, one fetch finds a tail the listing hides. On Apache Kafka,
+  whose listing is exact, that fetch returns at once with the same end.
 * ``pollTimeoutMs`` (default 30000): how long a task waits for records it knows exist.
 * ``maxRecordsPerPartition``: split a partition's range of a micro-batch into input
   partitions of at most this many offsets (default: one input partition per Kafka partition).
@@ -58,7 +62,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -161,6 +165,24 @@ def _bool(options: Mapping[str, str], key: str, default: bool) -> bool:
     raise ConfigError(f"option '{key}'", "must be true or false", f"set {key} to true/false", raw)
 
 
+def probe_mode(options: Mapping[str, str]) -> Literal["auto", "true", "false"]:
+    """``probeHighWatermark`` of reader options (any key case): auto, true or false."""
+    raw = {k.lower(): v for k, v in options.items()}.get("probehighwatermark", "auto")
+    value = str(raw).lower()
+    if value == "auto":
+        return "auto"
+    if value == "true":
+        return "true"
+    if value == "false":
+        return "false"
+    raise ConfigError(
+        "option 'probeHighWatermark'",
+        "must be auto, true or false",
+        "leave it unset (auto) or set it to true/false",
+        raw,
+    )
+
+
 def _int(options: Mapping[str, str], key: str, default: int | None) -> int | None:
     raw = options.get(key.lower())
     if raw is None:
@@ -187,7 +209,7 @@ class SourceOptions:
     starting_timestamps: Offsets = field(default_factory=dict)
     max_records: int | None = None
     fail_on_data_loss: bool = True
-    probe_high_watermark: bool = False
+    probe_high_watermark: Literal["auto", "true", "false"] = "auto"
     poll_timeout_s: float = 30.0
     max_partition_records: int | None = None  # maxRecordsPerPartition: split longer ranges
     client_conf: dict[str, str] = field(default_factory=dict)
@@ -258,7 +280,7 @@ class SourceOptions:
             starting_timestamps=stamps,
             max_records=max_records,
             fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
-            probe_high_watermark=_bool(opts, "probeHighWatermark", False),
+            probe_high_watermark=probe_mode(opts),
             poll_timeout_s=(poll_ms or 30_000) / 1000.0,
             max_partition_records=_int(opts, "maxRecordsPerPartition", None),
             client_conf={
@@ -495,6 +517,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._probe: Consumer | None = None
         self._latest: dict[TP, int] | None = None
         self._target: dict[TP, int] | None = None  # Trigger.AvailableNow's end
+        self._listed: dict[TP, int] = {}  # the last ListOffsets answer (auto probing)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}
@@ -502,6 +525,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.options = state["options"]
         self._admin, self._probe, self._latest, self._target = None, None, None, None
+        self._listed = {}
 
     # ---- broker queries (driver)
 
@@ -556,14 +580,27 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """(earliest, latest) offsets of ``tps``."""
         earliest = self._list_offsets(tps, OffsetSpec.earliest())  # type: ignore[no-untyped-call]
         latest = self._list_offsets(tps, OffsetSpec.latest())  # type: ignore[no-untyped-call]
-        if self.options.probe_high_watermark:
-            latest = self._probe_latest(earliest, latest)
+        mode = self.options.probe_high_watermark
+        if mode != "false":
+            first = not self._listed
+            still = {tp for tp, end in latest.items() if self._listed.get(tp) == end}
+            self._listed = dict(latest)
+            latest = self._probe_latest(
+                earliest, latest, set(latest) if mode == "true" or first else still
+            )
         return earliest, latest
 
-    def _probe_latest(self, earliest: dict[TP, int], listed: dict[TP, int]) -> dict[TP, int]:
-        """The end of each partition as a fetch response reports it: fetch from the last
-        listed offset and take the end-of-partition position (or the last offset seen)."""
-        todo = {tp: max(listed[tp] - 1, earliest[tp]) for tp in listed if listed[tp] > earliest[tp]}
+    def _probe_latest(
+        self, earliest: dict[TP, int], listed: dict[TP, int], which: set[TP]
+    ) -> dict[TP, int]:
+        """The end of each partition of ``which`` as a fetch response reports it: fetch from
+        the last listed offset and take the end-of-partition position (or the last offset
+        seen); the others keep their listed end."""
+        todo = {
+            tp: max(listed[tp] - 1, earliest[tp])
+            for tp in which & set(listed)
+            if listed[tp] > earliest[tp]
+        }
         result = dict(listed)
         if not todo:
             return result
@@ -738,7 +775,11 @@ def read_range(
         next_offset = part.start
         last_progress = time.monotonic()
         while next_offset < part.end:
-            polled = consumer.consume(num_messages=batch_size, timeout=1.0)
+            # ask for no more than the range still holds: a consume returns once it has that
+            # many or its timeout ran out, so asking for more waits out the timeout at the end
+            # of every range (offsets without a record only cost one short wait)
+            wanted = max(1, min(batch_size, part.end - next_offset))
+            polled = consumer.consume(num_messages=wanted, timeout=0.1)
             if not polled:
                 if time.monotonic() - last_progress > options.poll_timeout_s:
                     raise KafkaSourceError(

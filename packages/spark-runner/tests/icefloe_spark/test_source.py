@@ -43,6 +43,7 @@ from icefloe_spark.source import (
     KafkaInputPartition,
     KafkaStreamReader,
     SourceOptions,
+    probe_mode,
     read_range,
     split_limit,
     table_source_offsets,
@@ -395,11 +396,40 @@ def test_probe_finds_the_end_of_multi_record_batches(
     probed = _reader(source_options, topic, probeHighWatermark="true")
     _, latest = probed.bounds([(topic, 0)])
     assert latest == {(topic, 0): 25}
-    listed = _reader(source_options, topic)
+    listed = _reader(source_options, topic, probeHighWatermark="false")
     _, plain = listed.bounds([(topic, 0)])
     assert 1 <= plain[(topic, 0)] <= 25
     probed.stop()
     listed.stop()
+
+
+def test_auto_probe_fetches_only_ends_that_stopped_moving(
+    new_topic: Any, produce: Any, source_options: Any
+) -> None:
+    """The default (``auto``): the first bounds probe; while the listed end moves the
+    listing is taken as it is (no fetch per trigger; Tansu's lagging end is read by a later
+    trigger), and an end listed twice the same is probed, so the tail a lagging listing
+    hides is always reached once records stop."""
+    topic = new_topic(partitions=1)
+    tp = (topic, 0)
+    produce(topic, [f"a{i}".encode() for i in range(25)], batched=True)
+    reader = _reader(source_options, topic)
+    assert reader.options.probe_high_watermark == "auto"
+    assert reader.bounds([tp])[1] == {tp: 25}  # first call: probed
+    produce(topic, [f"b{i}".encode() for i in range(25)], batched=True)
+    moving = reader.bounds([tp])[1][tp]
+    listed = _reader(source_options, topic, probeHighWatermark="false").bounds([tp])[1][tp]
+    assert moving == listed  # taken from the listing, not fetched
+    assert reader.bounds([tp])[1] == {tp: 50}  # listed the same again: probed
+    reader.stop()
+
+
+def test_probe_mode_takes_auto_true_false_in_any_case() -> None:
+    assert probe_mode({}) == "auto"
+    assert probe_mode({"probeHighWatermark": "TRUE"}) == "true"
+    assert probe_mode({"probehighwatermark": "false"}) == "false"
+    with pytest.raises(ConfigError, match="probeHighWatermark"):
+        probe_mode({"probeHighWatermark": "sometimes"})
 
 
 def test_latest_offset_limits_and_new_partitions(
