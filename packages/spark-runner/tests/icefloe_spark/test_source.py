@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pyarrow as pa
 import pytest
@@ -39,6 +40,7 @@ from icefloe.testing.fixtures import (
 )
 from icefloe_spark.source import (
     KAFKA_ARROW_SCHEMA,
+    ConsumerPool,
     DataLossError,
     KafkaInputPartition,
     KafkaStreamReader,
@@ -528,3 +530,30 @@ def test_ranges_longer_than_max_records_per_partition_are_split_in_order() -> No
     assert got == [("t", 0, 3, 7), ("t", 0, 7, 11), ("t", 0, 11, 13), ("t", 1, 5, 6)]
     whole = _planner().partitions({"t": {"0": 3}}, {"t": {"0": 13}})
     assert [(p.start, p.end) for p in whole] == [(3, 13)]  # type: ignore[attr-defined]
+
+
+def test_pooled_consumer_reads_each_next_range_exactly(
+    new_topic: Any, produce: Any, source_options: Any
+) -> None:
+    """Range reads reuse one consumer of the process's pool: another partition, a later and
+    an earlier range of the same partition each give exactly their own records."""
+    topic = new_topic(partitions=2)
+    produce(topic, [f"p0-{i}".encode() for i in range(30)], partition=0, batched=True)
+    produce(topic, [f"p1-{i}".encode() for i in range(30)], partition=1, batched=True)
+    opts = SourceOptions.parse(source_options(topic))
+    pool = ConsumerPool()
+    seen: list[int] = []
+
+    def read(partition: int, start: int, end: int) -> list[bytes]:
+        part = KafkaInputPartition(topic, partition, start, end)
+        with patch("icefloe_spark.source.CONSUMERS", pool):
+            batches = list(read_range(opts, part, batch_size=7))
+        ((idle,),) = pool._idle.values()  # the one consumer, back in the pool
+        seen.append(id(idle))
+        return [v for b in batches for v in b.column("value").to_pylist()]
+
+    assert read(0, 0, 20) == [f"p0-{i}".encode() for i in range(20)]
+    assert read(1, 3, 30) == [f"p1-{i}".encode() for i in range(3, 30)]
+    assert read(0, 25, 30) == [f"p0-{i}".encode() for i in range(25, 30)]
+    assert read(0, 5, 12) == [f"p0-{i}".encode() for i in range(5, 12)]
+    assert len(set(seen)) == 1
