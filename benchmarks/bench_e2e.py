@@ -162,20 +162,29 @@ def ceiling(
     return seconds, records
 
 
-def cpu_seconds(exclude: set[int]) -> float:
-    """CPU seconds (user + system) this process and every live descendant used so far,
-    exited children included through their parents' accounts; ``exclude`` (the broker) left
-    out. CPU time, unlike wall time, hardly depends on what else the machine runs."""
+def cpu_seconds(exclude: set[int], detail: bool = False) -> dict[str, float]:
+    """CPU seconds (user + system) this process and every live descendant used so far, by
+    kind of process (driver, jvm, python: Spark's Python workers and planners; with
+    ``detail`` one entry per process), exited children included through their parents'
+    accounts; ``exclude`` (broker, producer) left out. CPU time, unlike wall time, hardly
+    depends on what else the machine runs."""
     me = psutil.Process()
     mine = me.cpu_times()
-    total = mine.user + mine.system  # not its reaped children: the producer is one
+    out = {"driver": mine.user + mine.system}  # not its reaped children: the producer is one
     for proc in me.children(recursive=True):
         if proc.pid in exclude:
             continue
         with contextlib.suppress(psutil.NoSuchProcess):
             t = proc.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-    return float(total)
+            kind = "jvm" if "java" in proc.name() else "python"
+            if detail:
+                kind = f"{kind} {proc.pid} {' '.join(proc.cmdline()[-1:])}"
+            out[kind] = out.get(kind, 0.0) + t.user + t.system + t.children_user + t.children_system
+    return out
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 1) for k, v in after.items()}
 
 
 def produce_when_told(bootstrap: str, first: int, n: int, ready: Any, go: Any) -> None:
@@ -201,6 +210,7 @@ def end_to_end(
     records: int,
     timeout_s: float,
     broker_pid: int,
+    cpu_detail: bool = False,
 ) -> tuple[float, float, int, int]:
     """Warm the pipeline up on ``warmup`` records, then time ``records`` more;
     (seconds, CPU seconds of the pipeline's processes, Spark batches, snapshots) of the timed
@@ -233,11 +243,13 @@ def end_to_end(
         producer.start()
         ready.wait()
         skip = {broker_pid, producer.pid or -1}
-        cpu0, t0 = cpu_seconds(skip), time.perf_counter()
+        cpu0, t0 = cpu_seconds(skip, cpu_detail), time.perf_counter()
         go.set()
         wait_for(warmup + records)
         seconds = time.perf_counter() - t0
-        cpu = cpu_seconds(skip) - cpu0
+        by_kind = cpu_used(cpu0, cpu_seconds(skip, cpu_detail))
+        cpu = sum(by_kind.values())
+        print(f"CPU by kind : {by_kind}", flush=True)
         producer.join()
         batches = pipeline.stats.batches - batches0
         assert pipeline.query is not None
@@ -278,6 +290,7 @@ def main() -> None:
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--data-path", default="ranges", choices=("ranges", "records"))
     ap.add_argument("--commit-interval", type=float, default=2.0)
+    ap.add_argument("--cpu-detail", action="store_true", help="CPU seconds per process")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
     args = ap.parse_args()
@@ -335,6 +348,7 @@ def main() -> None:
             args.records,
             args.timeout,
             broker.proc.pid,
+            args.cpu_detail,
         )
         e_rate = args.records / e_s
         print(

@@ -81,6 +81,9 @@ def checkpoint_batch(location: str) -> int | None:
     return max(ids, default=None)
 
 
+NO_BYTECODE = "PYTHONDONTWRITEBYTECODE"
+
+
 def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> SparkSession:
     """A SparkSession for this pipeline; Python workers run this interpreter (else they start
     under whatever ``python3`` is first on PATH, without icefloe installed).
@@ -95,6 +98,8 @@ def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> Spar
         "spark.app.name": config.spark.app_name,
         "spark.sql.redaction.options.regex": _REDACT_OPTIONS,
         "spark.ui.showConsoleProgress": "false",  # it would scribble over the live view
+        # see launch_detached_gateway: executors' Python workers (on a cluster) likewise
+        f"spark.executorEnv.{NO_BYTECODE}": "",
         **config.spark.conf,
     }
     conf.update(sparklog.java_options(conf, config.name, log_level))
@@ -146,9 +151,19 @@ def launch_detached_gateway(conf: Mapping[str, str]) -> None:
     spark_conf = SparkConf(loadDefaults=False)
     for key, value in conf.items():
         spark_conf.set(key, value)
-    gateway = launch_gateway(  # type: ignore[no-untyped-call]
-        spark_conf, popen_kwargs={"start_new_session": True}
-    )
+    # Spark starts a fresh Python process for each step of a Python data source's life and
+    # forks workers for the tasks; without bytecode caches each one compiles pyspark, pyarrow,
+    # pyiceberg and icefloe from source again (4-5 s of CPU a process here, most of the first
+    # micro-batch), so the JVM and the Python processes it starts may write them even where
+    # the driver's environment says not to (an empty value is "unset" to Python)
+    saved = os.environ.pop(NO_BYTECODE, None)
+    try:
+        gateway = launch_gateway(  # type: ignore[no-untyped-call]
+            spark_conf, popen_kwargs={"start_new_session": True}
+        )
+    finally:
+        if saved is not None:
+            os.environ[NO_BYTECODE] = saved
     SparkContext._ensure_initialized(gateway=gateway)
 
 

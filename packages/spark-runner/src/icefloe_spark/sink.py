@@ -39,7 +39,7 @@ from icefloe.convert import RecordConverter
 from icefloe.errors import ConfigError, TableMismatchError
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.writer import merge_positions
-from icefloe_spark import faults
+from icefloe_spark import faults, workergc
 from icefloe_spark.batch import TaskOutput, check_columns, write_task
 from icefloe_spark.publish import (
     BatchPublisher,
@@ -295,6 +295,7 @@ class IcefloeStreamWriter(DataSourceStreamArrowWriter):
             # this attempt's files will never be published: do not leave them behind
             _delete_quietly(tables, written)
             raise
+        workergc.freeze_once()
         return IcefloeCommitMessage(partition_id, attempt, output)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 - Spark's name

@@ -99,6 +99,7 @@ from pyspark.sql.types import (
 
 from icefloe.config import matching_topics
 from icefloe.errors import ConfigError, IcefloeError
+from icefloe_spark import workergc
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -758,6 +759,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaInputPartition)
         yield from read_range(self.options, partition)
+        workergc.freeze_once()
 
 
 class ConsumerPool:
@@ -890,6 +892,7 @@ class KafkaRangeReader(KafkaStreamReader):
             [{"topic": p.topic, "partition": p.partition, "start": p.start, "end": p.end}],
             schema=RANGE_ARROW_SCHEMA,
         )
+        workergc.freeze_once()
 
 
 def read_ranges(options: SourceOptions, ranges: Iterable[pa.RecordBatch]) -> list[pa.RecordBatch]:
