@@ -4,10 +4,17 @@ The committer's side is in test_committer.py, the whole path in tests/test_e2e_r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
+import tomli_w
+from pyiceberg.catalog.sql import SqlCatalog
+from typer.testing import CliRunner
 
-from icefloe.errors import RollbackNotReplayableError
+from icefloe.cli import app
+from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.errors import ConfigError, RollbackNotReplayableError
 from icefloe.rollback import (
     ReplayRange,
     Rollback,
@@ -16,6 +23,12 @@ from icefloe.rollback import (
     is_replay_writer,
     keyed_refusal,
     replay_writer_id,
+)
+from icefloe.testing.fixtures import (
+    create_rows_table,
+    make_sqlite_catalog,
+    sqlite_catalog_properties,
+    write_rows,
 )
 
 
@@ -97,3 +110,81 @@ def test_describe_says_what_happens() -> None:
     assert "{'t': {0: 40}}" in text
     assert "nothing to replay" in describe(None, "db.a", replay=True)
     assert "accepted" in describe(None, "db.a", replay=False)
+
+
+# --- icefloe rollback ---------------------------------------------------------------------
+
+
+def pipeline_file(tmp_path: Path, mode: str = "append") -> tuple[Path, SqlCatalog]:
+    """A pipeline file over a real SQLite catalog whose table the pipeline committed to twice
+    (ids 1 and 2, source offsets 1 and 2)."""
+    catalog = make_sqlite_catalog(tmp_path / "iceberg", name="cli")
+    table = create_rows_table(catalog, "db.t")
+    committer = IcebergCommitter(catalog, "p")
+    for seq in range(2):
+        metas = write_rows(table, [seq + 1], "w", seq)
+        files = tuple(PendingFile(m, "w", seq, "0", seq) for m in metas)
+        committer.commit(
+            TableCommitRequest("db.t", f"c{seq}", files, {"0": seq + 1}, {"t": {0: seq + 1}}, 1)
+        )
+    entry: dict[str, Any] = {"name": "db.t", "mode": mode}
+    if mode != "append":
+        entry["id_columns"] = ["id"]
+    data = {
+        "name": "p",
+        "source": {"topics": ["t"]},
+        "tables": [entry],
+        "catalog": {
+            "name": "cli",
+            "properties": {"type": "sql", **sqlite_catalog_properties(tmp_path / "iceberg")},
+        },
+        "coordination": {"backend": "memory"},
+    }
+    path = tmp_path / "pipeline.toml"
+    path.write_text(tomli_w.dumps(data))
+    return path, catalog
+
+
+def snapshot_ids(catalog: SqlCatalog) -> list[int]:
+    return [s.snapshot_id for s in catalog.load_table("db.t").snapshots()]
+
+
+def test_cli_rolls_back_and_says_what_the_pipeline_will_replay(tmp_path: Path) -> None:
+    path, catalog = pipeline_file(tmp_path)
+    first, second = snapshot_ids(catalog)
+    result = CliRunner().invoke(app, ["rollback", "-c", str(path), "db.t", str(first)])
+    assert result.exit_code == 0, result.output
+    assert f"rolled back from snapshot {second} to {first}" in result.stdout
+    assert "{'t': {0: 1}} up to {'t': {0: 2}}" in result.stdout
+    current = catalog.load_table("db.t").current_snapshot()
+    assert current is not None
+    assert current.snapshot_id == first
+    assert IcebergCommitter(catalog, "p").rollback("db.t") is not None
+
+
+def test_cli_no_replay_accepts_the_rollback(tmp_path: Path) -> None:
+    path, catalog = pipeline_file(tmp_path)
+    first, _ = snapshot_ids(catalog)
+    args = ["rollback", "-c", str(path), "db.t", str(first), "--no-replay"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "accepted" in result.stdout
+    assert IcebergCommitter(catalog, "p").rollback("db.t") is None
+
+
+def test_cli_refuses_to_replay_a_keyed_table_naming_the_fix(tmp_path: Path) -> None:
+    path, catalog = pipeline_file(tmp_path, mode="upsert")
+    first, second = snapshot_ids(catalog)
+    result = CliRunner().invoke(app, ["rollback", "-c", str(path), "db.t", str(first)])
+    assert isinstance(result.exception, RollbackNotReplayableError)
+    assert "--no-replay" in str(result.exception)
+    current = catalog.load_table("db.t").current_snapshot()
+    assert current is not None
+    assert current.snapshot_id == second  # nothing changed
+
+
+def test_cli_names_an_unknown_table(tmp_path: Path) -> None:
+    path, _ = pipeline_file(tmp_path)
+    result = CliRunner().invoke(app, ["rollback", "-c", str(path), "db.other", "1"])
+    assert isinstance(result.exception, ConfigError)
+    assert result.exception.key == "tables"
