@@ -280,18 +280,27 @@ class IcebergCommitter:
         return self._states(loaded, head)[1]
 
     def roll_back(
-        self, table: str, snapshot_id: int | None, replay: bool = True
+        self,
+        table: str,
+        snapshot_id: int | None,
+        replay: bool = True,
+        only_if: str | None = None,
     ) -> Rollback | None:
         """Move the branch of ``table`` back to ``snapshot_id`` (the head or one of its
         ancestors; None: the head) and return the rollback the pipeline will replay. With
         ``replay=False`` the rollback (this one, or one made by another tool) is accepted in
         the same transaction instead: the kept state is re-anchored on the new head, so the
-        rolled-back rows stay out and nothing is replayed."""
+        rolled-back rows stay out and nothing is replayed. ``only_if`` (a replay writer id)
+        changes nothing unless that rollback is the one pending (not a newer one)."""
         for attempt in range(self._max_attempts):
             if attempt:
                 self._backoff(attempt)
             loaded = self._load(table)
             head, _ = self._branch_head(loaded)
+            if only_if is not None:
+                pending = self._states(loaded, head)[1]
+                if pending is None or pending.writer_id != only_if:
+                    return pending
             target = snapshot_id if snapshot_id is not None or head is None else head.snapshot_id
             if target is None or target not in _history(head, loaded.metadata):
                 raise CommitError(

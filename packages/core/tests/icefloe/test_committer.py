@@ -854,6 +854,22 @@ def test_accepting_another_tools_rollback(catalog: SqlCatalog, table: Table) -> 
     assert ids_in(catalog) == [1, 3]
 
 
+def test_accepting_a_superseded_rollback_changes_nothing(catalog: SqlCatalog, table: Table) -> None:
+    """The driver accepts a rollback whose range held no row only while it is still the one
+    pending: a deeper rollback made meanwhile must still be replayed."""
+    committer, first, _, _ = commit_two(catalog, table)
+    committer.commit(live_request(table, [3]))
+    shallow = committer.roll_back(
+        "db.events", catalog.load_table("db.events").snapshots()[1].snapshot_id
+    )
+    assert shallow is not None
+    deep = committer.roll_back("db.events", first)
+    assert deep is not None
+    kept = committer.roll_back("db.events", None, replay=False, only_if=shallow.writer_id)
+    assert kept == deep
+    assert committer.rollback("db.events") == deep
+
+
 def test_roll_back_refuses_a_snapshot_off_the_branch(catalog: SqlCatalog, table: Table) -> None:
     committer, first, _, second = commit_two(catalog, table)
     committer.roll_back("db.events", first)

@@ -116,7 +116,7 @@ def replay(
     if not files:
         log.info("rollback of %s: the rolled-back range holds none of its rows", table)
         IcebergCommitter(catalog, config.name, branch=config.coordination.branch).roll_back(
-            table, None, replay=False
+            table, None, replay=False, only_if=rollback.writer_id
         )
         return 0
     client = WriterClient(backend.writer(rollback.writer_id), config.name, rollback.writer_id)
@@ -207,6 +207,9 @@ class RollbackWatcher:
                 if str(exc) not in self._refused:
                     self._refused.add(str(exc))
                     log.error("rollback not replayed: %s", exc)
+                continue
+            except Exception as exc:  # e.g. DataLossError: the other tables go on
+                log.warning("replaying the rollback of %s failed, retrying: %s", entry.name, exc)
                 continue
             self.replayed.add(rollback.writer_id)
             done.append(rollback)
