@@ -188,3 +188,16 @@ def test_cli_names_an_unknown_table(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["rollback", "-c", str(path), "db.other", "1"])
     assert isinstance(result.exception, ConfigError)
     assert result.exception.key == "tables"
+
+
+def test_status_shows_a_rollback_waiting_for_its_replay(tmp_path: Path) -> None:
+    from icefloe.config import load_config
+    from icefloe.status import table_status
+
+    path, catalog = pipeline_file(tmp_path)
+    first, second = snapshot_ids(catalog)
+    config = load_config(path)
+    assert table_status(catalog, config, "db.t", None, 0).rollback == ""
+    IcebergCommitter(catalog, "p").roll_back("db.t", first)
+    shown = table_status(catalog, config, "db.t", None, 0)
+    assert f"rolled back from snapshot {second} to {first}" in shown.rollback
