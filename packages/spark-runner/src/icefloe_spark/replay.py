@@ -43,15 +43,15 @@ from icefloe_spark.tables import TableResolver
 log = logging.getLogger(__name__)
 
 
-def beginnings(options: SourceOptions, ranges_of: Rollback) -> dict[tuple[str, int], int]:
+def beginnings(options: SourceOptions, rollback: Rollback) -> dict[tuple[str, int], int]:
     """Where the pipeline began reading the partitions the restored snapshot does not record:
     the broker's earliest offset under ``startingOffsets`` earliest, or the explicit offsets
     given; unknown (absent) for latest, table and timestamps."""
     missing = [
         (topic, p)
-        for topic, parts in ranges_of.to_offsets.items()
+        for topic, parts in rollback.to_offsets.items()
         for p in parts
-        if p not in ranges_of.from_offsets.get(topic, {})
+        if p not in rollback.from_offsets.get(topic, {})
     ]
     start = options.starting_offsets
     if not missing or start in ("latest", "table", "timestamp"):
