@@ -91,7 +91,7 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks (not run by default): end-to-end records/s against the single-process
     ceiling on the same data; results go to docs/benchmarks.md by hand."""
-    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "orjson")
+    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "orjson", "psutil>=5.9")
     session.run("python", "benchmarks/bench_e2e.py", *session.posargs)
 
 

@@ -24,7 +24,9 @@ Prints both rates and their ratio, and a Markdown row for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -37,6 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 from confluent_kafka import Consumer, TopicPartition
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.schema import Schema
@@ -71,7 +74,6 @@ SCHEMA = Schema(
     NestedField(9, "mobile", BooleanType(), required=False),
     NestedField(10, "ts", TimestamptzType(), required=False),
 )
-SOURCE_OPTIONS = {"probeHighWatermark": "true"}  # Tansu's ListOffsets is not exact
 
 
 def events(first: int, n: int) -> Iterator[tuple[bytes | None, bytes]]:
@@ -160,6 +162,31 @@ def ceiling(
     return seconds, records
 
 
+def cpu_seconds(exclude: set[int]) -> float:
+    """CPU seconds (user + system) this process and every live descendant used so far,
+    exited children included through their parents' accounts; ``exclude`` (the broker) left
+    out. CPU time, unlike wall time, hardly depends on what else the machine runs."""
+    me = psutil.Process()
+    mine = me.cpu_times()
+    total = mine.user + mine.system  # not its reaped children: the producer is one
+    for proc in me.children(recursive=True):
+        if proc.pid in exclude:
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = proc.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return float(total)
+
+
+def produce_when_told(bootstrap: str, first: int, n: int, ready: Any, go: Any) -> None:
+    """In a child process: make the events, say so, produce them on ``go``. The producer's
+    CPU then stays out of the pipeline's account."""
+    made = list(events(first, n))
+    ready.set()
+    go.wait()
+    produce(bootstrap, TOPIC, made)
+
+
 def committed_rows(catalog: Catalog, name: str) -> int:
     snap = catalog.load_table(name).current_snapshot()
     return 0 if snap is None or snap.summary is None else int(snap.summary["total-records"] or 0)
@@ -173,12 +200,14 @@ def end_to_end(
     warmup: int,
     records: int,
     timeout_s: float,
-) -> tuple[float, int, int]:
+    broker_pid: int,
+) -> tuple[float, float, int, int]:
     """Warm the pipeline up on ``warmup`` records, then time ``records`` more;
-    (seconds, Spark batches, snapshots) of the timed part."""
+    (seconds, CPU seconds of the pipeline's processes, Spark batches, snapshots) of the timed
+    part."""
     spark = build_session(config)
     spark.sparkContext.setLogLevel("ERROR")
-    pipeline = Pipeline(config, spark=spark, source_extra_options=SOURCE_OPTIONS)
+    pipeline = Pipeline(config, spark=spark)
     pipeline.start()
 
     def wait_for(rows: int) -> None:
@@ -194,13 +223,22 @@ def end_to_end(
         wait_for(warmup)
         batches0 = pipeline.stats.batches
         snaps0 = len(catalog.load_table(table_name).snapshots())
-        # generated before the clock starts: making JSON in Python is the harness's work
-        # (about 8 s of one core per million events), not the pipeline's
-        timed_events = list(events(warmup, records))
-        t0 = time.perf_counter()
-        produce(bootstrap, TOPIC, timed_events)
+        # generated before the clock starts, in another process: making JSON in Python is
+        # the harness's work (about 8 s of one core per million events), not the pipeline's
+        spawn = multiprocessing.get_context("spawn")
+        ready, go = spawn.Event(), spawn.Event()
+        producer = spawn.Process(
+            target=produce_when_told, args=(bootstrap, warmup, records, ready, go)
+        )
+        producer.start()
+        ready.wait()
+        skip = {broker_pid, producer.pid or -1}
+        cpu0, t0 = cpu_seconds(skip), time.perf_counter()
+        go.set()
         wait_for(warmup + records)
         seconds = time.perf_counter() - t0
+        cpu = cpu_seconds(skip) - cpu0
+        producer.join()
         batches = pipeline.stats.batches - batches0
         assert pipeline.query is not None
         report_batches(pipeline.query.recentProgress[-batches:])
@@ -208,7 +246,7 @@ def end_to_end(
         pipeline.stop()
         spark.stop()
     snapshots = len(catalog.load_table(table_name).snapshots()) - snaps0
-    return seconds, batches, snapshots
+    return seconds, cpu, batches, snapshots
 
 
 def report_batches(progress: Sequence[Any]) -> None:
@@ -287,28 +325,45 @@ def main() -> None:
                 },
             }
         )
-        e_s, batches, snaps = end_to_end(
-            bootstrap, config, catalog, "bench.e2e", args.warmup, args.records, args.timeout
+        assert broker.proc is not None
+        e_s, e_cpu, batches, snaps = end_to_end(
+            bootstrap,
+            config,
+            catalog,
+            "bench.e2e",
+            args.warmup,
+            args.records,
+            args.timeout,
+            broker.proc.pid,
         )
         e_rate = args.records / e_s
         print(
             f"end to end  : {args.records:,} records in {e_s:.1f}s = {e_rate:,.0f} records/s "
-            f"({batches} Spark batches, {snaps} snapshots)",
+            f"({batches} Spark batches, {snaps} snapshots), {e_cpu:.1f} CPU s",
             flush=True,
         )
+        cpu0 = time.process_time()
         c_s, c_n = ceiling(bootstrap, config, catalog, "bench.ceiling", args.batch, warm_ends)
+        c_cpu = time.process_time() - cpu0
         assert c_n == args.records, f"ceiling read {c_n} of {args.records} records"
         c_rate = c_n / c_s
-        print(f"ceiling     : {c_n:,} records in {c_s:.1f}s = {c_rate:,.0f} records/s")
+        print(
+            f"ceiling     : {c_n:,} records in {c_s:.1f}s = {c_rate:,.0f} records/s, "
+            f"{c_cpu:.1f} CPU s"
+        )
         ratio = e_rate / c_rate
         print(f"ratio       : {ratio:.0%} of the single-process ceiling")
+        print(
+            f"CPU         : the pipeline used {e_cpu / c_cpu:.2f}x the ceiling's CPU time "
+            "per record (broker and producer not counted)"
+        )
         load = os.getloadavg()[0]
         cmd = "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
         print("\nMarkdown row for docs/benchmarks.md:")
         print(
             f"| {datetime.now(UTC):%Y-%m-%d} | `{cmd.strip()}` | {args.records:,} | "
             f"{args.partitions} | {args.backend}, {args.data_path} | {c_rate:,.0f} | "
-            f"{e_rate:,.0f} | {ratio:.0%} | "
+            f"{e_rate:,.0f} | {ratio:.0%} | {e_cpu / c_cpu:.2f} | "
             f"{os.cpu_count()} cores, load {load:.1f}, {platform.python_version()} |"
         )
 

@@ -8,9 +8,11 @@ the manifest sum, and a manifest that lies about a file is caught by the file's 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyiceberg.manifest import DataFileContent, ManifestEntryStatus
 from pyiceberg.table import Table
@@ -53,6 +55,32 @@ class Tally:
         self.manifest_rows += listed
         if listed != len(ids):
             self.problems.append(f"{label}: scan read {len(ids)} rows, manifests list {listed}")
+
+    def add_keyed_table(self, table: Table, label: str, want: Callable[[int], str]) -> None:
+        """A table written by key (row deltas): pyiceberg's scan, and separately the scan
+        plan's data files minus the rows their position delete files name, read with pyarrow
+        alone, must hold the same rows; each row must carry its key's last ``name``."""
+        columns = [KEY, "name"]
+        scanned = table.scan(selected_fields=tuple(columns)).to_arrow().select(columns)
+        parts = []
+        for task in table.scan().plan_files():
+            path = task.file.file_path
+            data = pq.read_table(table.io.new_input(path).open(), columns=columns)
+            gone: set[int] = set()
+            for delete in task.delete_files:
+                deletes = pq.read_table(table.io.new_input(delete.file_path).open())
+                gone.update(deletes.filter(pc.equal(deletes["file_path"], path))["pos"].to_pylist())
+            keep = pa.array([i not in gone for i in range(data.num_rows)], pa.bool_())
+            parts.append(data.filter(keep))
+        by_hand = pa.concat_tables(parts) if parts else scanned.slice(0, 0)
+        rows = sorted(zip(*(scanned[c].to_pylist() for c in columns), strict=True))
+        if rows != sorted(zip(*(by_hand[c].to_pylist() for c in columns), strict=True)):
+            self.problems.append(f"{label}: scan and data files minus deletes disagree")
+        stale = [(k, name) for k, name in rows if name != want(int(k))]
+        if stale:
+            self.problems.append(f"{label}: {len(stale)} rows not at their last version")
+        self.keys.update(int(k) for k, _ in rows)
+        self.scanned_rows += len(rows)
 
 
 @dataclass(frozen=True)

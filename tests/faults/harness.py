@@ -65,6 +65,7 @@ class Run:
     faults: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     bad_values: list[bytes] = field(default_factory=list)
+    keyed: bool = False  # the table is in upsert mode: every key written twice, last wins
     dead_lettered: int | None = None
     config: dict[str, Any] = field(init=False)
     trees: list[Tree] = field(default_factory=list)
@@ -140,12 +141,13 @@ class Run:
         records, chunks = self.settings.records, 60
         pause = self.settings.produce_s / chunks
 
-        def values(keys: range) -> list[tuple[bytes | None, bytes]]:
+        def values(keys: range, version: int = 1) -> list[tuple[bytes | None, bytes]]:
             out: list[tuple[bytes | None, bytes]] = []
             for i in keys:
                 value = bad(i) if bad is not None else None
                 if value is None:
-                    value = json.dumps({"id": i, "name": f"n{i}", "kind": "abc"[i % 3]}).encode()
+                    row = {"id": i, "name": expected_name(i, version), "kind": "abc"[i % 3]}
+                    value = json.dumps(row).encode()
                 else:
                     self.bad_values.append(value)
                 out.append((str(i).encode(), value))
@@ -154,13 +156,16 @@ class Run:
         def loop() -> None:
             try:
                 step = -(-records // chunks)
-                for start in range(0, records, step):
-                    produce(
-                        self.settings.bootstrap,
-                        self.topic,
-                        values(range(start, min(start + step, records))),
-                    )
+                starts = range(0, records, step)
+                for start in starts:
+                    batch = values(range(start, min(start + step, records)))
+                    if self.keyed and start:  # the previous chunk's keys again, updated
+                        batch += values(range(start - step, start), version=2)
+                    produce(self.settings.bootstrap, self.topic, batch)
                     time.sleep(pause)
+                if self.keyed:
+                    last = starts[-1]
+                    produce(self.settings.bootstrap, self.topic, values(range(last, records), 2))
             except BaseException as exc:  # reported by wait_produced
                 self._produce_error.append(exc)
 
@@ -294,7 +299,11 @@ class Run:
 
     def verdict(self) -> Verdict:
         tally = Tally()
-        tally.add_table(self.catalog().load_table(TABLE), TABLE)
+        table = self.catalog().load_table(TABLE)
+        if self.keyed:
+            tally.add_keyed_table(table, TABLE, lambda key: expected_name(key, 2))
+        else:
+            tally.add_table(table, TABLE)
         for extra in self._extra_tables:
             tally.keys.update(extra.keys)
             tally.scanned_rows += extra.scanned_rows
@@ -309,6 +318,11 @@ def backend_sections(bootstrap: str) -> dict[str, Any]:
         "postgres": {"dsn": POSTGRES_DSN},
         "redis": {"url": REDIS_URL},
     }
+
+
+def expected_name(key: int, version: int) -> str:
+    """The ``name`` a produced record carries: its key, and on keyed runs its version."""
+    return f"n{key}" if version == 1 else f"v{version}-{key}"
 
 
 def json_key(value: bytes) -> int:

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from pyiceberg.schema import Schema
 from pyiceberg.table import StaticTable
 
 from icefloe_spark import faults
 
 from .count import Tally
-from .harness import LEASE_TTL_S, TABLE, Run, RunError
+from .harness import LEASE_TTL_S, SCHEMA, SPEC, TABLE, Run, RunError
 from .procs import Tree
 
 
@@ -130,6 +131,26 @@ def crash_mix(run: Run) -> None:
     crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 3, "kill -9 after publish")
     crash_at(run, faults.EXIT_AFTER_COMMIT_ENV, 1, 2, "kill -9 after commit")
     kill_at_random(run, 0.0, 20.0)
+    run.finish()
+
+
+@scenario("upsert", ci=("redis",))
+def upsert(run: Run) -> None:
+    """An upsert table keyed by id, every key written twice (the update in a later chunk,
+    so it crosses batches and cycles), kill -9 after a publish and after a commit: every key
+    once, at its last version, read by pyiceberg and by hand (data minus position deletes)."""
+    catalog = run.catalog()
+    catalog.drop_table(TABLE)
+    keyed = Schema(*SCHEMA.fields, identifier_field_ids=[SCHEMA.find_field("id").field_id])
+    catalog.create_table(
+        TABLE, schema=keyed, partition_spec=SPEC, properties={"format-version": "2"}
+    )
+    run.config["tables"] = [{"name": TABLE, "mode": "upsert", "id_columns": ["id"]}]
+    run.write_config()
+    run.keyed = True
+    run.start_producer()
+    crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 3, "kill -9 after publish")
+    crash_at(run, faults.EXIT_AFTER_COMMIT_ENV, 1, 2, "kill -9 after commit")
     run.finish()
 
 

@@ -48,12 +48,12 @@ def watch(
     containers, files) progress is logged: a line per table commit and one a minute.
     """
     from icefloe_spark.progress import Monitor, ProgressLog, QueryProgress, render
+    from icefloe_spark.source import probe_mode
 
     assert pipeline.query is not None
     assert pipeline.catalog is not None
     reader = {**pipeline.config.source.reader_options, **pipeline.source_extra_options}
-    probe = reader.get("probeHighWatermark", "").lower() == "true"
-    monitor = Monitor(pipeline.config, pipeline.catalog, probe_end=probe)
+    monitor = Monitor(pipeline.config, pipeline.catalog, probe_end=probe_mode(reader) != "false")
     tables = monitor.tables()
     progress_log = ProgressLog(pipeline.config.name)
     progress_log.tables(tables, pipeline.stats)
@@ -152,7 +152,7 @@ def run(
         typer.Option(
             "--source-option",
             help="Extra reader option of the icefloe-kafka source, KEY=VALUE (repeatable), "
-            "e.g. probeHighWatermark=true.",
+            "e.g. pollTimeoutMs=60000.",
         ),
     ] = None,
 ) -> None:

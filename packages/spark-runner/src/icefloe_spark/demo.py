@@ -56,7 +56,6 @@ SCHEMA = Schema(
 SPEC = PartitionSpec(PartitionField(5, 1000, DayTransform(), "ts_day"))
 # the embedded Tansu's ListOffsets answers the last batch's base offset + 1: learn the ends of
 # partitions by fetching instead
-SOURCE_OPTIONS = {"probeHighWatermark": "true"}
 
 
 class Scenario(Protocol):
@@ -291,7 +290,7 @@ def run_demo(
             )
             stop = threading.Event()
             deadline = time.monotonic() + timeout_s
-            pipeline = Pipeline(config, source_extra_options=SOURCE_OPTIONS)
+            pipeline = Pipeline(config)
             with stop_on_signals(stop):
                 try:
                     pipeline.start()

@@ -25,10 +25,10 @@ def icefloe_source_lag(config: PipelineConfig) -> dict[str, int | None]:
     from pyiceberg.catalog import load_catalog
 
     from icefloe_spark.progress import Monitor
-    from icefloe_spark.source import source_options
+    from icefloe_spark.source import probe_mode, source_options
 
     catalog = load_catalog(config.catalog.name, **config.catalog.properties)
-    probe = source_options(config).get("probeHighWatermark", "").lower() == "true"
+    probe = probe_mode(source_options(config)) != "false"
     monitor = Monitor(config, catalog, probe_end=probe)
     try:
         return {t.name: t.lag for t in monitor.tables()}

@@ -32,9 +32,13 @@ Options (Spark-style names; keys are case-insensitive):
   among partitions in proportion to their lag.
 * ``failOnDataLoss`` (default true): fail when records between the checkpoint and the
   broker's earliest offset are gone; false: log it and go on from the earliest.
-* ``probeHighWatermark`` (default false): learn each partition's end from a fetch response
-  instead of a ListOffsets request; for brokers whose ListOffsets lags behind the log end
-  (the embedded Tansu 0.6 answers the last *batch's* base offset + 1).
+* ``probeHighWatermark`` (``auto``, the default; ``true``; ``false``): learn a partition's
+  end from a fetch response, not only from a ListOffsets request, for brokers whose
+  ListOffsets lags behind the log end (the embedded Tansu 0.6 answers the last *batch's* base
+  offset + 1). ``auto`` probes only partitions whose listed end has not moved since the last
+  trigger: while records arrive no probe is made (a lagging end is read by the next
+  trigger), and once they stop, one fetch finds a tail the listing hides. On Apache Kafka,
+  whose listing is exact, that fetch returns at once with the same end.
 * ``pollTimeoutMs`` (default 30000): how long a task waits for records it knows exist.
 * ``maxRecordsPerPartition``: split a partition's range of a micro-batch into input
   partitions of at most this many offsets (default: one input partition per Kafka partition).
@@ -54,11 +58,12 @@ import difflib
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -161,6 +166,24 @@ def _bool(options: Mapping[str, str], key: str, default: bool) -> bool:
     raise ConfigError(f"option '{key}'", "must be true or false", f"set {key} to true/false", raw)
 
 
+def probe_mode(options: Mapping[str, str]) -> Literal["auto", "true", "false"]:
+    """``probeHighWatermark`` of reader options (any key case): auto, true or false."""
+    raw = {k.lower(): v for k, v in options.items()}.get("probehighwatermark", "auto")
+    value = str(raw).lower()
+    if value == "auto":
+        return "auto"
+    if value == "true":
+        return "true"
+    if value == "false":
+        return "false"
+    raise ConfigError(
+        "option 'probeHighWatermark'",
+        "must be auto, true or false",
+        "leave it unset (auto) or set it to true/false",
+        raw,
+    )
+
+
 def _int(options: Mapping[str, str], key: str, default: int | None) -> int | None:
     raw = options.get(key.lower())
     if raw is None:
@@ -187,7 +210,7 @@ class SourceOptions:
     starting_timestamps: Offsets = field(default_factory=dict)
     max_records: int | None = None
     fail_on_data_loss: bool = True
-    probe_high_watermark: bool = False
+    probe_high_watermark: Literal["auto", "true", "false"] = "auto"
     poll_timeout_s: float = 30.0
     max_partition_records: int | None = None  # maxRecordsPerPartition: split longer ranges
     client_conf: dict[str, str] = field(default_factory=dict)
@@ -258,7 +281,7 @@ class SourceOptions:
             starting_timestamps=stamps,
             max_records=max_records,
             fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
-            probe_high_watermark=_bool(opts, "probeHighWatermark", False),
+            probe_high_watermark=probe_mode(opts),
             poll_timeout_s=(poll_ms or 30_000) / 1000.0,
             max_partition_records=_int(opts, "maxRecordsPerPartition", None),
             client_conf={
@@ -495,6 +518,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._probe: Consumer | None = None
         self._latest: dict[TP, int] | None = None
         self._target: dict[TP, int] | None = None  # Trigger.AvailableNow's end
+        self._listed: dict[TP, int] = {}  # the last ListOffsets answer (auto probing)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"options": self.options}
@@ -502,6 +526,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.options = state["options"]
         self._admin, self._probe, self._latest, self._target = None, None, None, None
+        self._listed = {}
 
     # ---- broker queries (driver)
 
@@ -556,14 +581,27 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """(earliest, latest) offsets of ``tps``."""
         earliest = self._list_offsets(tps, OffsetSpec.earliest())  # type: ignore[no-untyped-call]
         latest = self._list_offsets(tps, OffsetSpec.latest())  # type: ignore[no-untyped-call]
-        if self.options.probe_high_watermark:
-            latest = self._probe_latest(earliest, latest)
+        mode = self.options.probe_high_watermark
+        if mode != "false":
+            first = not self._listed
+            still = {tp for tp, end in latest.items() if self._listed.get(tp) == end}
+            self._listed = dict(latest)
+            latest = self._probe_latest(
+                earliest, latest, set(latest) if mode == "true" or first else still
+            )
         return earliest, latest
 
-    def _probe_latest(self, earliest: dict[TP, int], listed: dict[TP, int]) -> dict[TP, int]:
-        """The end of each partition as a fetch response reports it: fetch from the last
-        listed offset and take the end-of-partition position (or the last offset seen)."""
-        todo = {tp: max(listed[tp] - 1, earliest[tp]) for tp in listed if listed[tp] > earliest[tp]}
+    def _probe_latest(
+        self, earliest: dict[TP, int], listed: dict[TP, int], which: set[TP]
+    ) -> dict[TP, int]:
+        """The end of each partition of ``which`` as a fetch response reports it: fetch from
+        the last listed offset and take the end-of-partition position (or the last offset
+        seen); the others keep their listed end."""
+        todo = {
+            tp: max(listed[tp] - 1, earliest[tp])
+            for tp in which & set(listed)
+            if listed[tp] > earliest[tp]
+        }
         result = dict(listed)
         if not todo:
             return result
@@ -722,6 +760,54 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         yield from read_range(self.options, partition)
 
 
+class ConsumerPool:
+    """Idle consumers of this process, by client settings, for the next range read.
+
+    Why: a Python worker runs task after task (Spark reuses it), and a new consumer costs a
+    connection and a metadata round trip (~45 ms here) per range; Spark's own Kafka source
+    pools its consumers per executor for the same reason. A consumer is only reused after a
+    read that ended normally, and is unassigned before it is returned.
+    """
+
+    MAX_IDLE = 4  # per settings: as many as a worker has ranges in flight, and then some
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[Consumer]] = {}
+
+    @staticmethod
+    def _key(options: SourceOptions) -> str:
+        conf = options.consumer_conf()
+        return json.dumps(
+            {k: str(v) for k, v in conf.items() if k not in ("group.id", "logger")},
+            sort_keys=True,
+        )
+
+    def take(self, options: SourceOptions) -> Consumer:
+        with self._lock:
+            idle = self._idle.get(self._key(options))
+            if idle:
+                return idle.pop()
+        return Consumer(options.consumer_conf())
+
+    def give_back(self, options: SourceOptions, consumer: Consumer, reusable: bool) -> None:
+        if reusable:
+            try:
+                consumer.unassign()
+            except KafkaException:
+                reusable = False
+        if reusable:
+            with self._lock:
+                idle = self._idle.setdefault(self._key(options), [])
+                if len(idle) < self.MAX_IDLE:
+                    idle.append(consumer)
+                    return
+        consumer.close()
+
+
+CONSUMERS = ConsumerPool()
+
+
 def read_range(
     options: SourceOptions, part: KafkaInputPartition, batch_size: int = _READ_BATCH
 ) -> Iterator[pa.RecordBatch]:
@@ -731,14 +817,19 @@ def read_range(
     read_committed) are skipped: the range ends at the first record at or past ``end``, or
     at the end of the partition once it reaches ``end``.
     """
-    consumer = Consumer(options.consumer_conf())
+    consumer = CONSUMERS.take(options)
+    finished = False
     try:
         consumer.assign([TopicPartition(part.topic, part.partition, part.start)])
         msgs: list[Any] = []
         next_offset = part.start
         last_progress = time.monotonic()
         while next_offset < part.end:
-            polled = consumer.consume(num_messages=batch_size, timeout=1.0)
+            # ask for no more than the range still holds: a consume returns once it has that
+            # many or its timeout ran out, so asking for more waits out the timeout at the end
+            # of every range (offsets without a record only cost one short wait)
+            wanted = max(1, min(batch_size, part.end - next_offset))
+            polled = consumer.consume(num_messages=wanted, timeout=0.1)
             if not polled:
                 if time.monotonic() - last_progress > options.poll_timeout_s:
                     raise KafkaSourceError(
@@ -753,6 +844,13 @@ def read_range(
                 polled = [m for m in polled if m.error() is None]
                 if _range_ends_here(part, events):
                     next_offset = part.end
+            if polled and not _all_of_range(polled, part, next_offset):
+                polled = [  # a pooled consumer's leftovers (never seen): keep only this range
+                    m
+                    for m in polled
+                    if (m.topic(), m.partition()) == (part.topic, part.partition)
+                    and _int_of(m.offset()) >= next_offset
+                ]
             if polled:
                 if _int_of(polled[-1].offset()) >= part.end:
                     offsets = [_int_of(m.offset()) for m in polled]
@@ -765,8 +863,21 @@ def read_range(
             if msgs and (len(msgs) >= batch_size or next_offset >= part.end):
                 yield to_record_batch(part.topic, part.partition, msgs)
                 msgs = []
+        finished = True
     finally:
-        consumer.close()
+        CONSUMERS.give_back(options, consumer, finished)
+
+
+def _all_of_range(polled: Sequence[Any], part: KafkaInputPartition, next_offset: int) -> bool:
+    """Cheap check that a consume returned only this range's records: one partition's
+    records come in offset order, and anything older would come first."""
+    first, last = polled[0], polled[-1]
+    here = (part.topic, part.partition)
+    return (
+        (first.topic(), first.partition()) == here
+        and (last.topic(), last.partition()) == here
+        and _int_of(first.offset()) >= next_offset
+    )
 
 
 class KafkaRangeReader(KafkaStreamReader):
@@ -799,7 +910,10 @@ def _range_ends_here(part: KafkaInputPartition, events: Sequence[Any]) -> bool:
     for event in events:
         err = event.error()
         if err.code() == KafkaError._PARTITION_EOF:
-            ended = ended or _int_of(event.offset()) >= part.end
+            # librdkafka drops what an earlier assignment fetched (assign() moves the
+            # partition's version on); the partition check guards a pooled consumer anyway
+            mine = (event.topic(), event.partition()) == (part.topic, part.partition)
+            ended = ended or (mine and _int_of(event.offset()) >= part.end)
         elif err.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
             raise DataLossError(
                 f"{part.topic}[{part.partition}]: offsets [{part.start}, {part.end}) are no "

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pyarrow as pa
 import pytest
@@ -39,10 +40,12 @@ from icefloe.testing.fixtures import (
 )
 from icefloe_spark.source import (
     KAFKA_ARROW_SCHEMA,
+    ConsumerPool,
     DataLossError,
     KafkaInputPartition,
     KafkaStreamReader,
     SourceOptions,
+    probe_mode,
     read_range,
     split_limit,
     table_source_offsets,
@@ -395,11 +398,40 @@ def test_probe_finds_the_end_of_multi_record_batches(
     probed = _reader(source_options, topic, probeHighWatermark="true")
     _, latest = probed.bounds([(topic, 0)])
     assert latest == {(topic, 0): 25}
-    listed = _reader(source_options, topic)
+    listed = _reader(source_options, topic, probeHighWatermark="false")
     _, plain = listed.bounds([(topic, 0)])
     assert 1 <= plain[(topic, 0)] <= 25
     probed.stop()
     listed.stop()
+
+
+def test_auto_probe_fetches_only_ends_that_stopped_moving(
+    new_topic: Any, produce: Any, source_options: Any
+) -> None:
+    """The default (``auto``): the first bounds probe; while the listed end moves the
+    listing is taken as it is (no fetch per trigger; Tansu's lagging end is read by a later
+    trigger), and an end listed twice the same is probed, so the tail a lagging listing
+    hides is always reached once records stop."""
+    topic = new_topic(partitions=1)
+    tp = (topic, 0)
+    produce(topic, [f"a{i}".encode() for i in range(25)], batched=True)
+    reader = _reader(source_options, topic)
+    assert reader.options.probe_high_watermark == "auto"
+    assert reader.bounds([tp])[1] == {tp: 25}  # first call: probed
+    produce(topic, [f"b{i}".encode() for i in range(25)], batched=True)
+    moving = reader.bounds([tp])[1][tp]
+    listed = _reader(source_options, topic, probeHighWatermark="false").bounds([tp])[1][tp]
+    assert moving == listed  # taken from the listing, not fetched
+    assert reader.bounds([tp])[1] == {tp: 50}  # listed the same again: probed
+    reader.stop()
+
+
+def test_probe_mode_takes_auto_true_false_in_any_case() -> None:
+    assert probe_mode({}) == "auto"
+    assert probe_mode({"probeHighWatermark": "TRUE"}) == "true"
+    assert probe_mode({"probehighwatermark": "false"}) == "false"
+    with pytest.raises(ConfigError, match="probeHighWatermark"):
+        probe_mode({"probeHighWatermark": "sometimes"})
 
 
 def test_latest_offset_limits_and_new_partitions(
@@ -498,3 +530,30 @@ def test_ranges_longer_than_max_records_per_partition_are_split_in_order() -> No
     assert got == [("t", 0, 3, 7), ("t", 0, 7, 11), ("t", 0, 11, 13), ("t", 1, 5, 6)]
     whole = _planner().partitions({"t": {"0": 3}}, {"t": {"0": 13}})
     assert [(p.start, p.end) for p in whole] == [(3, 13)]  # type: ignore[attr-defined]
+
+
+def test_pooled_consumer_reads_each_next_range_exactly(
+    new_topic: Any, produce: Any, source_options: Any
+) -> None:
+    """Range reads reuse one consumer of the process's pool: another partition, a later and
+    an earlier range of the same partition each give exactly their own records."""
+    topic = new_topic(partitions=2)
+    produce(topic, [f"p0-{i}".encode() for i in range(30)], partition=0, batched=True)
+    produce(topic, [f"p1-{i}".encode() for i in range(30)], partition=1, batched=True)
+    opts = SourceOptions.parse(source_options(topic))
+    pool = ConsumerPool()
+    seen: list[int] = []
+
+    def read(partition: int, start: int, end: int) -> list[bytes]:
+        part = KafkaInputPartition(topic, partition, start, end)
+        with patch("icefloe_spark.source.CONSUMERS", pool):
+            batches = list(read_range(opts, part, batch_size=7))
+        ((idle,),) = pool._idle.values()  # the one consumer, back in the pool
+        seen.append(id(idle))
+        return [v for b in batches for v in b.column("value").to_pylist()]
+
+    assert read(0, 0, 20) == [f"p0-{i}".encode() for i in range(20)]
+    assert read(1, 3, 30) == [f"p1-{i}".encode() for i in range(3, 30)]
+    assert read(0, 25, 30) == [f"p0-{i}".encode() for i in range(25, 30)]
+    assert read(0, 5, 12) == [f"p0-{i}".encode() for i in range(5, 12)]
+    assert len(set(seen)) == 1
