@@ -22,7 +22,7 @@ from pyiceberg.catalog import Catalog, load_catalog
 from icefloe.config import config_from_dict
 from icefloe.embedded import EmbeddedKafkaBroker
 from icefloe.rollback import REPLAY_PREFIX
-from icefloe.testing.fixtures import EVENTS_SCHEMA, EVENTS_SPEC, group_snapshots
+from icefloe.testing.fixtures import EVENTS_SCHEMA, EVENTS_SPEC, group_snapshots, table_ids
 from icefloe_spark.kafkautil import end_offsets
 from icefloe_spark.pipeline import Pipeline
 from tests.test_e2e_spark import (
@@ -43,16 +43,9 @@ def keys_of(table: str, upto: int) -> list[int]:
     return [i for i in range(upto) if (i % 3 < 2) == (table == A)]
 
 
-def ids(catalog: Catalog, table: str) -> list[int]:
-    found: list[int] = (
-        catalog.load_table(table).scan(selected_fields=("id",)).to_arrow()["id"].to_pylist()
-    )
-    return found
-
-
 def assert_each_key_once(catalog: Catalog, table: str, upto: int) -> None:
     """Per-key counts: every routed key exactly once, nothing else."""
-    counts = collections.Counter(ids(catalog, table))
+    counts = collections.Counter(table_ids(catalog, table))
     expected = keys_of(table, upto)
     missing = [k for k in expected if counts[k] == 0]
     dupes = {k: n for k, n in counts.items() if n > 1}
@@ -65,7 +58,7 @@ def assert_each_key_once(catalog: Catalog, table: str, upto: int) -> None:
 
 
 def has_all(catalog: Catalog, table: str, upto: int) -> bool:
-    return set(keys_of(table, upto)) <= set(ids(catalog, table))
+    return set(keys_of(table, upto)) <= set(table_ids(catalog, table))
 
 
 def head_ancestry(catalog: Catalog, table: str) -> list[int]:
@@ -147,7 +140,7 @@ def test_rolled_back_table_gets_its_rows_again_exactly_once_and_no_other_table_c
         history = head_ancestry(catalog, A)
         target = history[len(history) // 2]
         catalog.load_table(A).manage_snapshots().rollback_to_snapshot(target).commit()
-        assert len(ids(catalog, A)) < len(keys_of(A, 450))
+        assert len(table_ids(catalog, A)) < len(keys_of(A, 450))
         produce_json(bootstrap, topic, range(450, 600))
         wait_until(lambda: has_all(catalog, A, 600), WAIT_S, "A's rows back after rollback 2")
         wait_until(lambda: has_all(catalog, B, 600), WAIT_S, "B's rows up to 600")
