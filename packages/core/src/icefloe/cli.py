@@ -17,7 +17,7 @@ from rich.text import Text
 from icefloe import __version__
 from icefloe.backends import backend_config, open_backend
 from icefloe.config import load_config, redact, redacted_dict
-from icefloe.errors import IcefloeError
+from icefloe.errors import ConfigError, IcefloeError
 from icefloe.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve_level
 from icefloe.logs import configure as configure_logging
 from icefloe.metrics import MetricsPortOption, start_metrics
@@ -292,6 +292,47 @@ def drain_command(
             "yellow",
             f"{table}: not marked (absent, or committed through another channel)",
         )
+
+
+@app.command("rollback")
+def rollback_command(
+    config: ConfigOption,
+    table: Annotated[str, typer.Argument(help="The table (namespace.table) to roll back.")],
+    snapshot_id: Annotated[
+        int, typer.Argument(help="Its current snapshot or one of that snapshot's ancestors.")
+    ],
+    no_replay: Annotated[
+        bool,
+        typer.Option(
+            "--no-replay",
+            help="Accept the rollback: the rolled-back rows stay out, nothing is replayed "
+            "(the way for upsert/cdc tables, and for a rollback another tool made).",
+        ),
+    ] = False,
+) -> None:
+    """Roll TABLE back to SNAPSHOT_ID on the pipeline's branch and say what the pipeline will
+    do: a running `icefloe run` re-reads the rolled-back source range and commits those rows
+    to TABLE again, exactly once; no other table is touched."""
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe.committer import IcebergCommitter
+    from icefloe.rollback import describe, keyed_refusal
+
+    cfg = load_config(config)
+    entry = next((t for t in cfg.tables if t.name == table), None)
+    if entry is None:
+        raise ConfigError(
+            "tables",
+            f"'{table}' is not one of the pipeline's [[tables]]",
+            "name a table listed in the pipeline file",
+            table,
+        )
+    if entry.keyed and not no_replay:
+        raise keyed_refusal(table, entry.mode)
+    catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
+    committer = IcebergCommitter(catalog, cfg.name, branch=cfg.coordination.branch)
+    rollback = committer.roll_back(table, snapshot_id, replay=not no_replay)
+    typer.echo(describe(rollback, table, replay=not no_replay))
 
 
 def build_command() -> Any:

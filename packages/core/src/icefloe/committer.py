@@ -79,6 +79,8 @@ from icefloe.errors import (
     InvalidDataFileError,
     PartitionSpecChangedError,
     RefusedFileError,
+    RollbackNotReplayableError,
+    RollbackPendingError,
     RowDeltaNotSupportedError,
     RowDeltaTableError,
     StaleFencingTokenError,
@@ -86,6 +88,7 @@ from icefloe.errors import (
     TableMissingError,
 )
 from icefloe.events import DataFileMeta, FileContent
+from icefloe.rollback import Rollback, detect, is_replay_writer
 
 logger = logging.getLogger(__name__)
 
@@ -261,10 +264,64 @@ class IcebergCommitter:
         return self._branch
 
     def state(self, table: str) -> CommitState | None:
-        """The state recorded by this group's newest snapshot on the branch, if any."""
+        """The state recorded by this group's newest snapshot on the branch, if any. While a
+        rollback waits for its replay, the state from before the rollback: what the table
+        holds again once the replay is committed (where a new writer must start)."""
         loaded = self._load(table)
         head, _ = self._branch_head(loaded)
         return self._own_state(loaded, head)
+
+    def rollback(self, table: str) -> Rollback | None:
+        """The rollback of ``table`` still waiting for its replay, if any (see
+        :mod:`icefloe.rollback`). Raises RollbackNotReplayableError when the table was rolled
+        back into a history whose older snapshots were expired (what it holds is unknown)."""
+        loaded = self._load(table)
+        head, _ = self._branch_head(loaded)
+        return self._states(loaded, head)[1]
+
+    def roll_back(
+        self,
+        table: str,
+        snapshot_id: int | None,
+        replay: bool = True,
+        only_if: str | None = None,
+    ) -> Rollback | None:
+        """Move the branch of ``table`` back to ``snapshot_id`` (the head or one of its
+        ancestors; None: the head) and return the rollback the pipeline will replay. With
+        ``replay=False`` the rollback (this one, or one made by another tool) is accepted in
+        the same transaction instead: the kept state is re-anchored on the new head, so the
+        rolled-back rows stay out and nothing is replayed. ``only_if`` (a replay writer id)
+        changes nothing unless that rollback is the one pending (not a newer one)."""
+        for attempt in range(self._max_attempts):
+            if attempt:
+                self._backoff(attempt)
+            loaded = self._load(table)
+            head, _ = self._branch_head(loaded)
+            if only_if is not None:
+                pending = self._states(loaded, head)[1]
+                if pending is None or pending.writer_id != only_if:
+                    return pending
+            target = snapshot_id if snapshot_id is not None or head is None else head.snapshot_id
+            if target is None or target not in _history(head, loaded.metadata):
+                raise CommitError(
+                    f"table '{table}': snapshot {target} is not in the history of branch "
+                    f"'{self._branch}' (head {None if head is None else head.snapshot_id}); "
+                    "roll back to the head or one of its ancestors (see the table's snapshots)"
+                )
+            tx = loaded.transaction()
+            with ManageSnapshots(tx) as refs:  # asserts the head did not move meanwhile
+                refs.create_branch(target, self._branch)
+            prop = state_property(self._group_id, self._branch)
+            raw = loaded.metadata.properties.get(prop)
+            if not replay and raw is not None:
+                kept = json.loads(raw)
+                tx.set_properties({prop: _json({**kept, "snapshot-id": target})})
+            try:
+                tx.commit_transaction()
+            except CommitFailedException:
+                continue
+            return self.rollback(table)
+        raise CommitError(f"table '{table}': could not roll back to snapshot {snapshot_id}")
 
     def boundary(self, table: str, channel_id: str | None) -> CommitBoundary:
         """What ``table`` holds already, as seen through the channel ``channel_id``.
@@ -473,11 +530,42 @@ class IcebergCommitter:
         tx.commit_transaction()
 
     def _own_state(self, table: Table, head: Snapshot | None) -> CommitState | None:
-        """This group's state on the branch. When its snapshots were expired, the copy kept in
-        the table property takes over; without one it refuses to guess."""
-        state, truncated = _find_state(head, table.metadata, self._group_id)
-        if state is None and truncated:
-            state = self._kept_state(table)
+        return self._states(table, head)[0]
+
+    def _states(
+        self, table: Table, head: Snapshot | None
+    ) -> tuple[CommitState | None, Rollback | None]:
+        """This group's state on the branch, and the rollback waiting for its replay.
+
+        The state is the newest snapshot of the group in the branch history, or the copy kept
+        in the table property when that one is newer: its snapshots were expired (invariant 8;
+        without a copy it refuses to guess), or the table was rolled back from it (the state
+        holds again once the replay is committed, so files and new writers are judged by it).
+        """
+        metadata = table.metadata
+        state, truncated = _find_state(head, metadata, self._group_id)
+        kept = self._kept_state(table)
+        rollback = None
+        if kept is not None and (
+            state is None
+            or (kept.snapshot_id, kept.commit_id) != (state.snapshot_id, state.commit_id)
+        ):
+            expired = metadata.snapshot_by_id(kept.snapshot_id) is None
+            if kept.snapshot_id in _history(head, metadata) or (
+                expired and state is None and truncated
+            ):
+                state = kept  # re-anchored by an accepted rollback, or expired
+            elif state is None and truncated:
+                raise RollbackNotReplayableError(
+                    f"table '{_name(table)}' was rolled back to a snapshot whose older history "
+                    f"was expired: what it holds of pipeline '{self._group_id}' is unknown, "
+                    "so nothing can be replayed exactly. Fix: roll back to a snapshot the "
+                    "pipeline made, or accept the rollback without a replay: icefloe rollback "
+                    f"--config <pipeline.toml> {_name(table)} <snapshot id> --no-replay"
+                )
+            else:
+                rollback = detect(self._group_id, self._branch, _name(table), state, kept)
+                state = kept
         if state is None and truncated and _property_token(table, self._group_id) is not None:
             # the group committed here before (it left its token), yet no snapshot of it is
             # left in the history: treating everything as new could commit files twice
@@ -488,9 +576,9 @@ class IcebergCommitter:
                 f"the table property {fencing_token_property(self._group_id)} to start over"
             )
         if state is None or state.boundary.retired_file is None:
-            return state
+            return state, rollback
         retired = self._read_retired(table, state.boundary.retired_file)
-        return replace(state, boundary=replace(state.boundary, retired=retired))
+        return replace(state, boundary=replace(state.boundary, retired=retired)), rollback
 
     def _read_retired(self, table: Table, location: str) -> dict[str, int]:
         """The watermarks of retired writers, from the side file the summary names."""
@@ -560,7 +648,17 @@ class IcebergCommitter:
 
     def _plan(self, table: Table, request: TableCommitRequest) -> _Plan:
         head, fork_from = self._branch_head(table)
-        state, switched = self._switch(table, self._own_state(table, head), request.channel_id)
+        own, rollback = self._states(table, head)
+        replay = None if rollback is None else rollback.writer_id
+        if rollback is not None and not any(f.writer_id == replay for f in request.files):
+            raise RollbackPendingError(
+                f"table '{request.table}' was rolled back from snapshot "
+                f"{rollback.lost_snapshot_id} to {rollback.restored_snapshot_id}; its files "
+                f"wait for the replay of source offsets {_json(rollback.from_offsets)} to "
+                f"{_json(rollback.to_offsets)} (writer {replay}), which a running `icefloe "
+                "run` of this pipeline publishes"
+            )
+        state, switched = self._switch(table, own, request.channel_id)
         # fencing tokens, like positions, are issued by one channel: after a switch from a
         # drained channel its tokens fence nothing here (its leaders were stopped for the drain)
         recorded = None if switched else _recorded_token(table, self._group_id, state)
@@ -570,7 +668,7 @@ class IcebergCommitter:
                 f"'{self._group_id}', above this coordinator's {request.fencing_token}: "
                 "a newer coordinator has taken over"
             )
-        files, skipped = _select(request.files, state)
+        files, skipped = _select(request.files, state, replay)
         rules = _FileRules.of(table)
         for f in files:
             error = _refusal(table, f, rules)
@@ -877,6 +975,11 @@ def _find_state(
     return None, oldest is not None and _cut_short(oldest)
 
 
+def _history(head: Snapshot | None, metadata: TableMetadata) -> set[int]:
+    """Ids of ``head`` and its ancestors still in the table."""
+    return {s.snapshot_id for s in ancestors_of(head, metadata)}
+
+
 def _cut_short(oldest: Snapshot) -> bool:
     """Whether ``oldest``, the oldest snapshot still reachable, had ancestors once."""
     if oldest.parent_snapshot_id is not None:
@@ -946,15 +1049,18 @@ def _boundary(state: CommitState | None) -> CommitBoundary:
 
 
 def _select(
-    files: Iterable[PendingFile], state: CommitState | None
+    files: Iterable[PendingFile], state: CommitState | None, replay: str | None = None
 ) -> tuple[tuple[PendingFile, ...], int]:
-    """The files still to commit, and how many were dropped."""
+    """The files still to commit, and how many were dropped. Replay batches count only for
+    the rollback they were made for (``replay``): one of a rollback that was undone, or
+    superseded by a deeper one, would add its rows a second time."""
     boundary = _boundary(state)
     seen: set[str] = set()
     keep: list[PendingFile] = []
     skipped = 0
     for f in files:
-        if f.meta.path in seen or f.meta.record_count <= 0 or boundary.covers(f):
+        stale = is_replay_writer(f.writer_id) and f.writer_id != replay
+        if f.meta.path in seen or f.meta.record_count <= 0 or stale or boundary.covers(f):
             skipped += 1
         else:
             keep.append(f)

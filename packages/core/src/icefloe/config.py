@@ -299,6 +299,8 @@ class SparkConfig(_Model):
     #: (records never cross into the JVM); ``records``: Spark moves the records themselves
     data_path: Literal["ranges", "records"] = "ranges"
     max_records_per_task: int | None = Field(default=50_000, gt=0)
+    #: how often the driver checks its tables for a rollback to replay (docs/operations.md)
+    rollback_check_interval_s: float = Field(default=10.0, gt=0)
     conf: dict[str, str] = Field(default_factory=dict)
 
 

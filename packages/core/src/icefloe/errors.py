@@ -238,6 +238,17 @@ class CommitHistoryLostError(PermanentTableError):
     branch's history, so what is already committed can no longer be told."""
 
 
+class RollbackPendingError(CommitError):
+    """The table was rolled back below what the pipeline committed, and the replay of the
+    rolled-back source range has not arrived yet: its other files wait (committing them
+    first would record offsets past rows the table no longer holds). Not permanent."""
+
+
+class RollbackNotReplayableError(IcefloeError):
+    """A rollback that icefloe cannot replay exactly (a keyed table, or no recorded start for
+    a source partition). Nothing is replayed; the message names the operator's way out."""
+
+
 class ChannelIdentityError(IcefloeError):
     """The channel is not the one the tables' commits were recorded with, or it lost events
     (recreated, restored from a backup, restarted without persistence, swapped without a

@@ -23,7 +23,7 @@ from icefloe.channel import Backend, BackendStatus
 from icefloe.config import PipelineConfig
 
 if TYPE_CHECKING:  # the committer (and pyiceberg's writer side) loads only when needed
-    from icefloe.committer import PendingFile
+    from icefloe.committer import IcebergCommitter, PendingFile
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class TableStatus:
     quarantined_files: int | None = None
     stuck: bool = False
     reason: str = ""
+    rollback: str = ""  # a rollback waiting for its replay, or why it cannot be replayed
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ def table_status(
     if not catalog.table_exists(name):
         return TableStatus(name, False, stuck=True, reason="the table does not exist")
     committer = IcebergCommitter(catalog, config.name, branch=config.coordination.branch)
-    state = committer.state(name)
+    rollback = _rollback_note(committer, name)
+    state = None if rollback.startswith("RollbackNotReplayableError") else committer.state(name)
     table = catalog.load_table(name)
     snap = table.snapshot_by_id(state.snapshot_id) if state else None
     summary = snap.summary.additional_properties if snap and snap.summary else {}
@@ -114,6 +116,24 @@ def table_status(
         ),
         stuck=stuck,
         reason=reason,
+        rollback=rollback,
+    )
+
+
+def _rollback_note(committer: IcebergCommitter, name: str) -> str:
+    """What a rollback of ``name`` waits for (the figures above are then the pre-rollback
+    commit's, which the replay restores), or why it is refused; empty when none is pending."""
+    from icefloe.errors import RollbackNotReplayableError
+
+    try:
+        pending = committer.rollback(name)
+    except RollbackNotReplayableError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if pending is None:
+        return ""
+    return (
+        f"rolled back from snapshot {pending.lost_snapshot_id} to "
+        f"{pending.restored_snapshot_id}; new files wait for the replay by `icefloe run`"
     )
 
 
@@ -295,4 +315,6 @@ def render_lines(status: PipelineStatus) -> list[str]:
             f"lag {lag}, pending files {pending}, quarantined files {quarantined}"
         )
         out.append(line + (f"  STUCK: {t.reason}" if t.stuck else ""))
+        if t.rollback:
+            out.append(f"    ROLLED BACK: {t.rollback}")
     return out

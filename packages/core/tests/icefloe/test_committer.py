@@ -46,6 +46,7 @@ from icefloe.errors import (
     FileOutsideTableError,
     NotLeaderError,
     PartitionSpecChangedError,
+    RollbackPendingError,
     RowDeltaNotSupportedError,
     StaleFencingTokenError,
     TableMismatchError,
@@ -722,27 +723,195 @@ def test_racing_committers_of_one_group_commit_each_file_once(tmp_path: Path) ->
     setup.engine.dispose()
 
 
-def test_rollback_makes_rolled_back_files_committable_again(
+def commit_two(
+    catalog: SqlCatalog, table: Table
+) -> tuple[IcebergCommitter, int, TableCommitRequest, int]:
+    """The group commits ids 1 (source offset 1) and 2 (offset 2); returns the committer, the
+    first snapshot, the second request and its snapshot."""
+    committer = IcebergCommitter(catalog, GROUP)
+    first = committer.commit(
+        request(pending(write(table, [1]), table), {"0": 1}, source_offsets={"t": {0: 1}})
+    )
+    second_req = request(
+        pending(write(table, [2]), table, batch_seq=1, offset=1),
+        {"0": 2},
+        source_offsets={"t": {0: 2}},
+    )
+    second = committer.commit(second_req)
+    assert first.snapshot_id is not None
+    assert second.snapshot_id is not None
+    return committer, first.snapshot_id, second_req, second.snapshot_id
+
+
+def live_request(table: Table, ids: Sequence[int], seq: int = 2) -> TableCommitRequest:
+    """A later batch of the live writer w1 (channel offset ``seq``, source offset ids+1)."""
+    files = pending(write(table, ids), table, batch_seq=seq, offset=seq)
+    return request(files, {"0": seq + 1}, source_offsets={"t": {0: seq + 1}})
+
+
+def replay_files(table: Table, writer_id: str, ids: Sequence[int]) -> list[PendingFile]:
+    """The rollback's replay batch, announced after everything else on the channel."""
+    return pending(write(table, ids), table, writer=writer_id, batch_seq=0, offset=100)
+
+
+def test_rollback_waits_for_its_replay_then_commits_it_once(
     catalog: SqlCatalog, table: Table
 ) -> None:
-    """State lives in the branch history, so a rollback also rolls back what the committer
-    considers committed, and a replay restores the lost data."""
-    committer = IcebergCommitter(catalog, GROUP)
-    first = committer.commit(request(pending(write(table, [1]), table), {"0": 1}))
-    second_req = request(pending(write(table, [2]), table, batch_seq=1, offset=1), {"0": 2})
-    committer.commit(second_req)
-    assert first.snapshot_id is not None
-    catalog.load_table("db.events").manage_snapshots().rollback_to_snapshot(
-        first.snapshot_id
-    ).commit()
+    """A rollback is read from the table alone (the kept state names a snapshot the branch no
+    longer holds). Live files wait for the replay of the lost range; then both land in one
+    snapshot, and the rolled-back batch re-read from the channel adds nothing."""
+    committer, first, second_req, second = commit_two(catalog, table)
+    catalog.load_table("db.events").manage_snapshots().rollback_to_snapshot(first).commit()
     assert ids_in(catalog) == [1]
 
-    state = committer.state("db.events")
+    rollback = committer.rollback("db.events")
+    assert rollback is not None
+    assert (rollback.restored_snapshot_id, rollback.lost_snapshot_id) == (first, second)
+    assert (rollback.from_offsets, rollback.to_offsets) == ({"t": {0: 1}}, {"t": {0: 2}})
+    state = committer.state("db.events")  # where a new writer starts: after the lost commit
     assert state is not None
-    assert state.snapshot_id == first.snapshot_id
-    result = committer.commit(second_req)
-    assert result.data_files == 1
-    assert ids_in(catalog) == [1, 2]
+    assert state.snapshot_id == second
+
+    live = live_request(table, [3])
+    with pytest.raises(RollbackPendingError, match="wait for the replay"):
+        committer.commit(live)
+    assert ids_in(catalog) == [1]
+
+    both = dataclasses.replace(
+        live, files=live.files + tuple(replay_files(table, rollback.writer_id, [2]))
+    )
+    assert committer.commit(both).data_files == 2
+    assert ids_in(catalog) == [1, 2, 3]
+    assert committer.rollback("db.events") is None
+    assert committer.commit(second_req).snapshot_id is None  # covered: not committed twice
+    assert committer.commit(both).snapshot_id is None  # the replay noticed again: covered
+    assert ids_in(catalog) == [1, 2, 3]
+    summary = catalog.load_table("db.events").current_snapshot().summary  # type: ignore[union-attr]
+    assert summary is not None
+    assert json.loads(summary[SOURCE_OFFSETS_KEY] or "{}") == {"t": {"0": 3}}
+
+
+def test_a_replay_of_an_undone_rollback_is_dropped(catalog: SqlCatalog, table: Table) -> None:
+    """Rolled back, then forward again before the replay was committed: the replay batch
+    belongs to no pending rollback, and committing it would add its rows a second time."""
+    committer, first, _, second = commit_two(catalog, table)
+    catalog.load_table("db.events").manage_snapshots().rollback_to_snapshot(first).commit()
+    rollback = committer.rollback("db.events")
+    assert rollback is not None
+    catalog.load_table("db.events").manage_snapshots().set_current_snapshot(second).commit()
+    assert committer.rollback("db.events") is None
+    live = live_request(table, [3])
+    stale = dataclasses.replace(
+        live, files=live.files + tuple(replay_files(table, rollback.writer_id, [2]))
+    )
+    result = committer.commit(stale)
+    assert (result.data_files, result.skipped_files) == (1, 1)
+    assert ids_in(catalog) == [1, 2, 3]
+
+
+def test_a_deeper_rollback_supersedes_the_first_replay(catalog: SqlCatalog, table: Table) -> None:
+    """Rolled back twice before a replay was committed: only the second rollback's replay (the
+    whole lost range) counts, the first one's would duplicate part of it."""
+    committer, first, _, _ = commit_two(catalog, table)
+    third = committer.commit(live_request(table, [3])).snapshot_id
+    assert third is not None
+    loaded = catalog.load_table("db.events")
+    loaded.manage_snapshots().rollback_to_snapshot(loaded.snapshots()[1].snapshot_id).commit()
+    shallow = committer.rollback("db.events")
+    catalog.load_table("db.events").manage_snapshots().rollback_to_snapshot(first).commit()
+    deep = committer.rollback("db.events")
+    assert shallow is not None
+    assert deep is not None
+    assert shallow.writer_id != deep.writer_id
+    assert deep.from_offsets == {"t": {0: 1}}
+    assert deep.to_offsets == {"t": {0: 3}}
+    files = replay_files(table, shallow.writer_id, [3]) + replay_files(
+        table, deep.writer_id, [2, 3]
+    )
+    committer.commit(request(files, {"0": 101}))
+    assert ids_in(catalog) == [1, 2, 3]
+
+
+def test_accepted_rollback_replays_nothing(catalog: SqlCatalog, table: Table) -> None:
+    """``roll_back(replay=False)`` moves the branch and re-anchors the kept state in one
+    transaction: no rollback is pending, live files commit at once, the lost batch stays
+    out even when re-read."""
+    committer, first, second_req, _ = commit_two(catalog, table)
+    assert committer.roll_back("db.events", first, replay=False) is None
+    assert ids_in(catalog) == [1]
+    assert committer.commit(live_request(table, [3])).data_files == 1
+    assert committer.commit(second_req).snapshot_id is None
+    assert ids_in(catalog) == [1, 3]
+
+
+def test_accepting_another_tools_rollback(catalog: SqlCatalog, table: Table) -> None:
+    """A rollback made elsewhere is accepted by rolling back to the current snapshot."""
+    committer, first, _, _ = commit_two(catalog, table)
+    catalog.load_table("db.events").manage_snapshots().rollback_to_snapshot(first).commit()
+    assert committer.rollback("db.events") is not None
+    assert committer.roll_back("db.events", None, replay=False) is None
+    assert committer.commit(live_request(table, [3])).data_files == 1
+    assert ids_in(catalog) == [1, 3]
+
+
+def test_accepting_a_superseded_rollback_changes_nothing(catalog: SqlCatalog, table: Table) -> None:
+    """The driver accepts a rollback whose range held no row only while it is still the one
+    pending: a deeper rollback made meanwhile must still be replayed."""
+    committer, first, _, _ = commit_two(catalog, table)
+    committer.commit(live_request(table, [3]))
+    shallow = committer.roll_back(
+        "db.events", catalog.load_table("db.events").snapshots()[1].snapshot_id
+    )
+    assert shallow is not None
+    deep = committer.roll_back("db.events", first)
+    assert deep is not None
+    kept = committer.roll_back("db.events", None, replay=False, only_if=shallow.writer_id)
+    assert kept == deep
+    assert committer.rollback("db.events") == deep
+
+
+def test_roll_back_refuses_a_snapshot_off_the_branch(catalog: SqlCatalog, table: Table) -> None:
+    committer, first, _, second = commit_two(catalog, table)
+    committer.roll_back("db.events", first)
+    with pytest.raises(CommitError, match="not in the history"):
+        committer.roll_back("db.events", second)
+
+
+def test_rollback_before_the_first_commit_is_not_history_lost(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """Rolled back to a snapshot made before the pipeline's first commit: the table holds
+    nothing of the pipeline, so the replay starts where the pipeline began; neither the
+    fencing token nor the kept state make it look like expired history."""
+    catalog.load_table("db.events").append(rows([100]))
+    before = catalog.load_table("db.events").current_snapshot()
+    assert before is not None
+    committer, _, _, _ = commit_two(catalog, table)
+    catalog.load_table("db.events").manage_snapshots().rollback_to_snapshot(
+        before.snapshot_id
+    ).commit()
+    rollback = committer.rollback("db.events")
+    assert rollback is not None
+    assert rollback.restored_snapshot_id is None
+    assert (rollback.from_offsets, rollback.to_offsets) == ({}, {"t": {0: 2}})
+    live = live_request(table, [3])
+    files = live.files + tuple(replay_files(table, rollback.writer_id, [1, 2]))
+    committer.commit(dataclasses.replace(live, files=files))
+    assert ids_in(catalog) == [1, 2, 3, 100]
+
+
+def test_rollback_stays_pending_when_the_lost_snapshots_are_expired(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """Expiring the rolled-back snapshots does not make the kept state look committed."""
+    committer, first, _, second = commit_two(catalog, table)
+    catalog.load_table("db.events").manage_snapshots().rollback_to_snapshot(first).commit()
+    catalog.load_table("db.events").maintenance.expire_snapshots().by_id(second).commit()
+    rollback = committer.rollback("db.events")
+    assert rollback is not None
+    assert rollback.lost_snapshot_id == second
+    with pytest.raises(RollbackPendingError):
+        committer.commit(live_request(table, [3]))
 
 
 def commit_then_expire(

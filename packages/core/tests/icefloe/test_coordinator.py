@@ -969,3 +969,49 @@ def test_stop_cutting_a_cycle_short_is_not_a_timeout_warning(
     assert not result.complete
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert any("stopping" in r.getMessage() for r in caplog.records)
+
+
+def test_rolled_back_table_waits_for_its_replay_and_the_replay_writer_is_not_waited_for(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    """A rolled-back table's files wait (no growing backoff) while the other table commits;
+    the replay batch, published by a writer that never answers StartCommit, completes the
+    next cycle without a timeout and lands once with the waiting files."""
+    from icefloe.committer import IcebergCommitter
+    from icefloe.errors import RollbackPendingError
+
+    live = make.writer("live")
+    coord = make.coordinator(commit_timeout_s=3600.0, table_retry_base_s=0.01)
+    lead(coord)
+    for seq in range(2):
+        wait_pending(coord, source.publish(live, seq).file_count)
+        assert not coord.commit_now().failed
+    orders = make.catalog.load_table("db.orders")
+    first = group_snapshots(make.catalog, "db.orders", group_id)[0].snapshot_id
+    orders.manage_snapshots().rollback_to_snapshot(first).commit()
+    rollback = IcebergCommitter(make.catalog, group_id).rollback("db.orders")
+    assert rollback is not None
+
+    wait_pending(coord, source.publish(live, 2).file_count)
+    waiting = coord.commit_now()
+    assert waiting.complete
+    assert RollbackPendingError.__name__ in waiting.failed["db.orders"]
+    assert_exactly_once(make.catalog, "db.events", source.expected["db.events"])
+
+    replayer = make.backend.writer(rollback.writer_id)
+    ref = WriterRef(rollback.writer_id, replayer.open())
+    lost = {"db.orders": source.expected_ids_of("live", 1)["db.orders"]}
+    files = tuple(write_rows(orders, lost["db.orders"], rollback.writer_id, 0))
+    events = (
+        Event(group_id, DataWritten("db.orders", files), ref, 0),
+        Event(group_id, DataComplete(()), ref, 0),
+    )
+    assert replayer.publish(WriterBatch(ref, 0, events))
+    drive(coord, lambda: rollback.writer_id in coord.known_writers(), "the replay batch")
+    time.sleep(0.02)  # past the table's short retry wait (not an assertion on time)
+    done = coord.commit_now()
+    assert done.complete
+    assert not done.failed
+    for t in TABLES:
+        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert IcebergCommitter(make.catalog, group_id).rollback("db.orders") is None

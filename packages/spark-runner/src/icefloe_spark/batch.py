@@ -100,6 +100,7 @@ def write_task(
     on_file: Callable[[str], None] | None = None,
     errors: ErrorsConfig | None = None,
     pipeline: str = "",
+    only: str | None = None,
 ) -> TaskOutput:
     """Decode, route, conform and write one task's rows; commit nothing.
 
@@ -110,7 +111,9 @@ def write_task(
     final row image per key as data files and the keys its records touched as a key file
     (content ``EQUALITY_DELETES``, ``equality_ids`` its identifier fields), which the
     coordinator resolves into deletes of the rows they replace. ``on_file`` hears of every file as
-    soon as it exists, so a failing task can remove what it wrote.
+    soon as it exists, so a failing task can remove what it wrote. ``only`` writes the rows of
+    that one table and nothing else, bad records included (a rollback's replay: the other
+    tables and the dead-letter table hold their share already).
     """
     policy = errors.policy if errors is not None else "fail"
     check_columns(data.column_names)
@@ -125,8 +128,16 @@ def write_task(
     else:
         conversion = converter.convert_tolerant(data)
     rows_per_table = dict(conversion.tables)
+    if only is not None:
+        rows_per_table = {t: rows for t, rows in rows_per_table.items() if t == only}
     rejected = conversion.rejected
-    if rejected and policy == "dead_letter" and errors is not None and errors.dead_letter_table:
+    if (
+        rejected
+        and only is None
+        and policy == "dead_letter"
+        and errors is not None
+        and errors.dead_letter_table
+    ):
         rows_per_table[errors.dead_letter_table] = dead_letter_rows(data, rejected, pipeline)
     files: dict[str, tuple[DataFileMeta, ...]] = {}
     uuids: dict[str, str] = {}

@@ -37,6 +37,7 @@ from icefloe.plugins import Plugins, get_plugins
 from icefloe.resume import check_batch_continuity, committed, published, start_offsets
 from icefloe_spark import faults, sparklog
 from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
+from icefloe_spark.replay import RollbackWatcher
 from icefloe_spark.sink import (
     OPT_SOURCE,
     SINK_NAME,
@@ -280,6 +281,7 @@ class Pipeline:
         self.publisher: WriterPublisher | None = None
         self.server: PublishServer | None = None
         self.coordinator: CoordinatorThread | None = None
+        self.rollbacks: RollbackWatcher | None = None
         self.query: StreamingQuery | None = None
 
     @property
@@ -326,6 +328,13 @@ class Pipeline:
                 self.coordinator = CoordinatorThread(
                     config, self.backend, self.catalog, self.plugins
                 ).start()
+            # every driver watches: a rolled-back table waits for its replay (icefloe.rollback)
+            self.rollbacks = RollbackWatcher(
+                config,
+                self.catalog,
+                self.backend,
+                {**source_options(config), **self.source_extra_options},
+            ).start()
         except BaseException:
             if session is not None and session.exception() is None:
                 self._spark = session.result()  # so that stop() stops it
@@ -427,6 +436,8 @@ class Pipeline:
                 log.warning("stopping the query failed", exc_info=True)
         if self.server is not None:
             self.server.close()
+        if self.rollbacks is not None:
+            self.rollbacks.stop(timeout)
         if self.coordinator is not None:
             self.coordinator.stop(timeout)
         if self.publisher is not None:
@@ -437,6 +448,7 @@ class Pipeline:
             self._spark.stop()
             self._spark = None
         self.query = self.server = self.coordinator = self.publisher = self.backend = None
+        self.rollbacks = None
 
     def __enter__(self) -> Pipeline:
         return self.start()

@@ -37,6 +37,7 @@ from icefloe.errors import (
     ChannelIdentityError,
     NotLeaderError,
     PermanentTableError,
+    RollbackPendingError,
     StaleFencingTokenError,
 )
 from icefloe.events import CommitComplete, CommitToTable, Event, StartCommit
@@ -260,10 +261,14 @@ class CommitCycle:
         s = self._settings
         trouble = self._trouble.get(table) or _Trouble(0, 0.0)
         trouble.failures += 1
+        # a rolled-back table waits for its replay, which comes soon: no growing backoff
+        waiting = isinstance(exc, RollbackPendingError)
         wait = min(s.table_retry_base_s * 2 ** (trouble.failures - 1), s.table_retry_max_s)
+        if waiting:
+            wait = s.table_retry_base_s
         trouble.retry_at = time.monotonic() + wait
         self._trouble[table] = trouble
-        log.error(
+        (log.warning if waiting else log.error)(
             "commit %s: table %s failed (%d in a row, next try in %.1fs): %s",
             commit_id,
             table,

@@ -31,6 +31,7 @@ from icefloe.dedupe import CommitBoundary
 from icefloe.errors import ChannelIdentityError, ChannelResetError
 from icefloe.events import DataComplete, DataWritten, SourcePosition
 from icefloe.quarantine import Quarantine
+from icefloe.rollback import is_replay_writer
 from icefloe.writer import merge_positions
 
 log = logging.getLogger("icefloe.coordinator")
@@ -137,11 +138,13 @@ class EventReader:
         return all(reached.get(p, 0) >= o for p, o in end.items())
 
     def prune_writers(self) -> set[str]:
-        """Drop writers not heard from within ``writer_timeout_s``; returns the live ones."""
+        """Drop writers not heard from within ``writer_timeout_s``; returns the live ones
+        expected to answer StartCommit (a rollback's replay writer publishes one batch and
+        leaves: waiting for its answer would stall every cycle until the timeout)."""
         limit = now_ms() - self._settings.writer_timeout_s * 1000.0
         for w in [w for w, s in self.writers.items() if s.last_seen_ms < limit]:
             del self.writers[w]
-        return set(self.writers)
+        return {w for w in self.writers if not is_replay_writer(w)}
 
     def source_positions(
         self, writers: Iterable[str] | None = None

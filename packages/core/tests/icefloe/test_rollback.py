@@ -1,0 +1,203 @@
+"""The pure rules of seamless rollback (icefloe.rollback): detection, replay ranges, writer ids.
+The committer's side is in test_committer.py, the whole path in tests/test_e2e_rollback.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+from pyiceberg.catalog.sql import SqlCatalog
+from typer.testing import CliRunner
+
+from icefloe.cli import app
+from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.errors import ConfigError, RollbackNotReplayableError
+from icefloe.rollback import (
+    ReplayRange,
+    Rollback,
+    describe,
+    detect,
+    is_replay_writer,
+    keyed_refusal,
+    replay_writer_id,
+)
+from icefloe.testing.fixtures import (
+    create_rows_table,
+    make_sqlite_catalog,
+    sqlite_catalog_properties,
+    write_rows,
+)
+
+
+@dataclass(frozen=True)
+class Snap:
+    snapshot_id: int
+    source_offsets: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
+def test_no_kept_state_or_same_snapshot_is_no_rollback() -> None:
+    assert detect("p", "main", "db.a", None, None) is None
+    assert detect("p", "main", "db.a", Snap(5), None) is None
+    assert detect("p", "main", "db.a", Snap(5), Snap(5)) is None
+
+
+def test_rollback_spans_restored_to_lost_offsets() -> None:
+    rollback = detect("p", "main", "db.a", Snap(5, {"t": {0: 10}}), Snap(9, {"t": {0: 40}}))
+    assert rollback is not None
+    assert (rollback.restored_snapshot_id, rollback.lost_snapshot_id) == (5, 9)
+    assert rollback.ranges() == [ReplayRange("t", 0, 10, 40)]
+    assert rollback.writer_id == replay_writer_id("p", "main", "db.a", 5, 9)
+
+
+def test_replay_writer_id_names_one_rollback() -> None:
+    """Same rollback, same id (a retry publishes the same key); any other, another id."""
+    base = replay_writer_id("p", "main", "db.a", 5, 9)
+    assert is_replay_writer(base)
+    others = {
+        replay_writer_id("q", "main", "db.a", 5, 9),
+        replay_writer_id("p", "dev", "db.a", 5, 9),
+        replay_writer_id("p", "main", "db.b", 5, 9),
+        replay_writer_id("p", "main", "db.a", None, 9),
+        replay_writer_id("p", "main", "db.a", 5, 10),
+    }
+    assert base not in others
+    assert len(others) == 5
+    assert not is_replay_writer("p-spark-0123-abc")
+
+
+def rollback_of(restored: dict[str, dict[int, int]], lost: dict[str, dict[int, int]]) -> Rollback:
+    found = detect("p", "main", "db.a", Snap(1, restored) if restored else None, Snap(2, lost))
+    assert found is not None
+    return found
+
+
+def test_partitions_without_recorded_start_use_the_beginning() -> None:
+    """Before the first commit, or a partition first read after the restored snapshot."""
+    rollback = rollback_of({"t": {0: 10}}, {"t": {0: 40, 1: 7}, "u": {0: 3}})
+    beginning = {("t", 1): 0, ("u", 0): 2}
+    assert rollback.ranges(beginning) == [
+        ReplayRange("t", 0, 10, 40),
+        ReplayRange("t", 1, 0, 7),
+        ReplayRange("u", 0, 2, 3),
+    ]
+
+
+def test_unchanged_partitions_are_not_read() -> None:
+    rollback = rollback_of({"t": {0: 10, 1: 5}}, {"t": {0: 12, 1: 5}})
+    assert rollback.ranges() == [ReplayRange("t", 0, 10, 12)]
+
+
+def test_unknown_start_is_refused_with_the_way_out() -> None:
+    rollback = rollback_of({}, {"t": {0: 40}})
+    with pytest.raises(RollbackNotReplayableError, match=r"t\[0\].*--no-replay"):
+        rollback.ranges()
+
+
+def test_keyed_refusal_names_the_fix() -> None:
+    error = keyed_refusal("db.c", "cdc")
+    assert isinstance(error, RollbackNotReplayableError)
+    assert "cdc mode" in str(error)
+    assert "--no-replay" in str(error)
+
+
+def test_describe_says_what_happens() -> None:
+    rollback = rollback_of({"t": {0: 10}}, {"t": {0: 40}})
+    text = describe(rollback, "db.a", replay=True)
+    assert "rolled back from snapshot 2 to 1" in text
+    assert "{'t': {0: 40}}" in text
+    assert "nothing to replay" in describe(None, "db.a", replay=True)
+    assert "accepted" in describe(None, "db.a", replay=False)
+
+
+# --- icefloe rollback ---------------------------------------------------------------------
+
+
+def pipeline_file(tmp_path: Path, mode: str = "append") -> tuple[Path, SqlCatalog]:
+    """A pipeline file over a real SQLite catalog whose table the pipeline committed to twice
+    (ids 1 and 2, source offsets 1 and 2)."""
+    catalog = make_sqlite_catalog(tmp_path / "iceberg", name="cli")
+    table = create_rows_table(catalog, "db.t")
+    committer = IcebergCommitter(catalog, "p")
+    for seq in range(2):
+        metas = write_rows(table, [seq + 1], "w", seq)
+        files = tuple(PendingFile(m, "w", seq, "0", seq) for m in metas)
+        committer.commit(
+            TableCommitRequest("db.t", f"c{seq}", files, {"0": seq + 1}, {"t": {0: seq + 1}}, 1)
+        )
+    entry: dict[str, Any] = {"name": "db.t", "mode": mode}
+    if mode != "append":
+        entry["id_columns"] = ["id"]
+    data = {
+        "name": "p",
+        "source": {"topics": ["t"]},
+        "tables": [entry],
+        "catalog": {
+            "name": "cli",
+            "properties": {"type": "sql", **sqlite_catalog_properties(tmp_path / "iceberg")},
+        },
+        "coordination": {"backend": "memory"},
+    }
+    path = tmp_path / "pipeline.toml"
+    path.write_text(tomli_w.dumps(data))
+    return path, catalog
+
+
+def snapshot_ids(catalog: SqlCatalog) -> list[int]:
+    return [s.snapshot_id for s in catalog.load_table("db.t").snapshots()]
+
+
+def test_cli_rolls_back_and_says_what_the_pipeline_will_replay(tmp_path: Path) -> None:
+    path, catalog = pipeline_file(tmp_path)
+    first, second = snapshot_ids(catalog)
+    result = CliRunner().invoke(app, ["rollback", "-c", str(path), "db.t", str(first)])
+    assert result.exit_code == 0, result.output
+    assert f"rolled back from snapshot {second} to {first}" in result.stdout
+    assert "{'t': {0: 1}} up to {'t': {0: 2}}" in result.stdout
+    current = catalog.load_table("db.t").current_snapshot()
+    assert current is not None
+    assert current.snapshot_id == first
+    assert IcebergCommitter(catalog, "p").rollback("db.t") is not None
+
+
+def test_cli_no_replay_accepts_the_rollback(tmp_path: Path) -> None:
+    path, catalog = pipeline_file(tmp_path)
+    first, _ = snapshot_ids(catalog)
+    args = ["rollback", "-c", str(path), "db.t", str(first), "--no-replay"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "accepted" in result.stdout
+    assert IcebergCommitter(catalog, "p").rollback("db.t") is None
+
+
+def test_cli_refuses_to_replay_a_keyed_table_naming_the_fix(tmp_path: Path) -> None:
+    path, catalog = pipeline_file(tmp_path, mode="upsert")
+    first, second = snapshot_ids(catalog)
+    result = CliRunner().invoke(app, ["rollback", "-c", str(path), "db.t", str(first)])
+    assert isinstance(result.exception, RollbackNotReplayableError)
+    assert "--no-replay" in str(result.exception)
+    current = catalog.load_table("db.t").current_snapshot()
+    assert current is not None
+    assert current.snapshot_id == second  # nothing changed
+
+
+def test_cli_names_an_unknown_table(tmp_path: Path) -> None:
+    path, _ = pipeline_file(tmp_path)
+    result = CliRunner().invoke(app, ["rollback", "-c", str(path), "db.other", "1"])
+    assert isinstance(result.exception, ConfigError)
+    assert result.exception.key == "tables"
+
+
+def test_status_shows_a_rollback_waiting_for_its_replay(tmp_path: Path) -> None:
+    from icefloe.config import load_config
+    from icefloe.status import table_status
+
+    path, catalog = pipeline_file(tmp_path)
+    first, second = snapshot_ids(catalog)
+    config = load_config(path)
+    assert table_status(catalog, config, "db.t", None, 0).rollback == ""
+    IcebergCommitter(catalog, "p").roll_back("db.t", first)
+    shown = table_status(catalog, config, "db.t", None, 0)
+    assert f"rolled back from snapshot {second} to {first}" in shown.rollback

@@ -1,0 +1,216 @@
+"""Replaying a rolled-back table, in the driver (the rules are in :mod:`icefloe.rollback`).
+
+The driver checks its tables every ``spark.rollback_check_interval_s``. For a table rolled back
+below what the pipeline committed, it reads the lost source range again with the ``ranges``
+path's own reader (:func:`icefloe_spark.source.read_range`), converts and routes the records as
+a write task does but keeps only that table's rows (:func:`icefloe_spark.batch.write_task`
+with ``only``), and publishes the files as one writer batch under the rollback's replay writer
+id. The coordinator then commits them, with the table's waiting live files, in one snapshot.
+
+Why in the driver and not as a Spark job: a replay is rare and bounded (the rolled-back
+snapshots' range of one table), and the driver already holds the catalog and the backend;
+the records never leave this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+
+import pyarrow as pa
+from pyiceberg.catalog import Catalog
+
+from icefloe.channel import Backend
+from icefloe.committer import IcebergCommitter
+from icefloe.config import ErrorsConfig, PipelineConfig
+from icefloe.errors import RollbackNotReplayableError
+from icefloe.events import DataFileMeta
+from icefloe.rollback import REPLAY_BATCH_SEQ, ReplayRange, Rollback, keyed_refusal
+from icefloe.writer import WriterClient
+from icefloe_spark.batch import write_task
+from icefloe_spark.source import (
+    EARLIEST,
+    KafkaInputPartition,
+    KafkaStreamReader,
+    SourceOptions,
+    _flat,
+    _parse_offsets_json,
+    read_range,
+)
+from icefloe_spark.tables import TableResolver
+
+log = logging.getLogger(__name__)
+
+
+def beginnings(options: SourceOptions, rollback: Rollback) -> dict[tuple[str, int], int]:
+    """Where the pipeline began reading the partitions the restored snapshot does not record:
+    the broker's earliest offset under ``startingOffsets`` earliest, or the explicit offsets
+    given; unknown (absent) for latest, table and timestamps."""
+    missing = [
+        (topic, p)
+        for topic, parts in rollback.to_offsets.items()
+        for p in parts
+        if p not in rollback.from_offsets.get(topic, {})
+    ]
+    start = options.starting_offsets
+    if not missing or start in ("latest", "table", "timestamp"):
+        return {}
+    reader = KafkaStreamReader(options)
+    try:
+        earliest, _ = reader.bounds(missing)
+    finally:
+        reader.stop()
+    if start == "earliest":
+        return earliest
+    given = _flat(_parse_offsets_json(start))
+    out: dict[tuple[str, int], int] = {}
+    for tp in missing:
+        offset = given.get(tp, EARLIEST)
+        if offset == EARLIEST:
+            out[tp] = earliest[tp]
+        elif offset >= 0:
+            out[tp] = offset
+    return out
+
+
+def replay(
+    config: PipelineConfig,
+    catalog: Catalog,
+    backend: Backend,
+    rollback: Rollback,
+    reader_options: Mapping[str, str],
+) -> int:
+    """Read the rolled-back range again, write that table's rows and publish them as the
+    rollback's replay batch; returns the records written. A rollback whose range holds no row
+    of the table is accepted instead (nothing to publish). Raises RollbackNotReplayableError
+    for a keyed table or an unknown start."""
+    table = rollback.table
+    entry = next((t for t in config.tables if t.name == table), None)
+    if entry is not None and entry.keyed:
+        raise keyed_refusal(table, entry.mode)
+    options = SourceOptions.parse(reader_options)
+    pieces = _pieces(rollback.ranges(beginnings(options, rollback)), config)
+    resolver = TableResolver(catalog, config)
+    files: list[DataFileMeta] = []
+    uuids: dict[str, str] = {}
+    records = 0
+    for piece in pieces:
+        part = KafkaInputPartition(piece.topic, piece.partition, piece.start, piece.end)
+        batches = list(read_range(options, part))
+        if not batches:
+            continue
+        data = pa.Table.from_batches(batches)
+        tables, converter = resolver.prepare(data)
+        out = write_task(
+            data,
+            tables,
+            converter,
+            errors=ErrorsConfig(policy="skip"),  # bad records were set aside the first time
+            pipeline=config.name,
+            only=table,
+        )
+        files += out.files.get(table, ())
+        uuids.update(out.table_uuids)
+        records += sum(f.record_count for f in out.files.get(table, ()))
+    if not files:
+        log.info("rollback of %s: the rolled-back range holds none of its rows", table)
+        IcebergCommitter(catalog, config.name, branch=config.coordination.branch).roll_back(
+            table, None, replay=False, only_if=rollback.writer_id
+        )
+        return 0
+    client = WriterClient(backend.writer(rollback.writer_id), config.name, rollback.writer_id)
+    client.start()
+    try:
+        added = client.publish(REPLAY_BATCH_SEQ, {table: files}, (), uuids)
+    finally:
+        client.close()
+    log.warning(
+        "table %s was rolled back from snapshot %s to %s: replayed %d records of %s (%s)",
+        table,
+        rollback.lost_snapshot_id,
+        rollback.restored_snapshot_id,
+        records,
+        [(r.topic, r.partition, r.start, r.end) for r in pieces],
+        "published" if added else "published before",
+    )
+    return records
+
+
+def _pieces(ranges: list[ReplayRange], config: PipelineConfig) -> list[ReplayRange]:
+    """``ranges`` cut into pieces of at most ``spark.max_records_per_task`` offsets, so the
+    driver holds one piece's records at a time."""
+    step = config.spark.max_records_per_task
+    out: list[ReplayRange] = []
+    for r in ranges:
+        size = step or r.end - r.start
+        out += [
+            ReplayRange(r.topic, r.partition, lo, min(lo + size, r.end))
+            for lo in range(r.start, r.end, size)
+        ]
+    return out
+
+
+class RollbackWatcher:
+    """Checks the pipeline's tables for rollbacks and replays them, from a daemon thread.
+
+    Each rollback is replayed once per process (its replay batch is keyed by the rollback, so
+    another driver or a restart replaying it too adds nothing); a refused one is logged once.
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        catalog: Catalog,
+        backend: Backend,
+        reader_options: Mapping[str, str],
+    ) -> None:
+        self.config = config
+        self.catalog = catalog
+        self.backend = backend
+        self.reader_options = dict(reader_options)
+        self.replayed: set[str] = set()  # replay writer ids published by this process
+        self._refused: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="icefloe-rollback", daemon=True)
+
+    def start(self) -> RollbackWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.spark.rollback_check_interval_s):
+            try:
+                self.check()
+            except Exception:
+                log.exception("checking the tables for rollbacks failed; retrying")
+
+    def check(self) -> list[Rollback]:
+        """Replay every rollback not replayed yet; returns those replayed now."""
+        committer = IcebergCommitter(
+            self.catalog, self.config.name, branch=self.config.coordination.branch
+        )
+        done: list[Rollback] = []
+        for entry in self.config.tables:
+            if self._stop.is_set() or not self.catalog.table_exists(entry.name):
+                continue
+            try:
+                rollback = committer.rollback(entry.name)
+                if rollback is None or rollback.writer_id in self.replayed:
+                    continue
+                replay(self.config, self.catalog, self.backend, rollback, self.reader_options)
+            except RollbackNotReplayableError as exc:
+                if str(exc) not in self._refused:
+                    self._refused.add(str(exc))
+                    log.error("rollback not replayed: %s", exc)
+                continue
+            except Exception as exc:  # e.g. DataLossError: the other tables go on
+                log.warning("replaying the rollback of %s failed, retrying: %s", entry.name, exc)
+                continue
+            self.replayed.add(rollback.writer_id)
+            done.append(rollback)
+        return done
