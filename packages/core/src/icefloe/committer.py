@@ -67,6 +67,7 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe import rowdelta
+from icefloe.config import PipelineConfig
 from icefloe.datafiles import DataFileBuilder
 from icefloe.dedupe import POSITIONS_KEY as POSITIONS_KEY  # re-exported: summary keys
 from icefloe.dedupe import WATERMARKS_KEY as WATERMARKS_KEY
@@ -86,6 +87,7 @@ from icefloe.errors import (
     TableMissingError,
 )
 from icefloe.events import DataFileMeta, FileContent
+from icefloe.policy import TablePolicies
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +237,7 @@ class IcebergCommitter:
         before_commit: Callable[[], None] | None = None,
         retry_wait_s: float = 0.05,
         max_retry_wait_s: float = 2.0,
+        policies: TablePolicies | None = None,
     ) -> None:
         if not group_id:
             raise ValueError("group_id must not be empty")
@@ -244,7 +247,8 @@ class IcebergCommitter:
             raise ValueError(f"max_attempts must be at least 1 (got {max_attempts})")
         self._catalog = catalog
         self._group_id = group_id
-        self._branch = branch
+        # per table: its branch (``branch`` for tables the policies do not name) and merging
+        self._policies = policies or TablePolicies.single(branch)
         self._max_attempts = max_attempts
         self._before_commit = before_commit
         self._retry_wait_s = retry_wait_s
@@ -252,13 +256,34 @@ class IcebergCommitter:
         self._manifest_paths: dict[str, frozenset[str]] = {}  # manifest location -> live paths
         self._retired: dict[str, dict[str, int]] = {}  # retired-writers file -> its watermarks
 
+    @classmethod
+    def for_pipeline(
+        cls, catalog: Catalog, config: PipelineConfig, **options: Any
+    ) -> IcebergCommitter:
+        """The committer of a pipeline configuration: its group, each table's branch."""
+        return cls(
+            catalog,
+            config.name,
+            branch=config.coordination.branch,
+            policies=TablePolicies.from_config(config),
+            **options,
+        )
+
     @property
     def group_id(self) -> str:
         return self._group_id
 
     @property
     def branch(self) -> str:
-        return self._branch
+        """The branch of tables the policies do not name."""
+        return self._policies.default.branch
+
+    def branch_of(self, table: str) -> str:
+        """The branch ``table`` is committed to (its policy's)."""
+        return self._policies.branch(table)
+
+    def _branch_for(self, table: Table) -> str:
+        return self.branch_of(_name(table))
 
     def state(self, table: str) -> CommitState | None:
         """The state recorded by this group's newest snapshot on the branch, if any."""
@@ -431,35 +456,28 @@ class IcebergCommitter:
     def _branch_head(self, table: Table) -> tuple[Snapshot | None, int | None]:
         """The branch's head, and the snapshot to fork it from when it does not exist yet."""
         metadata = table.metadata
-        ref = metadata.refs.get(self._branch)
+        branch = self._branch_for(table)
+        ref = metadata.refs.get(branch)
         if ref is not None:
             if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
                 raise CommitError(
-                    f"table '{_name(table)}': '{self._branch}' is a tag, not a branch; "
-                    "set coordination branch to a branch name"
+                    f"table '{_name(table)}': '{branch}' is a tag, not a branch; "
+                    "set the table's branch (or coordination.branch) to a branch name"
                 )
             return metadata.snapshot_by_id(ref.snapshot_id), None
-        if self._branch == MAIN_BRANCH:
+        if branch == MAIN_BRANCH:
             return None, None
-        base = metadata.current_snapshot() or self._root(metadata)
+        base = metadata.current_snapshot() or _root(metadata, branch)
         return base, None if base is None else base.snapshot_id
-
-    def _root(self, metadata: TableMetadata) -> Snapshot | None:
-        """The newest empty root snapshot made for this branch, if any."""
-        roots = [
-            s
-            for s in metadata.snapshots
-            if s.summary is not None and s.summary[BRANCH_ROOT_KEY] == self._branch
-        ]
-        return max(roots, key=lambda s: s.sequence_number or 0, default=None)
 
     def _needs_root(self, table: Table) -> bool:
         metadata = table.metadata
+        branch = self._branch_for(table)
         return (
-            self._branch != MAIN_BRANCH
-            and self._branch not in metadata.refs
+            branch != MAIN_BRANCH
+            and branch not in metadata.refs
             and metadata.current_snapshot() is None
-            and self._root(metadata) is None
+            and _root(metadata, branch) is None
         )
 
     def _commit_root(self, table: Table) -> None:
@@ -467,7 +485,7 @@ class IcebergCommitter:
         if self._before_commit is not None:
             self._before_commit()
         tx = table.transaction()
-        root = {BRANCH_ROOT_KEY: self._branch}
+        root = {BRANCH_ROOT_KEY: self._branch_for(table)}
         with tx.update_snapshot(snapshot_properties=root, branch=None).fast_append():
             pass
         tx.commit_transaction()
@@ -483,8 +501,8 @@ class IcebergCommitter:
             # left in the history: treating everything as new could commit files twice
             raise CommitHistoryLostError(
                 f"table '{_name(table)}': group '{self._group_id}' committed to branch "
-                f"'{self._branch}' before, but its snapshots were expired from the branch "
-                "history; keep the group's last snapshot when expiring snapshots, or remove "
+                f"'{self._branch_for(table)}' before, but its snapshots were expired from the "
+                "branch history; keep the group's last snapshot when expiring snapshots, or remove "
                 f"the table property {fencing_token_property(self._group_id)} to start over"
             )
         if state is None or state.boundary.retired_file is None:
@@ -512,7 +530,8 @@ class IcebergCommitter:
         return cached
 
     def _kept_state(self, table: Table) -> CommitState | None:
-        raw = table.metadata.properties.get(state_property(self._group_id, self._branch))
+        prop = state_property(self._group_id, self._branch_for(table))
+        raw = table.metadata.properties.get(prop)
         if raw is None:
             return None
         try:
@@ -520,8 +539,7 @@ class IcebergCommitter:
             return _state_from_summary(int(kept["snapshot-id"]), kept["summary"])
         except (ValueError, KeyError, TypeError) as e:
             raise CommitError(
-                f"table '{_name(table)}': property "
-                f"{state_property(self._group_id, self._branch)} is unreadable ({e}); restore it "
+                f"table '{_name(table)}': property {prop} is unreadable ({e}); restore it "
                 "from the group's last snapshot summary or remove it"
             ) from e
 
@@ -614,9 +632,10 @@ class IcebergCommitter:
     def _stage(self, table: Table, plan: _Plan) -> tuple[Transaction, int]:
         """Build the transaction for ``plan``; returns it and the snapshot id it will add."""
         tx = table.transaction()
+        branch = self._branch_for(table)
         if plan.fork_from is not None:
             with ManageSnapshots(tx) as refs:
-                refs.create_branch(plan.fork_from, self._branch)
+                refs.create_branch(plan.fork_from, branch)
         if plan.raise_token:
             tx.set_properties(
                 {fencing_token_property(self._group_id): plan.summary[FENCING_TOKEN_KEY]}
@@ -631,7 +650,7 @@ class IcebergCommitter:
             location, content = plan.retired
             with table.io.new_output(location).create(overwrite=True) as stream:
                 stream.write(content)
-        snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
+        snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=branch)
         # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
         # read, which made this loop cost seconds per 10,000 files, growing with history
         build = DataFileBuilder(tx.table_metadata).build
@@ -646,7 +665,7 @@ class IcebergCommitter:
                     append.append_data_file(build(f.meta))
             snapshot_id = append.snapshot_id
         kept = {"snapshot-id": snapshot_id, "summary": plan.summary}
-        tx.set_properties({state_property(self._group_id, self._branch): _json(kept)})
+        tx.set_properties({state_property(self._group_id, branch): _json(kept)})
         return tx, snapshot_id
 
     def _stage_row_delta(
@@ -677,7 +696,7 @@ class IcebergCommitter:
         )
         return rowdelta.stage(
             tx,
-            self._branch,
+            self._branch_for(table),
             plan.summary,
             (d for data, _ in batches.values() for d in data),
             deletes,
@@ -764,6 +783,16 @@ class _FileRules:
             str(metadata.table_uuid),
             DataFileBuilder(metadata).build,
         )
+
+
+def _root(metadata: TableMetadata, branch: str) -> Snapshot | None:
+    """The newest empty root snapshot made for ``branch``, if any."""
+    roots = [
+        s
+        for s in metadata.snapshots
+        if s.summary is not None and s.summary[BRANCH_ROOT_KEY] == branch
+    ]
+    return max(roots, key=lambda s: s.sequence_number or 0, default=None)
 
 
 def _is_key_file(f: PendingFile) -> bool:

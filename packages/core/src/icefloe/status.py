@@ -88,7 +88,7 @@ def table_status(
 
     if not catalog.table_exists(name):
         return TableStatus(name, False, stuck=True, reason="the table does not exist")
-    committer = IcebergCommitter(catalog, config.name, branch=config.coordination.branch)
+    committer = IcebergCommitter.for_pipeline(catalog, config)
     state = committer.state(name)
     table = catalog.load_table(name)
     snap = table.snapshot_by_id(state.snapshot_id) if state else None
@@ -168,7 +168,7 @@ def _with_pending(
         return status
     channel_id, by_table = announced
     try:
-        committer = IcebergCommitter(catalog, config.name, branch=config.coordination.branch)
+        committer = IcebergCommitter.for_pipeline(catalog, config)
         boundary = committer.boundary(status.name, channel_id)
     except Exception as exc:  # e.g. a table committed through another channel
         log.debug("no commit boundary for %s: %s", status.name, exc)

@@ -95,13 +95,15 @@ def write_rows(table: Table, ids: Iterable[int], writer: str, batch_seq: int) ->
     return write_data_files(table, data)
 
 
-def table_ids(catalog: Catalog, name: str) -> list[int]:
-    """Every ``id`` in the table's current snapshot, sorted (duplicates kept, so tests see
-    them)."""
+def table_ids(catalog: Catalog, name: str, branch: str = "main") -> list[int]:
+    """Every ``id`` in the head of the table's ``branch``, sorted (duplicates kept, so tests
+    see them)."""
     table = catalog.load_table(name)
-    if table.current_snapshot() is None:
+    head = table.snapshot_by_name(branch)
+    if head is None:
         return []
-    return sorted(int(v) for v in table.scan(selected_fields=("id",)).to_arrow()["id"].to_pylist())
+    scan = table.scan(selected_fields=("id",), snapshot_id=head.snapshot_id)
+    return sorted(int(v) for v in scan.to_arrow()["id"].to_pylist())
 
 
 def group_snapshots(catalog: Catalog, name: str, group_id: str) -> list[Snapshot]:
@@ -115,9 +117,11 @@ def group_snapshots(catalog: Catalog, name: str, group_id: str) -> list[Snapshot
     ]
 
 
-def assert_exactly_once(catalog: Catalog, name: str, expected: Sequence[int]) -> None:
-    """The table holds each expected id exactly once and nothing else."""
-    got = table_ids(catalog, name)
+def assert_exactly_once(
+    catalog: Catalog, name: str, expected: Sequence[int], branch: str = "main"
+) -> None:
+    """The table's ``branch`` holds each expected id exactly once and nothing else."""
+    got = table_ids(catalog, name, branch)
     missing = sorted(set(expected) - set(got))
     extra = sorted(set(got) - set(expected))
     dupes = sorted({i for i in got if got.count(i) > 1}) if len(got) != len(set(got)) else []
