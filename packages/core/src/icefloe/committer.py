@@ -76,6 +76,7 @@ from icefloe.errors import (
     ChannelChangedError,
     CommitError,
     CommitHistoryLostError,
+    DataFileMissingError,
     FileOutsideTableError,
     InvalidDataFileError,
     PartitionSpecChangedError,
@@ -87,6 +88,7 @@ from icefloe.errors import (
     TableMissingError,
 )
 from icefloe.events import DataFileMeta, FileContent
+from icefloe.merge import Merge, SmallFileMerger
 from icefloe.policy import TablePolicies
 
 logger = logging.getLogger(__name__)
@@ -198,6 +200,9 @@ class TableCommitResult:
     data_files: int
     records: int
     skipped_files: int
+    added_files: int | None = None
+    """Files the snapshot added, when merging small files changed their number (else
+    ``data_files``)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,13 @@ class _Plan:
     fork_from: int | None  # create the branch from this snapshot first
     clear_drained: bool = False  # the drained channel is in use again: its mark is stale
     retired: tuple[str, bytes] | None = None  # a new retired-writers file: location, content
+    merge: Merge | None = None  # small files merged: what to append instead, what it replaces
+
+    def appended(self) -> list[DataFileMeta]:
+        """The data files the snapshot adds (merged ones instead of what they replace)."""
+        if self.merge is not None:
+            return list(self.merge.appended)
+        return [f.meta for f in self.files if not _is_key_file(f)]
 
 
 class IcebergCommitter:
@@ -338,8 +350,12 @@ class IcebergCommitter:
         accepted: list[PendingFile] = []
         refused: list[tuple[PendingFile, RefusedFileError]] = []
         rules = _FileRules.of(loaded)
+        policy = self._policies(table)
         for f in files:
-            error = None if boundary.covers(f) else _refusal(loaded, f, rules)
+            covered = boundary.covers(f)
+            error = None if covered else _refusal(loaded, f, rules)
+            if error is None and not covered and policy.merge_small_files:
+                error = _missing(loaded, f, policy.target_file_size_bytes)
             if error is None:
                 accepted.append(f)
             else:
@@ -357,13 +373,19 @@ class IcebergCommitter:
         # snapshots of attempts whose outcome is unknown: they may have landed after all
         unknown: list[tuple[int, _Plan]] = []
         last_error: Exception | None = None
+        policy = self._policies(request.table)
+        merger = (
+            SmallFileMerger(request.commit_id, policy.target_file_size_bytes)
+            if policy.merge_small_files
+            else None
+        )
         for attempt in range(self._max_attempts):
             if attempt:
                 self._backoff(attempt)
             table = self._load(request.table)
             for snapshot_id, earlier in unknown:
                 if table.metadata.snapshot_by_id(snapshot_id) is not None:
-                    return _result(request, earlier, snapshot_id)
+                    return self._landed(table, request, earlier, snapshot_id)
             if self._needs_root(table):
                 try:
                     self._commit_root(table)
@@ -380,6 +402,10 @@ class IcebergCommitter:
                     plan.skipped,
                 )
                 return _result(request, plan, None)
+            if merger is not None and not any(_is_key_file(f) for f in plan.files):
+                # before the lease check: a leader that lost its lease meanwhile commits
+                # nothing, and what it merged is an orphan
+                plan = replace(plan, merge=merger.merge(table, [f.meta for f in plan.files]))
             if self._before_commit is not None:
                 self._before_commit()
             tx, snapshot_id = self._stage(table, plan)
@@ -415,17 +441,30 @@ class IcebergCommitter:
                 request.commit_id,
             )
             self._remember_added(committed, snapshot_id, plan)
-            return _result(request, plan, snapshot_id)
+            return self._landed(committed, request, plan, snapshot_id)
         # the last attempt may have landed even though its outcome was unknown
         if unknown:
             table = self._load(request.table)
             for snapshot_id, earlier in unknown:
                 if table.metadata.snapshot_by_id(snapshot_id) is not None:
-                    return _result(request, earlier, snapshot_id)
+                    return self._landed(table, request, earlier, snapshot_id)
         raise CommitError(
             f"table '{request.table}': commit {request.commit_id} failed after "
             f"{self._max_attempts} attempts: {last_error}"
         ) from last_error
+
+    def _landed(
+        self, table: Table, request: TableCommitRequest, plan: _Plan, snapshot_id: int
+    ) -> TableCommitResult:
+        """The result of ``plan``'s snapshot, which is in the table: now (never before) the
+        originals its merged files replace can go. One that cannot be deleted, or one left by a
+        crash before this point, is an orphan for ``icefloe maintain``."""
+        for path in () if plan.merge is None else plan.merge.replaced:
+            try:
+                table.io.delete(path)
+            except Exception as exc:  # committed either way: the file is only garbage now
+                logger.warning("%s: cannot delete merged file %s: %s", request.table, path, exc)
+        return _result(request, plan, snapshot_id)
 
     def _load(self, name: str) -> Table:
         """Load the table fresh from the catalog, with pyiceberg's own commit retries off.
@@ -661,8 +700,8 @@ class IcebergCommitter:
             # merging (commit.manifest-merge.enabled, set on tables icefloe creates): see
             # icefloe.maintenance
             with snapshot.merge_append() as append:
-                for f in plan.files:
-                    append.append_data_file(build(f.meta))
+                for meta in plan.appended():
+                    append.append_data_file(build(meta))
             snapshot_id = append.snapshot_id
         kept = {"snapshot-id": snapshot_id, "summary": plan.summary}
         tx.set_properties({state_property(self._group_id, branch): _json(kept)})
@@ -739,7 +778,7 @@ class IcebergCommitter:
         except Exception as exc:  # the commit landed; the cache is only an optimisation
             logger.debug("cannot list the manifests of snapshot %d: %s", snapshot_id, exc)
             return
-        data = [f for f in plan.files if not _is_key_file(f)]
+        data = plan.appended()
         added = [
             m
             for m in manifests
@@ -751,7 +790,7 @@ class IcebergCommitter:
             and not added[0].deleted_files_count
             and added[0].added_files_count == len(data)
         ):
-            self._cache_manifest(added[0].manifest_path, frozenset(f.meta.path for f in data))
+            self._cache_manifest(added[0].manifest_path, frozenset(m.path for m in data))
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep
@@ -859,6 +898,21 @@ def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileErro
     except (ValueError, KeyError, TypeError) as e:
         return InvalidDataFileError(f"table '{_name(table)}': cannot describe {path}: {e}")
     return None
+
+
+def _missing(table: Table, f: PendingFile, target: int) -> RefusedFileError | None:
+    """Why a file a merge would read cannot be committed: it no longer exists (merged and
+    deleted by an earlier cycle, so the live-path check cannot see it in the table)."""
+    if f.meta.content != FileContent.DATA or f.meta.file_size_in_bytes >= target:
+        return None
+    if table.io.new_input(f.meta.path).exists():
+        return None
+    return DataFileMissingError(
+        f"table '{_name(table)}': {f.meta.path} no longer exists. merge_small_files deletes "
+        "the files it merged once their commit landed, so this file was most likely committed "
+        "already (merged) and is announced again (under another writer id?); otherwise it was "
+        "lost. Refusing to commit a reference to a missing file"
+    )
 
 
 def _same_uuid(text: str, table_uuid: uuid.UUID) -> bool:
@@ -1044,4 +1098,5 @@ def _result(request: TableCommitRequest, plan: _Plan, snapshot_id: int | None) -
         data_files=len(committed),
         records=sum(f.meta.record_count for f in committed),
         skipped_files=plan.skipped,
+        added_files=None if plan.merge is None or snapshot_id is None else len(plan.appended()),
     )

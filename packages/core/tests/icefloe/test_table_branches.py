@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.committer import IcebergCommitter, state_property
 from icefloe.config import config_from_dict
-from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.coordinator import CoordinatorHooks, CoordinatorSettings
 from icefloe.maintenance import dedupe_snapshots
-from icefloe.plugins import new_plugins
 from icefloe.policy import TablePolicies, TablePolicy
 from icefloe.resume import committed
 from icefloe.testing.fixtures import assert_exactly_once, group_snapshots, table_ids
-from icefloe.testing.harness import RowSource, SimulatedCrash, crash, lead, wait_pending
+from icefloe.testing.harness import Pipe, RowSource, SimulatedCrash, crash, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
-from icefloe.writer import WriterClient
 
 AUDITED, PLAIN = "db.orders", "db.events"
 POLICIES = TablePolicies(TablePolicy(), {AUDITED: TablePolicy(branch="audit")})
@@ -43,56 +40,21 @@ def source(sqlite_catalog: SqlCatalog) -> RowSource:
     return RowSource.create(sqlite_catalog, (AUDITED, PLAIN))
 
 
-@dataclass
-class Pipe:
-    """One pipeline's channel, catalog, source rows and writer ``w``."""
-
-    backend: MemoryBackend
-    catalog: SqlCatalog
-    group_id: str
-    source: RowSource
-    writer: WriterClient
-
-    def coordinator(self, name: str, hooks: CoordinatorHooks | None = None) -> Coordinator:
-        settings = CoordinatorSettings(
-            commit_interval_s=3600.0, commit_timeout_s=30.0, policies=POLICIES
-        )
-        return Coordinator(
-            self.group_id,
-            self.backend.coordinator(name),
-            self.catalog,
-            settings,
-            coordinator_id=name,
-            plugins=new_plugins(autoload=False),
-            hooks=hooks,
-        )
-
-
 @pytest.fixture
 def pipe(
     backend: MemoryBackend, sqlite_catalog: SqlCatalog, group_id: str, source: RowSource
 ) -> Iterator[Pipe]:
-    w = WriterClient(backend.writer("w"), group_id, "w")
-    w.start()
-    yield Pipe(backend, sqlite_catalog, group_id, source, w)
-    w.close()
-
-
-def commit_each(pipe: Pipe, seqs: list[int]) -> None:
-    """Lead, then publish and commit each batch of ``seqs`` in a cycle of its own."""
-    coord = pipe.coordinator("c1")
-    try:
-        lead(coord)
-        for seq in seqs:
-            wait_pending(coord, pipe.source.publish(pipe.writer, seq).file_count)
-            assert not coord.commit_now().failed
-    finally:
-        coord.close()
+    settings = CoordinatorSettings(
+        commit_interval_s=3600.0, commit_timeout_s=30.0, policies=POLICIES
+    )
+    p = Pipe.open(backend, sqlite_catalog, group_id, source, settings)
+    yield p
+    p.writer.close()
 
 
 def test_tables_commit_to_their_own_branches_exactly_once(pipe: Pipe) -> None:
     sqlite_catalog, group_id, source = pipe.catalog, pipe.group_id, pipe.source
-    commit_each(pipe, [0, 1])
+    pipe.commit_each([0, 1])
     assert_exactly_once(sqlite_catalog, AUDITED, source.expected[AUDITED], branch="audit")
     assert table_ids(sqlite_catalog, AUDITED) == []  # main untouched
     assert sqlite_catalog.load_table(AUDITED).current_snapshot() is None
@@ -136,7 +98,7 @@ def test_crash_replay_of_a_batch_on_branch_audit_is_not_committed_twice(pipe: Pi
 
 def test_resume_status_and_maintain_read_the_tables_branch(pipe: Pipe) -> None:
     sqlite_catalog, group_id = pipe.catalog, pipe.group_id
-    commit_each(pipe, [0])
+    pipe.commit_each([0])
     # resume: the audited table's offsets are on its branch only
     on_branches = committed(sqlite_catalog, group_id, [AUDITED], POLICIES)
     assert on_branches.source_offsets == {"source": {0: 5}}

@@ -73,18 +73,23 @@ def make_sqlite_catalog(path: Path, name: str = "icefloe_test") -> SqlCatalog:
     return SqlCatalog(name, **sqlite_catalog_properties(path))
 
 
-def create_rows_table(catalog: Catalog, name: str) -> Table:
-    """Create ``namespace.table`` with :data:`ROWS_SCHEMA` (the namespace too if needed)."""
+def create_rows_table(
+    catalog: Catalog, name: str, partition_spec: PartitionSpec | None = None
+) -> Table:
+    """Create ``namespace.table`` with :data:`ROWS_SCHEMA` (the namespace too if needed),
+    unpartitioned unless ``partition_spec`` is given."""
     namespace = name.rsplit(".", 1)[0]
     with contextlib.suppress(NamespaceAlreadyExistsError):
         catalog.create_namespace(namespace)
-    return catalog.create_table(name, schema=ROWS_SCHEMA)
+    return catalog.create_table(
+        name, schema=ROWS_SCHEMA, partition_spec=partition_spec or PartitionSpec()
+    )
 
 
-def write_rows(table: Table, ids: Iterable[int], writer: str, batch_seq: int) -> list[DataFileMeta]:
-    """Write real Parquet data files holding ``ids`` into the table's location (uncommitted)."""
+def rows_table(ids: Iterable[int], writer: str = "w", batch_seq: int = 0) -> pa.Table:
+    """Rows of :data:`ROWS_SCHEMA` holding ``ids``, as Arrow."""
     id_list = list(ids)
-    data = pa.table(
+    return pa.table(
         {
             "id": pa.array(id_list, pa.int64()),
             "writer": pa.array([writer] * len(id_list), pa.string()),
@@ -92,7 +97,11 @@ def write_rows(table: Table, ids: Iterable[int], writer: str, batch_seq: int) ->
         },
         schema=_ROWS_ARROW,
     )
-    return write_data_files(table, data)
+
+
+def write_rows(table: Table, ids: Iterable[int], writer: str, batch_seq: int) -> list[DataFileMeta]:
+    """Write real Parquet data files holding ``ids`` into the table's location (uncommitted)."""
+    return write_data_files(table, rows_table(ids, writer, batch_seq))
 
 
 def table_ids(catalog: Catalog, name: str, branch: str = "main") -> list[int]:
