@@ -5,6 +5,7 @@ reads that table's branch."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -17,6 +18,7 @@ from icefloe.coordinator import CoordinatorHooks, CoordinatorSettings
 from icefloe.maintenance import dedupe_snapshots
 from icefloe.policy import TablePolicies, TablePolicy
 from icefloe.resume import committed
+from icefloe.status import table_status
 from icefloe.testing.fixtures import assert_exactly_once, group_snapshots, table_ids
 from icefloe.testing.harness import Pipe, RowSource, SimulatedCrash, crash, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
@@ -96,7 +98,7 @@ def test_crash_replay_of_a_batch_on_branch_audit_is_not_committed_twice(pipe: Pi
     assert table_ids(sqlite_catalog, AUDITED) == []
 
 
-def test_resume_status_and_maintain_read_the_tables_branch(pipe: Pipe) -> None:
+def test_resume_status_drain_and_maintain_read_the_tables_branch(pipe: Pipe) -> None:
     sqlite_catalog, group_id = pipe.catalog, pipe.group_id
     pipe.commit_each([0])
     # resume: the audited table's offsets are on its branch only
@@ -120,6 +122,14 @@ def test_resume_status_and_maintain_read_the_tables_branch(pipe: Pipe) -> None:
     assert head is not None
     assert audited.snapshot_id == head.snapshot_id
     assert committer.state(PLAIN) is not None
+    # status reports the branch's commit
+    status = table_status(sqlite_catalog, config, AUDITED, None, time.time() * 1000)
+    assert (status.snapshot_id, status.rows) == (head.snapshot_id, 5)
+    # drain marks a table whose last commit on its branch came through the channel
+    channel_id = audited.boundary.channel_id
+    assert channel_id is not None
+    assert not committer.mark_drained(AUDITED, "another-channel")
+    assert committer.mark_drained(AUDITED, channel_id)
     # maintain keeps the chain the dedupe rule walks on the branch
     table = sqlite_catalog.load_table(AUDITED)
     assert audited.snapshot_id in dedupe_snapshots(table.metadata)
