@@ -4,9 +4,9 @@ cycle's small files per partition before the commit).
     python benchmarks/bench_merge.py --tasks 8 --partitions 16 --records 25000 --cycles 5
 
 Each cycle imitates a Spark micro-batch on the ``ranges`` path: ``--tasks`` write tasks each
-write ``--records`` events (10 fields, ~250 bytes as JSON) spread over ``--partitions`` values
-of the table's identity partition column, with pyiceberg's writer as the sink does, so a cycle
-announces tasks x partitions files. The real ``IcebergCommitter`` commits them to a
+write ``--records`` of ``bench_e2e``'s events (10 fields, ~250 bytes as JSON) into a table
+partitioned by ``bucket(--partitions, user_id)``, with pyiceberg's writer as the sink does, so
+a cycle announces tasks x partitions files. The real ``IcebergCommitter`` commits them to a
 SQLite-catalog table (created as icefloe creates tables), once without and once with merging
 (target ``--target-mb``). Reports per run: files and mean file size per commit (from the
 snapshot summaries), the commit's wall and CPU time p50 (merging included), the files in the
@@ -17,7 +17,7 @@ the table exactly once.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import io
 import os
 import statistics
 import sys
@@ -27,18 +27,11 @@ import uuid
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.json as pajson
+from bench_e2e import SCHEMA, events
+from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.partitioning import PartitionField, PartitionSpec
-from pyiceberg.schema import Schema
-from pyiceberg.transforms import IdentityTransform
-from pyiceberg.types import (
-    BooleanType,
-    DoubleType,
-    IntegerType,
-    LongType,
-    NestedField,
-    StringType,
-    TimestamptzType,
-)
+from pyiceberg.transforms import BucketTransform
 
 from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
 from icefloe.datafiles import write_data_files
@@ -47,48 +40,22 @@ from icefloe.policy import TablePolicies, TablePolicy
 from icefloe.testing.fixtures import make_sqlite_catalog
 
 TABLE = "bench.events"
-SCHEMA = Schema(
-    NestedField(1, "id", LongType(), required=False),
-    NestedField(2, "region", StringType(), required=False),
-    NestedField(3, "user", StringType(), required=False),
-    NestedField(4, "session", StringType(), required=False),
-    NestedField(5, "page", StringType(), required=False),
-    NestedField(6, "amount", DoubleType(), required=False),
-    NestedField(7, "count", IntegerType(), required=False),
-    NestedField(8, "flag", BooleanType(), required=False),
-    NestedField(9, "ts", TimestamptzType(), required=False),
-    NestedField(10, "note", StringType(), required=False),
-)
-SPEC = PartitionSpec(PartitionField(2, 1000, IdentityTransform(), "region"))
-T0 = dt.datetime(2026, 11, 25, tzinfo=dt.UTC)
 
 
-def events(first_id: int, n: int, partitions: int) -> pa.Table:
-    """``n`` events with ids from ``first_id``, spread evenly over ``partitions`` regions."""
-    ids = list(range(first_id, first_id + n))
-    return pa.table(
-        {
-            "id": pa.array(ids, pa.int64()),
-            "region": [f"region-{i % partitions:03d}" for i in ids],
-            "user": [f"user-{i % 9973:05d}" for i in ids],
-            "session": [uuid.UUID(int=i * 2654435761).hex for i in ids],
-            "page": [f"/shop/item/{i % 5003}" for i in ids],
-            "amount": pa.array([i * 0.37 % 1000 for i in ids], pa.float64()),
-            "count": pa.array([i % 100 for i in ids], pa.int32()),
-            "flag": [i % 3 == 0 for i in ids],
-            "ts": pa.array(
-                [T0 + dt.timedelta(milliseconds=i) for i in ids], pa.timestamp("us", "UTC")
-            ),
-            "note": [f"event number {i} from the benchmark" for i in ids],
-        }
-    )
+def task_data(first_id: int, n: int) -> pa.Table:
+    """What one write task converts: ``bench_e2e``'s events, parsed by Arrow's JSON reader."""
+    data = b"\n".join(value for _, value in events(first_id, n))
+    options = pajson.ParseOptions(explicit_schema=schema_to_pyarrow(SCHEMA))
+    return pajson.read_json(io.BytesIO(data), parse_options=options)
 
 
 def run(args: argparse.Namespace, merge: bool, work: Path) -> str:
     catalog = make_sqlite_catalog(work / ("merge" if merge else "plain"))
     catalog.create_namespace("bench")
+    # bucket(partitions, user_id): every task's random users touch every partition
+    spec = PartitionSpec(PartitionField(2, 1000, BucketTransform(args.partitions), "user_bucket"))
     table = catalog.create_table(
-        TABLE, schema=SCHEMA, partition_spec=SPEC, properties=recommended_properties()
+        TABLE, schema=SCHEMA, partition_spec=spec, properties=recommended_properties()
     )
     policy = TablePolicy(merge_small_files=merge, target_file_size_bytes=args.target_mb << 20)
     committer = IcebergCommitter(catalog, "bench", policies=TablePolicies(policy))
@@ -100,7 +67,7 @@ def run(args: argparse.Namespace, merge: bool, work: Path) -> str:
     for cycle in range(args.cycles):
         files: list[PendingFile] = []
         for task in range(args.tasks):  # a Spark task: its own file per partition it touches
-            data = events(next_id, args.records, args.partitions)
+            data = task_data(next_id, args.records)
             next_id += args.records
             for meta in write_data_files(table, data):
                 files.append(PendingFile(meta, f"task-{task}", cycle, "0", offset, uuid_))
