@@ -23,6 +23,12 @@ values, so they never move backwards. A commit conflict (``CommitFailedException
 unknown outcome reloads the table and redoes steps 1-4, so a foreign writer or a concurrent
 coordinator can neither cause a loss nor a duplicate.
 
+Each table is committed to its own branch (:class:`~icefloe.policy.TablePolicies`:
+``tables.branch``, else ``coordination.branch``); every step above reads and writes that
+branch's state. Tables with ``merge_small_files`` have the cycle's small data files rewritten
+per partition before step 4 (:mod:`icefloe.merge`); the snapshot adds the merged files, the
+summary is unchanged, and the originals are deleted once the snapshot landed.
+
 A branch that does not exist yet is created in the same transaction as the append, from the
 table's current snapshot (as Iceberg's Java ``toBranch`` does); until then
 :meth:`IcebergCommitter.state` reports the state the new branch will inherit. Catalogs refuse
@@ -405,7 +411,15 @@ class IcebergCommitter:
             if merger is not None and not any(_is_key_file(f) for f in plan.files):
                 # before the lease check: a leader that lost its lease meanwhile commits
                 # nothing, and what it merged is an orphan
-                plan = replace(plan, merge=merger.merge(table, [f.meta for f in plan.files]))
+                merge = merger.merge(table, [f.meta for f in plan.files])
+                plan = replace(plan, merge=merge)
+                logger.info(
+                    "%s: %d file(s) to add for %d announced (small files merged) for %s",
+                    request.table,
+                    len(merge.appended),
+                    len(plan.files),
+                    request.commit_id,
+                )
             if self._before_commit is not None:
                 self._before_commit()
             tx, snapshot_id = self._stage(table, plan)
