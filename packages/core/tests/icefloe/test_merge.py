@@ -5,10 +5,12 @@ scan."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
@@ -17,7 +19,9 @@ from pyiceberg.table import Table
 from pyiceberg.transforms import BucketTransform
 
 from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.config import config_from_dict
 from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.errors import ConfigError
 from icefloe.events import DataFileMeta, FileContent, PartitionValue
 from icefloe.maintenance import remove_orphan_files
 from icefloe.merge import groups
@@ -246,3 +250,18 @@ def test_a_commit_retried_after_a_conflict_writes_its_merged_files_once(
     table = sqlite_catalog.load_table(MERGED)
     assert data_files(table) == committed_files(table)  # 4 merged + the foreign one
     assert_exactly_once(sqlite_catalog, MERGED, [*range(120), 1000])
+
+
+@pytest.mark.parametrize("section", ["tables", "dynamic_tables"])
+def test_keyed_tables_cannot_merge_and_the_error_names_the_key(section: str) -> None:
+    table = {"mode": "cdc", "id_columns": ["id"], "merge_small_files": True}
+    data: dict[str, Any] = {"name": "p", "source": {"topics": ["t"]}}
+    if section == "tables":
+        data["tables"] = [{"name": "a.b", **table}]
+        key = "tables.0.merge_small_files"
+    else:
+        data["dynamic_tables"] = {"route_field": "kind", **table}
+        key = "dynamic_tables.merge_small_files"
+    with pytest.raises(ConfigError, match=re.escape(key)) as caught:
+        config_from_dict(data)
+    assert "set merge_small_files = false" in str(caught.value)
