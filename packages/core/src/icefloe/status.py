@@ -44,6 +44,7 @@ class TableStatus:
     quarantined_files: int | None = None
     stuck: bool = False
     reason: str = ""
+    branch: str = "main"  # the branch the pipeline commits this table to
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ def table_status(
         ),
         stuck=stuck,
         reason=reason,
+        branch=committer.branch_of(name),
     )
 
 
@@ -289,8 +291,9 @@ def render_lines(status: PipelineStatus) -> list[str]:
         lag = "?" if t.source_lag is None else str(t.source_lag)
         quarantined = "?" if t.quarantined_files is None else str(t.quarantined_files)
         pending = "?" if t.pending_files is None else f"{t.pending_files} ({t.pending_bytes} B)"
+        on = "" if t.branch == "main" else f" (branch {t.branch})"
         line = (
-            f"  table {t.name}: last commit {ago} (+{t.commit_rows or 0} rows, snapshot "
+            f"  table {t.name}{on}: last commit {ago} (+{t.commit_rows or 0} rows, snapshot "
             f"{t.snapshot_id or '-'}), {t.rows if t.rows is not None else '-'} rows, "
             f"lag {lag}, pending files {pending}, quarantined files {quarantined}"
         )

@@ -18,7 +18,7 @@ from icefloe.coordinator import CoordinatorHooks, CoordinatorSettings
 from icefloe.maintenance import dedupe_snapshots
 from icefloe.policy import TablePolicies, TablePolicy
 from icefloe.resume import committed
-from icefloe.status import table_status
+from icefloe.status import PipelineStatus, render_lines, table_status
 from icefloe.testing.fixtures import assert_exactly_once, group_snapshots, table_ids
 from icefloe.testing.harness import Pipe, RowSource, SimulatedCrash, crash, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
@@ -124,7 +124,9 @@ def test_resume_status_drain_and_maintain_read_the_tables_branch(pipe: Pipe) -> 
     assert committer.state(PLAIN) is not None
     # status reports the branch's commit
     status = table_status(sqlite_catalog, config, AUDITED, None, time.time() * 1000)
-    assert (status.snapshot_id, status.rows) == (head.snapshot_id, 5)
+    assert (status.snapshot_id, status.rows, status.branch) == (head.snapshot_id, 5, "audit")
+    (line,) = render_lines(PipelineStatus(group_id, "memory", None, None, [status]))[1:]
+    assert line.startswith(f"  table {AUDITED} (branch audit): last commit")
     # drain marks a table whose last commit on its branch came through the channel
     channel_id = audited.boundary.channel_id
     assert channel_id is not None
