@@ -260,6 +260,47 @@ def test_fresh_checkpoint_at_the_same_place_resumes_from_the_table_and_loses_not
     assert_exactly_once(catalog, TABLE, range(500))
 
 
+def test_table_on_its_own_branch_with_merged_small_files_resumes_from_that_branch(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """``tables.branch`` and ``merge_small_files`` through ``icefloe run``'s pipeline: ranges
+    split over many tasks each write a file per partition, the coordinator commits one file per
+    partition per cycle to branch ``audit`` (main untouched), and a fresh checkpoint with
+    ``starting_offsets = "table"`` resumes from the offsets on that branch."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker, partitions=1)
+    catalog = make_table(catalog_properties)
+    name = f"e2e-branch-{uuid.uuid4().hex[:10]}"
+    checkpoint = tmp_path / "ckpt"
+    data = pipeline_dict(name, kafka_broker, topic, catalog_properties, "kafka", checkpoint)
+    data["tables"] = [{"name": TABLE, "branch": "audit", "merge_small_files": True}]
+    data["source"]["starting_offsets"] = "table"
+    data["spark"]["max_records_per_task"] = 40
+    config = config_from_dict(data)
+
+    def on_audit() -> int:
+        head = catalog.load_table(TABLE).snapshot_by_name("audit")
+        summary = None if head is None else head.summary
+        return 0 if summary is None else int(summary["total-records"] or 0)
+
+    produce_json(bootstrap, topic, range(300))
+    with Pipeline(config, spark=spark, source_extra_options=SOURCE_OPTIONS):
+        wait_until(lambda: on_audit() >= 300, WAIT_S, "the first 300 rows on branch audit")
+    shutil.rmtree(checkpoint)
+    produce_json(bootstrap, topic, range(300, 500))
+    with Pipeline(config, spark=spark, source_extra_options=SOURCE_OPTIONS):
+        wait_until(lambda: on_audit() >= 500, WAIT_S, "the 200 rows after the reset")
+    assert_exactly_once(catalog, TABLE, range(500), branch="audit")
+    assert catalog.load_table(TABLE).current_snapshot() is None  # main untouched
+    snapshots = group_snapshots(catalog, TABLE, name)
+    added = [int(s.summary["added-data-files"] or 0) for s in snapshots if s.summary]
+    assert added
+    assert max(added) <= 3, added  # one file per partition (kind a, b, c) and cycle
+
+
 def test_failed_task_attempt_commits_no_file_and_no_duplicate(
     spark: Any,
     kafka_broker: EmbeddedKafkaBroker,

@@ -226,7 +226,7 @@ def coordinator_command(
             cfg.name,
             backend.coordinator(name),
             load_catalog(cfg.catalog.name, **cfg.catalog.properties),
-            CoordinatorSettings.from_config(cfg.coordination),
+            CoordinatorSettings.for_pipeline(cfg),
             coordinator_id=name,
         )
         _say("", "", f"coordinator {name} of pipeline {cfg.name} started")
@@ -271,13 +271,13 @@ def drain_command(
             cfg.name,
             backend.coordinator(name),
             catalog,
-            CoordinatorSettings.from_config(cfg.coordination),
+            CoordinatorSettings.for_pipeline(cfg),
             coordinator_id=name,
         )
         try:
             result = drain(
                 coordinator,
-                IcebergCommitter(catalog, cfg.name, branch=cfg.coordination.branch),
+                IcebergCommitter.for_pipeline(catalog, cfg),
                 [t.name for t in cfg.tables],
                 timeout_s=timeout_s,
             )
@@ -330,7 +330,7 @@ def rollback_command(
     if entry.keyed and not no_replay:
         raise keyed_refusal(table, entry.mode)
     catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
-    committer = IcebergCommitter(catalog, cfg.name, branch=cfg.coordination.branch)
+    committer = IcebergCommitter.for_pipeline(catalog, cfg)
     rollback = committer.roll_back(table, snapshot_id, replay=not no_replay)
     typer.echo(describe(rollback, table, replay=not no_replay))
 

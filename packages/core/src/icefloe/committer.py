@@ -23,6 +23,12 @@ values, so they never move backwards. A commit conflict (``CommitFailedException
 unknown outcome reloads the table and redoes steps 1-4, so a foreign writer or a concurrent
 coordinator can neither cause a loss nor a duplicate.
 
+Each table is committed to its own branch (:class:`~icefloe.policy.TablePolicies`:
+``tables.branch``, else ``coordination.branch``); every step above reads and writes that
+branch's state. Tables with ``merge_small_files`` have the cycle's small data files rewritten
+per partition before step 4 (:mod:`icefloe.merge`); the snapshot adds the merged files, the
+summary is unchanged, and the originals are deleted once the snapshot landed.
+
 A branch that does not exist yet is created in the same transaction as the append, from the
 table's current snapshot (as Iceberg's Java ``toBranch`` does); until then
 :meth:`IcebergCommitter.state` reports the state the new branch will inherit. Catalogs refuse
@@ -67,6 +73,7 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe import rowdelta
+from icefloe.config import PipelineConfig
 from icefloe.datafiles import DataFileBuilder
 from icefloe.dedupe import POSITIONS_KEY as POSITIONS_KEY  # re-exported: summary keys
 from icefloe.dedupe import WATERMARKS_KEY as WATERMARKS_KEY
@@ -75,6 +82,7 @@ from icefloe.errors import (
     ChannelChangedError,
     CommitError,
     CommitHistoryLostError,
+    DataFileMissingError,
     FileOutsideTableError,
     InvalidDataFileError,
     PartitionSpecChangedError,
@@ -88,6 +96,8 @@ from icefloe.errors import (
     TableMissingError,
 )
 from icefloe.events import DataFileMeta, FileContent
+from icefloe.merge import Merge, SmallFileMerger
+from icefloe.policy import TablePolicies
 from icefloe.rollback import Rollback, detect, is_replay_writer
 
 logger = logging.getLogger(__name__)
@@ -199,6 +209,9 @@ class TableCommitResult:
     data_files: int
     records: int
     skipped_files: int
+    added_files: int | None = None
+    """Files the snapshot added, when merging small files changed their number (else
+    ``data_files``)."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +233,13 @@ class _Plan:
     fork_from: int | None  # create the branch from this snapshot first
     clear_drained: bool = False  # the drained channel is in use again: its mark is stale
     retired: tuple[str, bytes] | None = None  # a new retired-writers file: location, content
+    merge: Merge | None = None  # small files merged: what to append instead, what it replaces
+
+    def appended(self) -> list[DataFileMeta]:
+        """The data files the snapshot adds (merged ones instead of what they replace)."""
+        if self.merge is not None:
+            return list(self.merge.appended)
+        return [f.meta for f in self.files if not _is_key_file(f)]
 
 
 class IcebergCommitter:
@@ -238,6 +258,7 @@ class IcebergCommitter:
         before_commit: Callable[[], None] | None = None,
         retry_wait_s: float = 0.05,
         max_retry_wait_s: float = 2.0,
+        policies: TablePolicies | None = None,
     ) -> None:
         if not group_id:
             raise ValueError("group_id must not be empty")
@@ -247,7 +268,8 @@ class IcebergCommitter:
             raise ValueError(f"max_attempts must be at least 1 (got {max_attempts})")
         self._catalog = catalog
         self._group_id = group_id
-        self._branch = branch
+        # per table: its branch (``branch`` for tables the policies do not name) and merging
+        self._policies = policies or TablePolicies.single(branch)
         self._max_attempts = max_attempts
         self._before_commit = before_commit
         self._retry_wait_s = retry_wait_s
@@ -255,13 +277,34 @@ class IcebergCommitter:
         self._manifest_paths: dict[str, frozenset[str]] = {}  # manifest location -> live paths
         self._retired: dict[str, dict[str, int]] = {}  # retired-writers file -> its watermarks
 
+    @classmethod
+    def for_pipeline(
+        cls, catalog: Catalog, config: PipelineConfig, **options: Any
+    ) -> IcebergCommitter:
+        """The committer of a pipeline configuration: its group, each table's branch."""
+        return cls(
+            catalog,
+            config.name,
+            branch=config.coordination.branch,
+            policies=TablePolicies.from_config(config),
+            **options,
+        )
+
     @property
     def group_id(self) -> str:
         return self._group_id
 
     @property
     def branch(self) -> str:
-        return self._branch
+        """The branch of tables the policies do not name."""
+        return self._policies.default.branch
+
+    def branch_of(self, table: str) -> str:
+        """The branch ``table`` is committed to (its policy's)."""
+        return self._policies.branch(table)
+
+    def _branch_for(self, table: Table) -> str:
+        return self.branch_of(_name(table))
 
     def state(self, table: str) -> CommitState | None:
         """The state recorded by this group's newest snapshot on the branch, if any. While a
@@ -302,16 +345,17 @@ class IcebergCommitter:
                 if pending is None or pending.writer_id != only_if:
                     return pending
             target = snapshot_id if snapshot_id is not None or head is None else head.snapshot_id
+            branch = self.branch_of(table)
             if target is None or target not in _history(head, loaded.metadata):
                 raise CommitError(
                     f"table '{table}': snapshot {target} is not in the history of branch "
-                    f"'{self._branch}' (head {None if head is None else head.snapshot_id}); "
+                    f"'{branch}' (head {None if head is None else head.snapshot_id}); "
                     "roll back to the head or one of its ancestors (see the table's snapshots)"
                 )
             tx = loaded.transaction()
             with ManageSnapshots(tx) as refs:  # asserts the head did not move meanwhile
-                refs.create_branch(target, self._branch)
-            prop = state_property(self._group_id, self._branch)
+                refs.create_branch(target, branch)
+            prop = state_property(self._group_id, branch)
             raw = loaded.metadata.properties.get(prop)
             if not replay and raw is not None:
                 kept = json.loads(raw)
@@ -370,8 +414,12 @@ class IcebergCommitter:
         accepted: list[PendingFile] = []
         refused: list[tuple[PendingFile, RefusedFileError]] = []
         rules = _FileRules.of(loaded)
+        policy = self._policies(table)
         for f in files:
-            error = None if boundary.covers(f) else _refusal(loaded, f, rules)
+            covered = boundary.covers(f)
+            error = None if covered else _refusal(loaded, f, rules)
+            if error is None and not covered and policy.merge_small_files:
+                error = _missing(loaded, f, policy.target_file_size_bytes)
             if error is None:
                 accepted.append(f)
             else:
@@ -389,13 +437,19 @@ class IcebergCommitter:
         # snapshots of attempts whose outcome is unknown: they may have landed after all
         unknown: list[tuple[int, _Plan]] = []
         last_error: Exception | None = None
+        policy = self._policies(request.table)
+        merger = (
+            SmallFileMerger(request.commit_id, policy.target_file_size_bytes)
+            if policy.merge_small_files
+            else None
+        )
         for attempt in range(self._max_attempts):
             if attempt:
                 self._backoff(attempt)
             table = self._load(request.table)
             for snapshot_id, earlier in unknown:
                 if table.metadata.snapshot_by_id(snapshot_id) is not None:
-                    return _result(request, earlier, snapshot_id)
+                    return self._landed(table, request, earlier, snapshot_id)
             if self._needs_root(table):
                 try:
                     self._commit_root(table)
@@ -412,6 +466,18 @@ class IcebergCommitter:
                     plan.skipped,
                 )
                 return _result(request, plan, None)
+            if merger is not None and not any(_is_key_file(f) for f in plan.files):
+                # before the lease check: a leader that lost its lease meanwhile commits
+                # nothing, and what it merged is an orphan
+                merge = merger.merge(table, [f.meta for f in plan.files])
+                plan = replace(plan, merge=merge)
+                logger.info(
+                    "%s: %d file(s) to add for %d announced (small files merged) for %s",
+                    request.table,
+                    len(merge.appended),
+                    len(plan.files),
+                    request.commit_id,
+                )
             if self._before_commit is not None:
                 self._before_commit()
             tx, snapshot_id = self._stage(table, plan)
@@ -447,17 +513,30 @@ class IcebergCommitter:
                 request.commit_id,
             )
             self._remember_added(committed, snapshot_id, plan)
-            return _result(request, plan, snapshot_id)
+            return self._landed(committed, request, plan, snapshot_id)
         # the last attempt may have landed even though its outcome was unknown
         if unknown:
             table = self._load(request.table)
             for snapshot_id, earlier in unknown:
                 if table.metadata.snapshot_by_id(snapshot_id) is not None:
-                    return _result(request, earlier, snapshot_id)
+                    return self._landed(table, request, earlier, snapshot_id)
         raise CommitError(
             f"table '{request.table}': commit {request.commit_id} failed after "
             f"{self._max_attempts} attempts: {last_error}"
         ) from last_error
+
+    def _landed(
+        self, table: Table, request: TableCommitRequest, plan: _Plan, snapshot_id: int
+    ) -> TableCommitResult:
+        """The result of ``plan``'s snapshot, which is in the table: now (never before) the
+        originals its merged files replace can go. One that cannot be deleted, or one left by a
+        crash before this point, is an orphan for ``icefloe maintain``."""
+        for path in () if plan.merge is None else plan.merge.replaced:
+            try:
+                table.io.delete(path)
+            except Exception as exc:  # committed either way: the file is only garbage now
+                logger.warning("%s: cannot delete merged file %s: %s", request.table, path, exc)
+        return _result(request, plan, snapshot_id)
 
     def _load(self, name: str) -> Table:
         """Load the table fresh from the catalog, with pyiceberg's own commit retries off.
@@ -488,35 +567,28 @@ class IcebergCommitter:
     def _branch_head(self, table: Table) -> tuple[Snapshot | None, int | None]:
         """The branch's head, and the snapshot to fork it from when it does not exist yet."""
         metadata = table.metadata
-        ref = metadata.refs.get(self._branch)
+        branch = self._branch_for(table)
+        ref = metadata.refs.get(branch)
         if ref is not None:
             if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
                 raise CommitError(
-                    f"table '{_name(table)}': '{self._branch}' is a tag, not a branch; "
-                    "set coordination branch to a branch name"
+                    f"table '{_name(table)}': '{branch}' is a tag, not a branch; "
+                    "set the table's branch (or coordination.branch) to a branch name"
                 )
             return metadata.snapshot_by_id(ref.snapshot_id), None
-        if self._branch == MAIN_BRANCH:
+        if branch == MAIN_BRANCH:
             return None, None
-        base = metadata.current_snapshot() or self._root(metadata)
+        base = metadata.current_snapshot() or _root(metadata, branch)
         return base, None if base is None else base.snapshot_id
-
-    def _root(self, metadata: TableMetadata) -> Snapshot | None:
-        """The newest empty root snapshot made for this branch, if any."""
-        roots = [
-            s
-            for s in metadata.snapshots
-            if s.summary is not None and s.summary[BRANCH_ROOT_KEY] == self._branch
-        ]
-        return max(roots, key=lambda s: s.sequence_number or 0, default=None)
 
     def _needs_root(self, table: Table) -> bool:
         metadata = table.metadata
+        branch = self._branch_for(table)
         return (
-            self._branch != MAIN_BRANCH
-            and self._branch not in metadata.refs
+            branch != MAIN_BRANCH
+            and branch not in metadata.refs
             and metadata.current_snapshot() is None
-            and self._root(metadata) is None
+            and _root(metadata, branch) is None
         )
 
     def _commit_root(self, table: Table) -> None:
@@ -524,7 +596,7 @@ class IcebergCommitter:
         if self._before_commit is not None:
             self._before_commit()
         tx = table.transaction()
-        root = {BRANCH_ROOT_KEY: self._branch}
+        root = {BRANCH_ROOT_KEY: self._branch_for(table)}
         with tx.update_snapshot(snapshot_properties=root, branch=None).fast_append():
             pass
         tx.commit_transaction()
@@ -564,15 +636,17 @@ class IcebergCommitter:
                     f"--config <pipeline.toml> {_name(table)} <snapshot id> --no-replay"
                 )
             else:
-                rollback = detect(self._group_id, self._branch, _name(table), state, kept)
+                rollback = detect(
+                    self._group_id, self._branch_for(table), _name(table), state, kept
+                )
                 state = kept
         if state is None and truncated and _property_token(table, self._group_id) is not None:
             # the group committed here before (it left its token), yet no snapshot of it is
             # left in the history: treating everything as new could commit files twice
             raise CommitHistoryLostError(
                 f"table '{_name(table)}': group '{self._group_id}' committed to branch "
-                f"'{self._branch}' before, but its snapshots were expired from the branch "
-                "history; keep the group's last snapshot when expiring snapshots, or remove "
+                f"'{self._branch_for(table)}' before, but its snapshots were expired from the "
+                "branch history; keep the group's last snapshot when expiring snapshots, or remove "
                 f"the table property {fencing_token_property(self._group_id)} to start over"
             )
         if state is None or state.boundary.retired_file is None:
@@ -600,7 +674,8 @@ class IcebergCommitter:
         return cached
 
     def _kept_state(self, table: Table) -> CommitState | None:
-        raw = table.metadata.properties.get(state_property(self._group_id, self._branch))
+        prop = state_property(self._group_id, self._branch_for(table))
+        raw = table.metadata.properties.get(prop)
         if raw is None:
             return None
         try:
@@ -608,8 +683,7 @@ class IcebergCommitter:
             return _state_from_summary(int(kept["snapshot-id"]), kept["summary"])
         except (ValueError, KeyError, TypeError) as e:
             raise CommitError(
-                f"table '{_name(table)}': property "
-                f"{state_property(self._group_id, self._branch)} is unreadable ({e}); restore it "
+                f"table '{_name(table)}': property {prop} is unreadable ({e}); restore it "
                 "from the group's last snapshot summary or remove it"
             ) from e
 
@@ -712,9 +786,10 @@ class IcebergCommitter:
     def _stage(self, table: Table, plan: _Plan) -> tuple[Transaction, int]:
         """Build the transaction for ``plan``; returns it and the snapshot id it will add."""
         tx = table.transaction()
+        branch = self._branch_for(table)
         if plan.fork_from is not None:
             with ManageSnapshots(tx) as refs:
-                refs.create_branch(plan.fork_from, self._branch)
+                refs.create_branch(plan.fork_from, branch)
         if plan.raise_token:
             tx.set_properties(
                 {fencing_token_property(self._group_id): plan.summary[FENCING_TOKEN_KEY]}
@@ -729,7 +804,7 @@ class IcebergCommitter:
             location, content = plan.retired
             with table.io.new_output(location).create(overwrite=True) as stream:
                 stream.write(content)
-        snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=self._branch)
+        snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=branch)
         # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
         # read, which made this loop cost seconds per 10,000 files, growing with history
         build = DataFileBuilder(tx.table_metadata).build
@@ -740,11 +815,11 @@ class IcebergCommitter:
             # merging (commit.manifest-merge.enabled, set on tables icefloe creates): see
             # icefloe.maintenance
             with snapshot.merge_append() as append:
-                for f in plan.files:
-                    append.append_data_file(build(f.meta))
+                for meta in plan.appended():
+                    append.append_data_file(build(meta))
             snapshot_id = append.snapshot_id
         kept = {"snapshot-id": snapshot_id, "summary": plan.summary}
-        tx.set_properties({state_property(self._group_id, self._branch): _json(kept)})
+        tx.set_properties({state_property(self._group_id, branch): _json(kept)})
         return tx, snapshot_id
 
     def _stage_row_delta(
@@ -775,7 +850,7 @@ class IcebergCommitter:
         )
         return rowdelta.stage(
             tx,
-            self._branch,
+            self._branch_for(table),
             plan.summary,
             (d for data, _ in batches.values() for d in data),
             deletes,
@@ -818,7 +893,7 @@ class IcebergCommitter:
         except Exception as exc:  # the commit landed; the cache is only an optimisation
             logger.debug("cannot list the manifests of snapshot %d: %s", snapshot_id, exc)
             return
-        data = [f for f in plan.files if not _is_key_file(f)]
+        data = plan.appended()
         added = [
             m
             for m in manifests
@@ -830,7 +905,7 @@ class IcebergCommitter:
             and not added[0].deleted_files_count
             and added[0].added_files_count == len(data)
         ):
-            self._cache_manifest(added[0].manifest_path, frozenset(f.meta.path for f in data))
+            self._cache_manifest(added[0].manifest_path, frozenset(m.path for m in data))
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep
@@ -862,6 +937,16 @@ class _FileRules:
             str(metadata.table_uuid),
             DataFileBuilder(metadata).build,
         )
+
+
+def _root(metadata: TableMetadata, branch: str) -> Snapshot | None:
+    """The newest empty root snapshot made for ``branch``, if any."""
+    roots = [
+        s
+        for s in metadata.snapshots
+        if s.summary is not None and s.summary[BRANCH_ROOT_KEY] == branch
+    ]
+    return max(roots, key=lambda s: s.sequence_number or 0, default=None)
 
 
 def _is_key_file(f: PendingFile) -> bool:
@@ -928,6 +1013,21 @@ def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileErro
     except (ValueError, KeyError, TypeError) as e:
         return InvalidDataFileError(f"table '{_name(table)}': cannot describe {path}: {e}")
     return None
+
+
+def _missing(table: Table, f: PendingFile, target: int) -> RefusedFileError | None:
+    """Why a file a merge would read cannot be committed: it no longer exists (merged and
+    deleted by an earlier cycle, so the live-path check cannot see it in the table)."""
+    if f.meta.content != FileContent.DATA or f.meta.file_size_in_bytes >= target:
+        return None
+    if table.io.new_input(f.meta.path).exists():
+        return None
+    return DataFileMissingError(
+        f"table '{_name(table)}': {f.meta.path} no longer exists. merge_small_files deletes "
+        "the files it merged once their commit landed, so this file was most likely committed "
+        "already (merged) and is announced again (under another writer id?); otherwise it was "
+        "lost. Refusing to commit a reference to a missing file"
+    )
 
 
 def _same_uuid(text: str, table_uuid: uuid.UUID) -> bool:
@@ -1121,4 +1221,5 @@ def _result(request: TableCommitRequest, plan: _Plan, snapshot_id: int | None) -
         data_files=len(committed),
         records=sum(f.meta.record_count for f in committed),
         skipped_files=plan.skipped,
+        added_files=None if plan.merge is None or snapshot_id is None else len(plan.appended()),
     )

@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from icefloe.errors import ConfigError
+from icefloe.policy import DEFAULT_TARGET_FILE_SIZE
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
@@ -158,10 +159,33 @@ class ChangeOptions(_Model):
 
     def change_options(self) -> dict[str, Any]:
         """These options as keyword arguments, to copy them onto another entry."""
-        return {name: getattr(self, name) for name in ChangeOptions.model_fields}
+        return {name: getattr(self, name) for name in TableCommitOptions.model_fields}
 
 
-class TableConfig(ChangeOptions):
+class TableCommitOptions(ChangeOptions):
+    """How the coordinator commits a table (``icefloe.policy``): the branch it commits to,
+    and whether a cycle's small files are merged first. After ``mode``, which the merge check
+    reads."""
+
+    # None: coordination.branch
+    branch: str | None = Field(default=None, pattern=r"^[^\s]+$")
+    merge_small_files: bool = False
+    target_file_size_bytes: int = Field(default=DEFAULT_TARGET_FILE_SIZE, gt=0)
+
+    @field_validator("merge_small_files")
+    @classmethod
+    def _merge_only_appends(cls, value: bool, info: ValidationInfo) -> bool:
+        mode = info.data.get("mode", "append")
+        if value and mode != "append":
+            raise ValueError(
+                f'mode "{mode}" resolves keys into position deletes that name data files and '
+                "row positions, which merging would change: set merge_small_files = false (or "
+                'mode = "append")'
+            )
+        return value
+
+
+class TableConfig(TableCommitOptions):
     """A target table and which records go to it (all records when no route is given)."""
 
     name: str = Field(pattern=TABLE_NAME_RE)
@@ -210,7 +234,7 @@ def check_regex(pattern: str) -> None:
         ) from None
 
 
-class DynamicTablesConfig(ChangeOptions):
+class DynamicTablesConfig(TableCommitOptions):
     """Dynamic fan-out (Kafka Connect's dynamic mode): each record goes to the table its
     ``route_field`` names, prefixed with ``namespace``; the other keys apply to every such
     table as they would to a ``[[tables]]`` entry."""

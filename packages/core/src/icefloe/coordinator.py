@@ -81,6 +81,7 @@ class Coordinator:
             group_id,
             branch=self.settings.branch,
             before_commit=self._leadership.before_commit,
+            policies=self.settings.policies,
         )
         quarantine = Quarantine(catalog, self.settings.quarantine_table)
         self._reader = EventReader(group_id, channel, committer, self.settings, quarantine)

@@ -18,7 +18,7 @@ import pyarrow as pa
 from pyiceberg.io.pyarrow import _dataframe_to_data_files, schema_to_pyarrow, write_file
 from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
 from pyiceberg.schema import Schema
-from pyiceberg.table import Table, WriteTask
+from pyiceberg.table import Table, TableProperties, WriteTask
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.typedef import Record
 from pyiceberg.types import DecimalType, StructType
@@ -137,18 +137,30 @@ class DataFileBuilder:
 
 
 def write_data_files(
-    table: Table, data: pa.Table, write_uuid: uuid.UUID | None = None
+    table: Table,
+    data: pa.Table,
+    write_uuid: uuid.UUID | None = None,
+    target_file_size: int | None = None,
 ) -> list[DataFileMeta]:
     """Write ``data`` (already in the table's schema) as Parquet data files in the table's
-    location, honouring its partition spec and write properties; commit nothing.
+    location, honouring its partition spec and write properties; commit nothing. The files are
+    named after ``write_uuid`` (and their order), so the same uuid writes the same names.
+    ``target_file_size`` overrides the table's ``write.target-file-size-bytes``.
 
     Uses pyiceberg's internal ``_dataframe_to_data_files`` because pyiceberg's public API
     offers only write-and-commit (``append``), and writers must never commit.
     """
     if data.num_rows == 0:
         return []
+    metadata = table.metadata
+    if target_file_size is not None:
+        properties = {
+            **metadata.properties,
+            TableProperties.WRITE_TARGET_FILE_SIZE_BYTES: str(target_file_size),
+        }
+        metadata = metadata.model_copy(update={"properties": properties})
     files: Iterable[DataFile] = _dataframe_to_data_files(
-        table_metadata=table.metadata, df=data, io=table.io, write_uuid=write_uuid
+        table_metadata=metadata, df=data, io=table.io, write_uuid=write_uuid
     )
     return [to_meta(f, table.metadata) for f in files]
 

@@ -140,6 +140,12 @@ class InvalidDataFileError(RefusedFileError):
     statistics for the table's schema)."""
 
 
+class DataFileMissingError(RefusedFileError):
+    """An announced data file no longer exists. With ``merge_small_files`` the coordinator
+    deletes files it merged once their commit landed, so a file announced again afterwards
+    (e.g. under another writer id) is gone: its rows are in the table already."""
+
+
 class RecordConversionError(IcefloeError):
     """A source record cannot be written: it does not decode, route or fit the table schema.
 

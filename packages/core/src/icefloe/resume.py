@@ -41,6 +41,7 @@ from icefloe.dedupe import max_merge
 from icefloe.errors import WriterRegressionError
 from icefloe.events import DataComplete, DataWritten
 from icefloe.maintenance import backlog
+from icefloe.policy import TablePolicies
 
 K = TypeVar("K")
 SourceOffsets = dict[str, dict[int, int]]  # topic -> partition -> next offset
@@ -77,13 +78,17 @@ def published(channel: CoordinatorChannel, group_id: str, idle_polls: int = 2) -
 
 
 def committed(
-    catalog: Catalog, group_id: str, tables: Iterable[str], branch: str = "main"
+    catalog: Catalog, group_id: str, tables: Iterable[str], branch: str | TablePolicies = "main"
 ) -> Progress:
     """What the group's newest snapshots of ``tables`` record: source offsets and writer
     watermarks, each merged by taking the highest value (a table that received no rows of a
     range gets no snapshot for it, so its offsets legitimately lag). Tables that do not exist
-    or hold no snapshot of the group are skipped."""
-    committer = IcebergCommitter(catalog, group_id, branch=branch)
+    or hold no snapshot of the group are skipped. ``branch``: one branch for every table, or
+    the pipeline's policies (each table read on its own branch)."""
+    policies = TablePolicies.single(branch) if isinstance(branch, str) else branch
+    committer = IcebergCommitter(
+        catalog, group_id, branch=policies.default.branch, policies=policies
+    )
     offsets: SourceOffsets = {}
     batches: dict[str, int] = {}
     for name in tables:

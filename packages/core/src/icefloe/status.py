@@ -45,6 +45,7 @@ class TableStatus:
     stuck: bool = False
     reason: str = ""
     rollback: str = ""  # a rollback waiting for its replay, or why it cannot be replayed
+    branch: str = "main"  # the branch the pipeline commits this table to
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def table_status(
 
     if not catalog.table_exists(name):
         return TableStatus(name, False, stuck=True, reason="the table does not exist")
-    committer = IcebergCommitter(catalog, config.name, branch=config.coordination.branch)
+    committer = IcebergCommitter.for_pipeline(catalog, config)
     rollback = _rollback_note(committer, name)
     state = None if rollback.startswith("RollbackNotReplayableError") else committer.state(name)
     table = catalog.load_table(name)
@@ -117,6 +118,7 @@ def table_status(
         stuck=stuck,
         reason=reason,
         rollback=rollback,
+        branch=committer.branch_of(name),
     )
 
 
@@ -188,7 +190,7 @@ def _with_pending(
         return status
     channel_id, by_table = announced
     try:
-        committer = IcebergCommitter(catalog, config.name, branch=config.coordination.branch)
+        committer = IcebergCommitter.for_pipeline(catalog, config)
         boundary = committer.boundary(status.name, channel_id)
     except Exception as exc:  # e.g. a table committed through another channel
         log.debug("no commit boundary for %s: %s", status.name, exc)
@@ -309,8 +311,9 @@ def render_lines(status: PipelineStatus) -> list[str]:
         lag = "?" if t.source_lag is None else str(t.source_lag)
         quarantined = "?" if t.quarantined_files is None else str(t.quarantined_files)
         pending = "?" if t.pending_files is None else f"{t.pending_files} ({t.pending_bytes} B)"
+        on = "" if t.branch == "main" else f" (branch {t.branch})"
         line = (
-            f"  table {t.name}: last commit {ago} (+{t.commit_rows or 0} rows, snapshot "
+            f"  table {t.name}{on}: last commit {ago} (+{t.commit_rows or 0} rows, snapshot "
             f"{t.snapshot_id or '-'}), {t.rows if t.rows is not None else '-'} rows, "
             f"lag {lag}, pending files {pending}, quarantined files {quarantined}"
         )

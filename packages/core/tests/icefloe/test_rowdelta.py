@@ -38,6 +38,7 @@ from icefloe.committer import (
 from icefloe.datafiles import DataFileBuilder, write_data_files, write_key_files
 from icefloe.errors import RowDeltaNotSupportedError, RowDeltaTableError
 from icefloe.events import DataFileMeta, FileContent
+from icefloe.policy import TablePolicies, TablePolicy
 
 GROUP = "pipe-a"
 NAME = "db.users"
@@ -374,11 +375,18 @@ def test_conflict_resolves_again_against_the_new_head(catalog: SqlCatalog, table
     assert summary(catalog)["added-position-deletes"] == "2"
 
 
-def test_row_delta_on_a_new_branch_leaves_main_alone(catalog: SqlCatalog, table: Table) -> None:
+@pytest.mark.parametrize("branch_set_by", ["committer", "table policy"])
+def test_row_delta_on_a_new_branch_leaves_main_alone(
+    catalog: SqlCatalog, table: Table, branch_set_by: str
+) -> None:
     seed(catalog, table, range(3))
     main_head = catalog.load_table(NAME).current_snapshot()
     assert main_head is not None
-    committer = IcebergCommitter(catalog, GROUP, branch="audit")
+    if branch_set_by == "committer":
+        committer = IcebergCommitter(catalog, GROUP, branch="audit")
+    else:  # tables.branch: the committer's default stays main, this table is on audit
+        policies = TablePolicies(TablePolicy(), {NAME: TablePolicy(branch="audit")})
+        committer = IcebergCommitter(catalog, GROUP, policies=policies)
     committer.commit(Cycle(table).batch("w1", 0, upserts=[(1, "b")], deletes=[(0,)]).request())
 
     loaded = catalog.load_table(NAME)

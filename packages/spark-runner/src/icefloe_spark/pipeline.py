@@ -34,6 +34,7 @@ from icefloe.config import PipelineConfig
 from icefloe.coordinator import Coordinator, CoordinatorSettings
 from icefloe.errors import ChannelIdentityError
 from icefloe.plugins import Plugins, get_plugins
+from icefloe.policy import TablePolicies
 from icefloe.resume import check_batch_continuity, committed, published, start_offsets
 from icefloe_spark import faults, sparklog
 from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
@@ -206,7 +207,7 @@ class CoordinatorThread:
         return self
 
     def _run(self) -> None:
-        settings = CoordinatorSettings.from_config(self.config.coordination)
+        settings = CoordinatorSettings.for_pipeline(self.config)
         while not self.stop_event.is_set():
             coordinator = Coordinator(
                 self.config.name,
@@ -389,7 +390,7 @@ class Pipeline:
         tables = [t.name for t in config.tables]
         if config.errors.dead_letter_table:
             tables.append(config.errors.dead_letter_table)
-        in_tables = committed(catalog, config.name, tables, config.coordination.branch)
+        in_tables = committed(catalog, config.name, tables, TablePolicies.from_config(config))
         check_batch_continuity(self.writer_id, latest, on_channel, in_tables, self.checkpoint)
         if (
             latest is not None

@@ -99,7 +99,7 @@ class Monitor:
         self.config = config
         self.probe_end = probe_end  # read partition ends by fetching (see kafkautil.end_offsets)
         self.catalog = catalog
-        self.committer = IcebergCommitter(catalog, config.name, branch=config.coordination.branch)
+        self.committer = IcebergCommitter.for_pipeline(catalog, config)
         self._consumer: Consumer | None = None
 
     def _watermarks(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]] | None:

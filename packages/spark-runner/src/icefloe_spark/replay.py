@@ -115,7 +115,7 @@ def replay(
         records += sum(f.record_count for f in out.files.get(table, ()))
     if not files:
         log.info("rollback of %s: the rolled-back range holds none of its rows", table)
-        IcebergCommitter(catalog, config.name, branch=config.coordination.branch).roll_back(
+        IcebergCommitter.for_pipeline(catalog, config).roll_back(
             table, None, replay=False, only_if=rollback.writer_id
         )
         return 0
@@ -191,9 +191,7 @@ class RollbackWatcher:
 
     def check(self) -> list[Rollback]:
         """Replay every rollback not replayed yet; returns those replayed now."""
-        committer = IcebergCommitter(
-            self.catalog, self.config.name, branch=self.config.coordination.branch
-        )
+        committer = IcebergCommitter.for_pipeline(self.catalog, self.config)
         done: list[Rollback] = []
         for entry in self.config.tables:
             if self._stop.is_set() or not self.catalog.table_exists(entry.name):

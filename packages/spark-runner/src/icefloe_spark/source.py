@@ -220,6 +220,7 @@ class SourceOptions:
     tables: tuple[str, ...] = ()
     group_id: str | None = None
     branch: str = "main"
+    branches: dict[str, str] = field(default_factory=dict)  # tables on another branch
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -299,6 +300,7 @@ class SourceOptions:
             tables=tables,
             group_id=group_id,
             branch=opts.get("icefloe.branch", "main"),
+            branches=json.loads(opts.get("icefloe.branches", "{}")),
         )
 
     def subscribed(self, names: Iterable[str]) -> list[str]:
@@ -425,6 +427,13 @@ def source_options(config: PipelineConfig) -> dict[str, str]:
                 "icefloe.tables": ",".join(t.name for t in config.tables),
                 "icefloe.groupId": config.name,
                 "icefloe.branch": config.coordination.branch,
+                "icefloe.branches": json.dumps(
+                    {
+                        t.name: t.branch
+                        for t in config.tables
+                        if t.branch not in (None, config.coordination.branch)
+                    }
+                ),
                 "icefloe.catalog.name": config.catalog.name,
                 **{f"icefloe.catalog.{k}": v for k, v in config.catalog.properties.items()},
             }
@@ -442,20 +451,26 @@ def table_source_offsets(
     group_id: str,
     catalog_name: str = "default",
     branch: str = "main",
+    branches: Mapping[str, str] | None = None,
 ) -> dict[str, dict[int, int]]:
     """The source offsets the pipeline ``group_id`` recorded in its tables' newest snapshots
     (``icefloe.source-offsets``), merged by taking each partition's highest offset.
 
     Highest, not lowest: a table that received no rows of a range gets no snapshot for it, so
     its offsets legitimately lag; restarting from the lowest would duplicate rows in the
-    others. Tables that do not exist or have no snapshot of the group are skipped.
+    others. Tables that do not exist or have no snapshot of the group are skipped. Each table
+    is read on its branch: ``branches`` names those not on ``branch``.
     """
     from pyiceberg.catalog import load_catalog
 
+    from icefloe.policy import TablePolicies, TablePolicy
     from icefloe.resume import committed
 
     catalog = load_catalog(catalog_name, **dict(catalog_properties))
-    return committed(catalog, group_id, tables, branch).source_offsets
+    policies = TablePolicies(
+        TablePolicy(branch=branch), {t: TablePolicy(branch=b) for t, b in (branches or {}).items()}
+    )
+    return committed(catalog, group_id, tables, policies).source_offsets
 
 
 # --------------------------------------------------------------------------- planning
@@ -648,6 +663,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     self.options.group_id,
                     self.options.catalog_name,
                     self.options.branch,
+                    self.options.branches,
                 )
                 given = {(t, p): o for t, parts in recorded.items() for p, o in parts.items()}
                 log.info("resuming from the offsets recorded in the tables: %s", recorded)

@@ -31,6 +31,7 @@ from pyspark.sql.types import (
 )
 
 from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.config import config_from_dict
 from icefloe.errors import ConfigError
 from icefloe.testing.fixtures import (
     create_rows_table,
@@ -50,6 +51,7 @@ from icefloe_spark.source import (
     split_limit,
     table_source_offsets,
 )
+from icefloe_spark.source import source_options as source_options_of
 
 Row = dict[str, Any]
 
@@ -314,8 +316,35 @@ def test_starting_offsets_from_table(
     assert sorted((p, o) for _, p, o in positions(batches)) == [(0, 3), (0, 4), (1, 4)]
 
 
+def test_starting_offsets_from_tables_on_their_own_branches(tmp_path: Path) -> None:
+    """A table committed to its own branch (``tables.branch``) is resumed from that branch:
+    the options carry its branch, and its main holds nothing of the pipeline."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg", name="cat")
+    _commit_offsets(catalog, "db.audited", "pipe", {"t": {0: 7}}, branch="audit")
+    _commit_offsets(catalog, "db.plain", "pipe", {"t": {0: 2, 1: 3}})
+    config = config_from_dict(
+        {
+            "name": "pipe",
+            "source": {"topics": ["t"], "starting_offsets": "table"},
+            "tables": [{"name": "db.audited", "branch": "audit"}, {"name": "db.plain"}],
+            "catalog": {"name": "cat", "properties": props},
+        }
+    )
+    options = SourceOptions.parse(source_options_of(config))
+    assert options.branches == {"db.audited": "audit"}
+    tables = ["db.audited", "db.plain"]
+    args = (props, tables, "pipe", "cat", options.branch)
+    assert table_source_offsets(*args, options.branches) == {"t": {0: 7, 1: 3}}
+    assert table_source_offsets(*args) == {"t": {0: 2, 1: 3}}  # main only: the plain table
+
+
 def _commit_offsets(
-    catalog: Any, table: str, group: str, offsets: dict[str, dict[int, int]]
+    catalog: Any,
+    table: str,
+    group: str,
+    offsets: dict[str, dict[int, int]],
+    branch: str = "main",
 ) -> None:
     """A real icefloe snapshot (one data file) recording ``offsets`` for ``group``."""
     if not catalog.table_exists(table):
@@ -323,7 +352,7 @@ def _commit_offsets(
     tbl = catalog.load_table(table)
     metas = write_rows(tbl, [1], writer="w", batch_seq=1)
     files = tuple(PendingFile(m, "w", 1, "0", i) for i, m in enumerate(metas))
-    IcebergCommitter(catalog, group).commit(
+    IcebergCommitter(catalog, group, branch=branch).commit(
         TableCommitRequest(
             table=table,
             commit_id=f"c-{group}",

@@ -6,7 +6,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from icefloe.committer import TableCommitResult
-from icefloe.config import CoordinationConfig
+from icefloe.config import CoordinationConfig, PipelineConfig
+from icefloe.policy import TablePolicies
 from icefloe.quarantine import DEFAULT_QUARANTINE_TABLE
 
 POLL_S = 0.2  # longest single wait inside a cycle, so lease renewal keeps its pace
@@ -26,6 +27,8 @@ class CoordinatorSettings:
     max_pending_files: int | None = None
     writer_timeout_s: float = 120.0
     branch: str = "main"
+    policies: TablePolicies | None = None
+    """Per-table branch and small-file merging; None: every table on ``branch``, unmerged."""
     quarantine_table: str = DEFAULT_QUARANTINE_TABLE
     """Iceberg table (in the pipeline's catalog) recording quarantined files."""
     quarantine_after_failures: int = 10
@@ -39,8 +42,17 @@ class CoordinatorSettings:
     the coordinator reports a stalled channel (see :mod:`icefloe.coordination.stall`)."""
 
     @classmethod
-    def from_config(cls, c: CoordinationConfig) -> CoordinatorSettings:
+    def for_pipeline(cls, config: PipelineConfig) -> CoordinatorSettings:
+        """The settings of a pipeline: its ``[coordination]`` keys and per-table policies."""
+        return cls.from_config(config.coordination, TablePolicies.from_config(config))
+
+    @classmethod
+    def from_config(
+        cls, c: CoordinationConfig, policies: TablePolicies | None = None
+    ) -> CoordinatorSettings:
+        """``policies``: :meth:`TablePolicies.from_config` of the pipeline's configuration."""
         return cls(
+            policies=policies,
             commit_interval_s=c.commit_interval_s,
             commit_timeout_s=c.commit_timeout_s,
             commit_when_idle=c.commit_when_idle,

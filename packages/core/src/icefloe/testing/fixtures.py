@@ -73,18 +73,23 @@ def make_sqlite_catalog(path: Path, name: str = "icefloe_test") -> SqlCatalog:
     return SqlCatalog(name, **sqlite_catalog_properties(path))
 
 
-def create_rows_table(catalog: Catalog, name: str) -> Table:
-    """Create ``namespace.table`` with :data:`ROWS_SCHEMA` (the namespace too if needed)."""
+def create_rows_table(
+    catalog: Catalog, name: str, partition_spec: PartitionSpec | None = None
+) -> Table:
+    """Create ``namespace.table`` with :data:`ROWS_SCHEMA` (the namespace too if needed),
+    unpartitioned unless ``partition_spec`` is given."""
     namespace = name.rsplit(".", 1)[0]
     with contextlib.suppress(NamespaceAlreadyExistsError):
         catalog.create_namespace(namespace)
-    return catalog.create_table(name, schema=ROWS_SCHEMA)
+    return catalog.create_table(
+        name, schema=ROWS_SCHEMA, partition_spec=partition_spec or PartitionSpec()
+    )
 
 
-def write_rows(table: Table, ids: Iterable[int], writer: str, batch_seq: int) -> list[DataFileMeta]:
-    """Write real Parquet data files holding ``ids`` into the table's location (uncommitted)."""
+def rows_table(ids: Iterable[int], writer: str = "w", batch_seq: int = 0) -> pa.Table:
+    """Rows of :data:`ROWS_SCHEMA` holding ``ids``, as Arrow."""
     id_list = list(ids)
-    data = pa.table(
+    return pa.table(
         {
             "id": pa.array(id_list, pa.int64()),
             "writer": pa.array([writer] * len(id_list), pa.string()),
@@ -92,16 +97,22 @@ def write_rows(table: Table, ids: Iterable[int], writer: str, batch_seq: int) ->
         },
         schema=_ROWS_ARROW,
     )
-    return write_data_files(table, data)
 
 
-def table_ids(catalog: Catalog, name: str) -> list[int]:
-    """Every ``id`` in the table's current snapshot, sorted (duplicates kept, so tests see
-    them)."""
+def write_rows(table: Table, ids: Iterable[int], writer: str, batch_seq: int) -> list[DataFileMeta]:
+    """Write real Parquet data files holding ``ids`` into the table's location (uncommitted)."""
+    return write_data_files(table, rows_table(ids, writer, batch_seq))
+
+
+def table_ids(catalog: Catalog, name: str, branch: str = "main") -> list[int]:
+    """Every ``id`` in the head of the table's ``branch``, sorted (duplicates kept, so tests
+    see them)."""
     table = catalog.load_table(name)
-    if table.current_snapshot() is None:
+    head = table.snapshot_by_name(branch)
+    if head is None:
         return []
-    return sorted(int(v) for v in table.scan(selected_fields=("id",)).to_arrow()["id"].to_pylist())
+    scan = table.scan(selected_fields=("id",), snapshot_id=head.snapshot_id)
+    return sorted(int(v) for v in scan.to_arrow()["id"].to_pylist())
 
 
 def group_snapshots(catalog: Catalog, name: str, group_id: str) -> list[Snapshot]:
@@ -115,9 +126,11 @@ def group_snapshots(catalog: Catalog, name: str, group_id: str) -> list[Snapshot
     ]
 
 
-def assert_exactly_once(catalog: Catalog, name: str, expected: Sequence[int]) -> None:
-    """The table holds each expected id exactly once and nothing else."""
-    got = table_ids(catalog, name)
+def assert_exactly_once(
+    catalog: Catalog, name: str, expected: Sequence[int], branch: str = "main"
+) -> None:
+    """The table's ``branch`` holds each expected id exactly once and nothing else."""
+    got = table_ids(catalog, name, branch)
     missing = sorted(set(expected) - set(got))
     extra = sorted(set(got) - set(expected))
     dupes = sorted({i for i in got if got.count(i) > 1}) if len(got) != len(set(got)) else []

@@ -230,6 +230,57 @@ def refused_restart(
 
 
 @dataclass
+class Pipe:
+    """One pipeline for a scenario: its channel, catalog, source rows, an open writer ``w``
+    and the settings its coordinators get (per-table policies included)."""
+
+    backend: Backend
+    catalog: Catalog
+    group_id: str
+    source: RowSource
+    writer: WriterClient
+    settings: CoordinatorSettings
+
+    @classmethod
+    def open(
+        cls,
+        backend: Backend,
+        catalog: Catalog,
+        group_id: str,
+        source: RowSource,
+        settings: CoordinatorSettings,
+    ) -> Pipe:
+        writer = WriterClient(backend.writer("w"), group_id, "w")
+        writer.start()
+        return cls(backend, catalog, group_id, source, writer, settings)
+
+    def coordinator(self, name: str, hooks: CoordinatorHooks | None = None) -> Coordinator:
+        return Coordinator(
+            self.group_id,
+            self.backend.coordinator(name),
+            self.catalog,
+            self.settings,
+            coordinator_id=name,
+            plugins=new_plugins(autoload=False),
+            hooks=hooks,
+        )
+
+    def commit_each(self, seqs: Sequence[int]) -> list[CycleResult]:
+        """Lead, then publish and commit each batch of ``seqs`` in a cycle of its own."""
+        coordinator = self.coordinator("c1")
+        results: list[CycleResult] = []
+        try:
+            lead(coordinator)
+            for seq in seqs:
+                wait_pending(coordinator, self.source.publish(self.writer, seq).file_count)
+                results.append(coordinator.commit_now())
+                assert not results[-1].failed, results[-1].failed
+        finally:
+            coordinator.close()
+        return results
+
+
+@dataclass
 class FanOut:
     """What :func:`fan_out_cycle` saw: the cycle's result and how many writers answered."""
 
