@@ -49,12 +49,12 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer
 from icefloe.channel import ChannelPosition, ChannelRecord, CoordinatorChannel, Lease
 from icefloe.errors import ChannelError, ChannelResetError, EventDecodeError, NotLeaderError
 from icefloe.events import DataComplete, DataWritten, Event, decode_event, encode_event
+from icefloe_kafka.broadcasts import broadcast_key
 from icefloe_kafka.clients import (
     KafkaClients,
     group_headers,
     header_group,
     log_bounds,
-    record_key,
     run_transaction,
 )
 from icefloe_kafka.state import (
@@ -442,7 +442,7 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
     def broadcast(self, event: Event) -> None:
         with self._lock:
             value = encode_event(event)
-            key = record_key(self._group_id, "coordinator")  # writers read only this key
+            key = broadcast_key(self._group_id)  # writers read only this key
 
             def body(producer: Producer) -> None:
                 producer.produce(

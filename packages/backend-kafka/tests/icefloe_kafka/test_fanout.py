@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.channel import ChannelRecord
+from icefloe.channel import ChannelRecord, WriterChannel
 from icefloe.errors import WriterFencedError
-from icefloe.events import DataComplete, Event, WriterRef
+from icefloe.events import CommitToTable, DataComplete, Event, StartCommit, WriterRef
 from icefloe.testing.harness import fan_out_cycle
 
 from .conftest import BackendMaker
@@ -90,4 +91,93 @@ def test_the_channel_end_lies_past_every_answer_sent_at_once(
         assert not past, f"records at or past the reported end {end}: {past}"
     finally:
         for ch in (*writers, coordinator):
+            ch.close()
+
+
+def librdkafka_clients() -> int:
+    """librdkafka clients alive in this process: each runs exactly one thread named
+    ``rdk:main`` (Linux names threads in /proc)."""
+    tasks = Path("/proc/self/task")
+    names = []
+    for task in tasks.iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.append((task / "comm").read_text().strip())
+    return names.count("rdk:main")
+
+
+def test_writers_of_one_process_share_one_broadcast_consumer(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    """One transactional producer per writer (its fencing needs its own transactional.id),
+    but one broadcast consumer for all of them: not a consumer per writer."""
+    backend = make_backend(group_id)
+    backend.clients.ensure_topics()  # the admin client exists before counting
+    before = librdkafka_clients()
+    writers = [backend.writer(f"w{i}") for i in range(16)]
+    try:
+        for w in writers:
+            w.open()
+        added = librdkafka_clients() - before
+        assert added <= len(writers) + 1, (
+            f"{added} librdkafka clients for {len(writers)} writers: the writers of one "
+            "backend must share one broadcast consumer"
+        )
+    finally:
+        for w in writers:
+            w.close()
+
+
+def broadcasts_until(writer: WriterChannel, want: set[str]) -> set[str]:
+    got: set[str] = set()
+    deadline = time.monotonic() + 60
+    while not want <= got:
+        assert time.monotonic() < deadline, f"broadcasts {want - got} never arrived"
+        got.update(e.event_id for e in writer.poll_broadcasts(0.2))
+    return got
+
+
+def test_a_shared_consumer_serves_every_writer_and_outlives_a_closed_one(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    backend = make_backend(group_id)
+    writers = [backend.writer(f"w{i}") for i in range(3)]
+    coordinator = backend.coordinator("c")
+    late: WriterChannel | None = None
+    try:
+        for w in writers:
+            w.open()
+        assert coordinator.acquire(30.0) is not None
+        first = Event(group_id, StartCommit("one"))
+        coordinator.broadcast(first)
+        for w in writers:
+            broadcasts_until(w, {first.event_id})
+        writers[0].close()  # the others go on with the shared consumer
+        late = backend.writer("late")
+        late.open()
+        second = Event(group_id, CommitToTable("one", "db.t", 1))
+        coordinator.broadcast(second)
+        for w in (*writers[1:], late):
+            broadcasts_until(w, {second.event_id})
+    finally:
+        for ch in (*writers, *([late] if late else []), coordinator):
+            ch.close()
+
+
+def test_a_writer_reopened_after_its_consumer_was_closed_reads_broadcasts_again(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    """The last writer's close stops the shared consumer; the next open starts it again."""
+    backend = make_backend(group_id)
+    writer = backend.writer("w")
+    coordinator = backend.coordinator("c")
+    try:
+        writer.open()
+        writer.close()
+        writer.open()
+        assert coordinator.acquire(30.0) is not None
+        sent = Event(group_id, StartCommit("again"))
+        coordinator.broadcast(sent)
+        broadcasts_until(writer, {sent.event_id})
+    finally:
+        for ch in (writer, coordinator):
             ch.close()
