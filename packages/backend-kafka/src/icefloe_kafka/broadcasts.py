@@ -26,7 +26,7 @@ from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
 from icefloe.errors import ChannelError, EventDecodeError
 from icefloe.events import Event, decode_event
-from icefloe_kafka.clients import KafkaClients, header_group, log_bounds, record_key
+from icefloe_kafka.clients import KafkaClients, fetch, header_group, log_bounds, record_key
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class BroadcastReader:
                 try:
                     if consumer is None:
                         consumer = self._consumer(run)
-                    self._dispatch(run, consumer.consume(500, _FETCH_S))
+                    self._dispatch(run, fetch(consumer, 500, _FETCH_S))
                 except (ChannelError, KafkaException, RuntimeError) as exc:
                     log.warning("reading broadcasts failed, reading on from where it was: %s", exc)
                     if consumer is not None:

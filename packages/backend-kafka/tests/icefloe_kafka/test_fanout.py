@@ -8,11 +8,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import ChannelRecord, WriterChannel
 from icefloe.errors import WriterFencedError
 from icefloe.events import CommitToTable, DataComplete, Event, StartCommit, WriterRef
+from icefloe.testing.conformance import make_batch
 from icefloe.testing.harness import fan_out_cycle
 
 from .conftest import BackendMaker
@@ -180,4 +182,30 @@ def test_a_writer_reopened_after_its_consumer_was_closed_reads_broadcasts_again(
         broadcasts_until(writer, {sent.event_id})
     finally:
         for ch in (writer, coordinator):
+            ch.close()
+
+
+def test_a_zombie_sharing_the_consumer_stays_fenced_and_its_close_spares_the_successor(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    """Two instances of one writer id in one process (a restarted writer whose predecessor
+    lingers): both read through the shared consumer, the old one can no longer publish, and
+    closing it does not stop the new one's broadcasts."""
+    backend = make_backend(group_id)
+    old, new = backend.writer("w"), backend.writer("w")
+    coordinator = backend.coordinator("c")
+    try:
+        old_ref = WriterRef("w", old.open())
+        new_ref = WriterRef("w", new.open())
+        assert new_ref.epoch > old_ref.epoch
+        with pytest.raises(WriterFencedError):
+            old.publish(make_batch(group_id, old_ref, 0))
+        old.close()
+        assert new.publish(make_batch(group_id, new_ref, 0)) is True
+        assert coordinator.acquire(30.0) is not None
+        sent = Event(group_id, StartCommit("after-zombie"))
+        coordinator.broadcast(sent)
+        broadcasts_until(new, {sent.event_id})
+    finally:
+        for ch in (old, new, coordinator):
             ch.close()
