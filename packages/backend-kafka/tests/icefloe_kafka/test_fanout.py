@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.channel import ChannelRecord, WriterChannel
+from icefloe.channel import ChannelRecord, CoordinatorChannel, WriterChannel
 from icefloe.errors import WriterFencedError
 from icefloe.events import CommitToTable, DataComplete, Event, StartCommit, WriterRef
 from icefloe.testing.conformance import make_batch
 from icefloe.testing.harness import fan_out_cycle
+from icefloe_kafka import KafkaBackend
 
 from .conftest import BackendMaker
 
-WRITERS = 64  # 128 librdkafka clients in this process; 256 is the benchmark's job
+WRITERS = 64  # 64 producers + 1 shared consumer in this process; 256 is the benchmark's job
 
 
 def test_writers_of_one_process_complete_a_cycle_exactly(
@@ -33,15 +35,26 @@ def test_writers_of_one_process_complete_a_cycle_exactly(
     assert seen.answered == WRITERS
 
 
-def test_an_answer_of_a_fenced_instance_never_reaches_the_coordinator(
-    make_backend: BackendMaker, group_id: str
-) -> None:
-    backend = make_backend(group_id)
+@contextlib.contextmanager
+def zombie_and_successor(
+    backend: KafkaBackend,
+) -> Iterator[tuple[WriterChannel, WriterRef, WriterChannel, WriterRef, CoordinatorChannel]]:
+    """Two instances of writer ``w`` opened one after the other (the first is fenced) and a
+    coordinator end, all closed afterwards."""
     old, new = backend.writer("w"), backend.writer("w")
     coordinator = backend.coordinator("c")
     try:
         old_ref = WriterRef("w", old.open())
-        new_ref = WriterRef("w", new.open())
+        yield old, old_ref, new, WriterRef("w", new.open()), coordinator
+    finally:
+        for ch in (old, new, coordinator):
+            ch.close()
+
+
+def test_an_answer_of_a_fenced_instance_never_reaches_the_coordinator(
+    make_backend: BackendMaker, group_id: str
+) -> None:
+    with zombie_and_successor(make_backend(group_id)) as (old, old_ref, new, new_ref, coordinator):
         # the old instance has not published since, so it has not noticed the fencing: its
         # answer may be appended (no transaction), after the new instance's epoch record
         with contextlib.suppress(WriterFencedError):
@@ -55,9 +68,6 @@ def test_an_answer_of_a_fenced_instance_never_reaches_the_coordinator(
             assert time.monotonic() < deadline, f"the new instance's answer never came: {recs}"
             recs.extend(r for r in coordinator.poll(0.5) if r.event.group_id == group_id)
         assert [r.event.writer for r in recs] == [new_ref]
-    finally:
-        for ch in (old, new, coordinator):
-            ch.close()
 
 
 def test_the_channel_end_lies_past_every_answer_sent_at_once(
@@ -191,12 +201,7 @@ def test_a_zombie_sharing_the_consumer_stays_fenced_and_its_close_spares_the_suc
     """Two instances of one writer id in one process (a restarted writer whose predecessor
     lingers): both read through the shared consumer, the old one can no longer publish, and
     closing it does not stop the new one's broadcasts."""
-    backend = make_backend(group_id)
-    old, new = backend.writer("w"), backend.writer("w")
-    coordinator = backend.coordinator("c")
-    try:
-        old_ref = WriterRef("w", old.open())
-        new_ref = WriterRef("w", new.open())
+    with zombie_and_successor(make_backend(group_id)) as (old, old_ref, new, new_ref, coordinator):
         assert new_ref.epoch > old_ref.epoch
         with pytest.raises(WriterFencedError):
             old.publish(make_batch(group_id, old_ref, 0))
@@ -206,6 +211,3 @@ def test_a_zombie_sharing_the_consumer_stays_fenced_and_its_close_spares_the_suc
         sent = Event(group_id, StartCommit("after-zombie"))
         coordinator.broadcast(sent)
         broadcasts_until(new, {sent.event_id})
-    finally:
-        for ch in (old, new, coordinator):
-            ch.close()
