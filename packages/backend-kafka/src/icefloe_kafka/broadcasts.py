@@ -120,11 +120,6 @@ class BroadcastReader:
         if run is not None:
             _stop(run)
 
-    @property
-    def running(self) -> bool:
-        with self._lock:
-            return self._run is not None
-
     def close(self) -> None:
         """Stop the thread and wait for it (the backend is closing)."""
         with self._lock:
