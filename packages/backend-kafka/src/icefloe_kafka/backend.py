@@ -11,6 +11,7 @@ from confluent_kafka.admin import ConfigResource  # type: ignore[attr-defined]  
 
 from icefloe.channel import Backend, BackendStatus, CoordinatorChannel, WriterChannel
 from icefloe.errors import ChannelError, ConfigError
+from icefloe_kafka.broadcasts import BroadcastReader
 from icefloe_kafka.clients import KafkaClients, group_headers, record_key
 from icefloe_kafka.config import SECTION, KafkaBackendConfig
 from icefloe_kafka.coordinator import KafkaCoordinatorChannel
@@ -42,6 +43,8 @@ class KafkaBackend(Backend):
         self.group_id = group_id
         self.lease_ttl_s = lease_ttl_s
         self.clients = KafkaClients(config, group_id)
+        # one broadcast consumer for all writers of this backend (process)
+        self.broadcasts = BroadcastReader(self.clients)
 
     def __repr__(self) -> str:  # the config's kafka settings may hold secrets: never shown
         return (
@@ -51,7 +54,7 @@ class KafkaBackend(Backend):
         )
 
     def writer(self, writer_id: str) -> WriterChannel:
-        return KafkaWriterChannel(self.clients, writer_id)
+        return KafkaWriterChannel(self.clients, writer_id, self.broadcasts)
 
     def coordinator(self, coordinator_id: str) -> CoordinatorChannel:
         return KafkaCoordinatorChannel(
@@ -59,6 +62,7 @@ class KafkaBackend(Backend):
         )
 
     def close(self) -> None:
+        self.broadcasts.close()
         self.clients.close()
 
     def inject_undecodable(self, data: bytes, writer_id: str) -> None:

@@ -15,6 +15,7 @@ from confluent_kafka import (
     Consumer,
     KafkaError,
     KafkaException,
+    Message,
     Producer,
     TopicCollection,
     TopicPartition,
@@ -89,6 +90,18 @@ def log_bounds(consumer: Consumer, topic: str, partition: int, timeout: float) -
     except KafkaException as exc:
         raise ChannelError(f"cannot read watermarks of {topic}[{partition}]: {exc}") from exc
     return int(low), int(high)
+
+
+def fetch(consumer: Consumer, max_records: int, timeout: float) -> list[Message]:
+    """Up to ``max_records`` records, returning as soon as one is there (or after ``timeout``).
+
+    Why not ``consume(max_records, timeout)`` alone: it waits the whole timeout unless
+    ``max_records`` arrive, so every read of a few answers or one broadcast took the full
+    timeout (cycles quantised in steps of the coordinator's 0.2 s poll)."""
+    first = consumer.poll(max(timeout, 0.0))
+    if first is None:
+        return []
+    return [first, *consumer.consume(max_records - 1, 0)] if max_records > 1 else [first]
 
 
 class KafkaClients:

@@ -49,12 +49,13 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer
 from icefloe.channel import ChannelPosition, ChannelRecord, CoordinatorChannel, Lease
 from icefloe.errors import ChannelError, ChannelResetError, EventDecodeError, NotLeaderError
 from icefloe.events import DataComplete, DataWritten, Event, decode_event, encode_event
+from icefloe_kafka.broadcasts import broadcast_key
 from icefloe_kafka.clients import (
     KafkaClients,
+    fetch,
     group_headers,
     header_group,
     log_bounds,
-    record_key,
     run_transaction,
 )
 from icefloe_kafka.state import (
@@ -355,7 +356,7 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
             if not self._sought:
                 self.seek(None)
             consumer = self._data_consumer()
-            msgs = consumer.consume(max(1, max_records), max(timeout, 0.0))
+            msgs = fetch(consumer, max(1, max_records), timeout)
             out: list[ChannelRecord] = []
             if self._take(consumer, msgs, out):
                 return self._without_fenced_answers(out)
@@ -365,7 +366,7 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
                 and _inside_batch(out)
                 and (left := deadline - time.monotonic()) > 0
             ):
-                more = consumer.consume(max_records - len(out), min(left, 0.1))
+                more = fetch(consumer, max_records - len(out), min(left, 0.1))
                 if self._take(consumer, more, out):
                     break
             return self._without_fenced_answers(out)
@@ -442,7 +443,7 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
     def broadcast(self, event: Event) -> None:
         with self._lock:
             value = encode_event(event)
-            key = record_key(self._group_id, "coordinator")  # writers read only this key
+            key = broadcast_key(self._group_id)  # writers read only this key
 
             def body(producer: Producer) -> None:
                 producer.produce(

@@ -35,7 +35,7 @@ from confluent_kafka import (
 
 from icefloe.channel import BackendStatus
 from icefloe.errors import ChannelError
-from icefloe_kafka.clients import KafkaClients, group_headers, record_key
+from icefloe_kafka.clients import KafkaClients, fetch, group_headers, record_key
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class StateReader:
         handled = 0
         timeout = max(wait, 0.0)
         while True:
-            msgs = self._consumer.consume(500, timeout)
+            msgs = fetch(self._consumer, 500, timeout)
             if not msgs:
                 return handled
             timeout = 0.0

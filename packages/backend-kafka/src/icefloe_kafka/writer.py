@@ -18,6 +18,8 @@
   partitions, where the coordinator could read a later batch before an earlier one.
 * Replays: Kafka cannot tell whether a batch key was already published, so ``publish`` always
   returns True and appends; the coordinator keeps the first copy of a (writer, batch, table).
+* Broadcasts: read by the backend's one shared consumer (:mod:`icefloe_kafka.broadcasts`),
+  not a consumer per writer, so many writers in a process cost one producer each.
 """
 
 from __future__ import annotations
@@ -31,16 +33,10 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from icefloe.channel import WriterBatch, WriterChannel
-from icefloe.errors import ChannelError, EventDecodeError, WriterFencedError
-from icefloe.events import Event, WriterRef, decode_event, encode_event
-from icefloe_kafka.clients import (
-    KafkaClients,
-    group_headers,
-    header_group,
-    log_bounds,
-    record_key,
-    run_transaction,
-)
+from icefloe.errors import ChannelError, WriterFencedError
+from icefloe.events import Event, WriterRef, encode_event
+from icefloe_kafka.broadcasts import BroadcastReader, Inbox
+from icefloe_kafka.clients import KafkaClients, group_headers, record_key, run_transaction
 from icefloe_kafka.errors import BatchTooLargeError
 from icefloe_kafka.state import (
     StateValue,
@@ -58,18 +54,19 @@ _RECORD_OVERHEAD_BYTES = 1024
 
 
 class KafkaWriterChannel(WriterChannel):
-    """One writer instance: a transactional producer plus a consumer of broadcasts."""
+    """One writer instance: a transactional producer plus an inbox of the backend's shared
+    broadcast reader (:mod:`icefloe_kafka.broadcasts`)."""
 
-    def __init__(self, clients: KafkaClients, writer_id: str) -> None:
+    def __init__(self, clients: KafkaClients, writer_id: str, broadcasts: BroadcastReader) -> None:
         self._clients = clients
         self._group_id = clients.group_id
         self._writer_id = writer_id
         self._key = record_key(self._group_id, writer_id)
-        self._broadcast_key = record_key(self._group_id, "coordinator")
         self._txn_id = clients.transactional_id(writer_id)
         self._lock = threading.Lock()  # one transaction at a time on the producer
         self._producer: Producer | None = None
-        self._broadcasts: Consumer | None = None
+        self._reader = broadcasts
+        self._inbox: Inbox | None = None
         self._source: Consumer | None = None
         self._epoch: int | None = None
         self._partition = 0  # set by open(): the partition pinned at registration
@@ -101,7 +98,7 @@ class KafkaWriterChannel(WriterChannel):
             )
             self._producer = producer
             self._fence = None
-            self._broadcasts = self._broadcast_consumer()
+            self._inbox = self._reader.subscribe()
             self._epoch = epoch
             self._partition = partition
             log.info("writer %s/%s opened with epoch %d", self._group_id, self._writer_id, epoch)
@@ -122,35 +119,17 @@ class KafkaWriterChannel(WriterChannel):
             return last.partition
         return parts[zlib.crc32(self._key) % len(parts)]
 
-    def _broadcast_consumer(self) -> Consumer:
-        """Reads the control topic from its current end: broadcasts sent after open(). The
-        end is the high watermark (see log_bounds): read_committed bounds can read as 0 and
-        would replay every broadcast ever sent."""
-        topic = self._clients.control_topic
-        role = f"writer-{self._writer_id}"
-        group = self._clients.consumer_group("writer")
-        ends = self._clients.consumer(group, role, committed=False)
-        try:
-            start = [
-                TopicPartition(topic, p, log_bounds(ends, topic, p, self._clients.timeout)[1])
-                for p in self._clients.partitions(topic)
-            ]
-        finally:
-            ends.close()
-        consumer = self._clients.consumer(group, role)
-        consumer.assign(start)
-        return consumer
-
     def close(self) -> None:
         with self._lock:
             self._close_clients()
 
     def _close_clients(self) -> None:
-        for consumer in (self._broadcasts, self._source):
-            if consumer is not None:
-                with contextlib.suppress(RuntimeError):  # closed already
-                    consumer.close()
-        self._broadcasts = self._source = None
+        if self._inbox is not None:
+            self._inbox.close()  # the shared reader stops with its last writer
+        if self._source is not None:
+            with contextlib.suppress(RuntimeError):  # closed already
+                self._source.close()
+        self._inbox = self._source = None
         self._producer = None  # no open transaction is left behind: each call commits or aborts
         self._epoch = None
 
@@ -258,35 +237,9 @@ class KafkaWriterChannel(WriterChannel):
     # ------------------------------------------------------------------ broadcasts
 
     def poll_broadcasts(self, timeout: float) -> list[Event]:
-        consumer = self._broadcasts
-        if consumer is None:
+        """This writer's broadcasts, read by the backend's shared reader: no fetch here, so
+        the writer client's frequent polls under its publish lock cost a queue look-up."""
+        inbox = self._inbox
+        if inbox is None:
             raise RuntimeError(f"writer {self._writer_id}: call open() first")
-        out: list[Event] = []
-        for msg in consumer.consume(500, max(timeout, 0.0)):
-            err = msg.error()
-            if err is not None:
-                if err.fatal():
-                    raise ChannelError(f"reading broadcasts failed: {err.str()}")
-                log.warning("writer %s: broadcast read error: %s", self._writer_id, err.str())
-                continue
-            if msg.key() != self._broadcast_key:
-                # every writer's batches share the topic: skip them undecoded (decoding them
-                # all cost each writer O(all writers' files) per poll, under its publish lock)
-                continue
-            if header_group(msg.headers()) != self._group_id:
-                continue  # another pipeline's record (or not icefloe's at all)
-            try:
-                event = decode_event(msg.value() or b"")
-            except EventDecodeError as exc:
-                log.warning(
-                    "writer %s: skipping undecodable record %s[%s]@%s: %s",
-                    self._writer_id,
-                    msg.topic(),
-                    msg.partition(),
-                    msg.offset(),
-                    exc,
-                )
-                continue
-            if event.group_id == self._group_id and event.writer is None:
-                out.append(event)
-        return out
+        return inbox.take(timeout)

@@ -265,10 +265,19 @@ def test_a_takeover_fences_the_old_leader_even_before_its_lease_runs_out(
 def test_writers_skip_other_writers_batches_without_decoding_them(
     make_backend: BackendMaker, group_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each writer reads the whole control topic for broadcasts: decoding every other writer's
-    batches made a cycle with many writers take seconds."""
-    import icefloe_kafka.writer as writer_module
+    """The shared broadcast reader reads the whole control topic: decoding every writer's
+    batches made a cycle with many writers take seconds. It decodes each broadcast once, for
+    all writers of the process."""
+    import icefloe_kafka.broadcasts as broadcasts_module
 
+    decoded: list[bytes] = []
+    real_decode = broadcasts_module.decode_event
+
+    def counting_decode(data: bytes) -> Event:
+        decoded.append(data)
+        return real_decode(data)
+
+    monkeypatch.setattr(broadcasts_module, "decode_event", counting_decode)
     backend = make_backend(group_id)
     listener, busy = backend.writer("listener"), backend.writer("busy")
     listener.open()
@@ -278,20 +287,13 @@ def test_writers_skip_other_writers_batches_without_decoding_them(
     coordinator = leader(make_backend, group_id, "c1")
     coordinator.broadcast(Event(group_id, StartCommit("cycle-1")))
 
-    decoded: list[bytes] = []
-    real_decode = writer_module.decode_event
-
-    def counting_decode(data: bytes) -> Event:
-        decoded.append(data)
-        return real_decode(data)
-
-    monkeypatch.setattr(writer_module, "decode_event", counting_decode)
-    got: list[Event] = []
-    deadline = time.monotonic() + DEADLINE_S
-    while not any(isinstance(e.payload, StartCommit) for e in got):
-        assert time.monotonic() < deadline, "the StartCommit broadcast never arrived"
-        got.extend(listener.poll_broadcasts(0.2))
-    assert [e.payload for e in got] == [StartCommit("cycle-1")]
+    for writer in (listener, busy):
+        got: list[Event] = []
+        deadline = time.monotonic() + DEADLINE_S
+        while not any(isinstance(e.payload, StartCommit) for e in got):
+            assert time.monotonic() < deadline, "the StartCommit broadcast never arrived"
+            got.extend(writer.poll_broadcasts(0.2))
+        assert [e.payload for e in got] == [StartCommit("cycle-1")]
     assert len(decoded) == 1, f"decoded {len(decoded)} records to find 1 broadcast"
 
 
