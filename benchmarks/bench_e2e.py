@@ -7,7 +7,7 @@
 2. Ceiling: one process, no Spark, no coordination: confluent-kafka consumes every partition,
    the records become Kafka-layout Arrow batches (the source's own ``to_record_batch``), are
    decoded and conformed by the sink's converter and written as Parquet by pyiceberg's writer
-   (``write_data_files``), ``--batch`` records at a time. Nothing is committed.
+   (``write_data_files``), ``--write`` records at a time. Nothing is committed.
 3. End to end: the real pipeline (icefloe-kafka source -> Spark local -> icefloe sink ->
    backend -> coordinator -> Iceberg commits) into a fresh table. It is started and warmed up
    first on W extra records (JVM, Python workers, first commit: start-up is latency, not
@@ -53,7 +53,7 @@ from pyiceberg.types import (
     TimestamptzType,
 )
 
-from icefloe.config import PipelineConfig, TableConfig, config_from_dict
+from icefloe.config import PipelineConfig, SourceConfig, TableConfig, config_from_dict
 from icefloe.convert import RecordConverter, TargetTable
 from icefloe.datafiles import write_data_files
 from icefloe.embedded import EmbeddedKafkaBroker
@@ -285,7 +285,13 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=500_000)
     ap.add_argument("--warmup", type=int, default=20_000, help="untimed records first")
     ap.add_argument("--partitions", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=100_000, help="records per micro-batch / write")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=SourceConfig.model_fields["max_records_per_batch"].default,
+        help="source.max_records_per_batch of the pipeline (default: the configuration's)",
+    )
+    ap.add_argument("--write", type=int, default=100_000, help="records per ceiling write")
     ap.add_argument("--backend", default="kafka")
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--data-path", default="ranges", choices=("ranges", "records"))
@@ -357,7 +363,7 @@ def main() -> None:
             flush=True,
         )
         cpu0 = time.process_time()
-        c_s, c_n = ceiling(bootstrap, config, catalog, "bench.ceiling", args.batch, warm_ends)
+        c_s, c_n = ceiling(bootstrap, config, catalog, "bench.ceiling", args.write, warm_ends)
         c_cpu = time.process_time() - cpu0
         assert c_n == args.records, f"ceiling read {c_n} of {args.records} records"
         c_rate = c_n / c_s
