@@ -24,7 +24,9 @@ from typing import Any
 import pytest
 import tomli_w
 from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.types import StringType
+from pyiceberg.schema import Schema
+from pyiceberg.table.name_mapping import MappedField, NameMapping
+from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.backends import open_backend
 from icefloe.config import config_from_dict
@@ -967,3 +969,74 @@ def test_json_dynamic_tables_are_created_and_evolved_exactly_once(
     dead = table_rows(catalog, DEAD)
     assert {bytes(r["value"]): r["error_type"] for r in dead} == bad
     assert len(dead) == len(bad)
+
+
+def test_regex_routes_rename_map_and_name_mapping_end_to_end(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Static routes by regular expression, a per-table rename map and the table's own
+    ``schema.name-mapping.default``, through a running pipeline: every record lands once in
+    the table its kind matches, its fields in the columns the maps name."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = load_catalog("e2e", **catalog_properties)
+    catalog.create_namespace("fan")
+    columns = Schema(
+        NestedField(1, "id", LongType(), required=False),
+        NestedField(2, "user_name", StringType(), required=False),
+        NestedField(3, "kind", StringType(), required=False),
+    )
+    aliases = NameMapping(
+        [
+            MappedField(field_id=1, names=["id"]),
+            MappedField(field_id=2, names=["user_name", "userName"]),
+            MappedField(field_id=3, names=["kind"]),
+        ]
+    )
+    catalog.create_table(
+        "fan.orders",
+        schema=columns,
+        properties={"schema.name-mapping.default": aliases.model_dump_json()},
+    )
+    catalog.create_table("fan.other", schema=columns)
+    name = f"e2e-fan-{uuid.uuid4().hex[:10]}"
+    data = pipeline_dict(name, kafka_broker, topic, catalog_properties, "kafka", tmp_path / "c")
+    data["tables"] = [
+        {"name": "fan.orders", "route_field": "kind", "route_regex": "order[.-].*"},
+        {
+            "name": "fan.other",
+            "route_field": "kind",
+            "route_values": ["misc"],
+            "rename": {"uid": "id", "who": "user_name"},
+        },
+    ]
+    kinds = ("order.new", "order-paid", "misc")
+    records = []
+    for i in range(240):
+        kind = kinds[i % 3]
+        body = (
+            {"uid": i, "who": f"u{i}", "kind": kind}
+            if kind == "misc"
+            else {"id": i, "userName": f"u{i}", "kind": kind}
+        )
+        records.append((str(i).encode(), json.dumps(body).encode()))
+    produce(bootstrap, topic, records)
+    with Pipeline(config_from_dict(data), spark=spark, source_extra_options=SOURCE_OPTIONS):
+        wait_until(
+            lambda: (
+                len(table_rows(catalog, "fan.orders")) + len(table_rows(catalog, "fan.other"))
+                >= 240
+            ),
+            WAIT_S,
+            "all 240 rows in the two tables",
+        )
+    orders = [i for i in range(240) if i % 3 != 2]
+    assert_exactly_once(catalog, "fan.orders", orders)
+    assert_exactly_once(catalog, "fan.other", range(2, 240, 3))
+    for table in ("fan.orders", "fan.other"):
+        rows = table_rows(catalog, table)
+        assert all(r["user_name"] == f"u{r['id']}" for r in rows), table
+        assert catalog.load_table(table).schema().column_names == ["id", "user_name", "kind"]
