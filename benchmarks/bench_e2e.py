@@ -196,16 +196,43 @@ def produce_when_told(bootstrap: str, first: int, n: int, ready: Any, go: Any) -
     produce(bootstrap, TOPIC, made)
 
 
-def committed_rows(catalog: Catalog, name: str) -> int:
-    snap = catalog.load_table(name).current_snapshot()
-    return 0 if snap is None or snap.summary is None else int(snap.summary["total-records"] or 0)
+def committed_rows(catalog: Catalog, names: Sequence[str]) -> int:
+    total = 0
+    for name in names:
+        snap = catalog.load_table(name).current_snapshot()
+        total += (
+            0 if snap is None or snap.summary is None else int(snap.summary["total-records"] or 0)
+        )
+    return total
+
+
+def snapshot_count(catalog: Catalog, names: Sequence[str]) -> int:
+    return sum(len(catalog.load_table(name).snapshots()) for name in names)
+
+
+def target_tables(n: int) -> list[dict[str, Any]]:
+    """The pipeline's ``[[tables]]``: one table, or ``n`` (at most 10) routed by the last
+    digit of the event id, so each takes a tenth (or so) of the events."""
+    if n == 1:
+        return [{"name": "bench.e2e"}]
+    if not 1 < n <= 10:
+        raise SystemExit("--tables: 1 to 10")
+    digits = [[d for d in range(10) if d % n == k] for k in range(n)]
+    return [
+        {
+            "name": f"bench.e2e_{k}",
+            "route_field": "id",
+            "route_regex": f"[0-9]*[{''.join(map(str, ds))}]",
+        }
+        for k, ds in enumerate(digits)
+    ]
 
 
 def end_to_end(
     bootstrap: str,
     config: PipelineConfig,
     catalog: Catalog,
-    table_name: str,
+    table_names: Sequence[str],
     warmup: int,
     records: int,
     timeout_s: float,
@@ -222,9 +249,9 @@ def end_to_end(
 
     def wait_for(rows: int) -> None:
         deadline = time.monotonic() + timeout_s
-        while committed_rows(catalog, table_name) < rows:
+        while committed_rows(catalog, table_names) < rows:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{committed_rows(catalog, table_name)} of {rows} rows")
+                raise TimeoutError(f"{committed_rows(catalog, table_names)} of {rows} rows")
             if pipeline.query is not None and not pipeline.query.isActive:
                 raise RuntimeError(f"query failed: {pipeline.query.exception()}")
             time.sleep(0.05)
@@ -232,7 +259,7 @@ def end_to_end(
     try:
         wait_for(warmup)
         batches0 = pipeline.stats.batches
-        snaps0 = len(catalog.load_table(table_name).snapshots())
+        snaps0 = snapshot_count(catalog, table_names)
         # generated before the clock starts, in another process: making JSON in Python is
         # the harness's work (about 8 s of one core per million events), not the pipeline's
         spawn = multiprocessing.get_context("spawn")
@@ -257,7 +284,7 @@ def end_to_end(
     finally:
         pipeline.stop()
         spark.stop()
-    snapshots = len(catalog.load_table(table_name).snapshots()) - snaps0
+    snapshots = snapshot_count(catalog, table_names) - snaps0
     return seconds, cpu, batches, snapshots
 
 
@@ -285,6 +312,7 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=500_000)
     ap.add_argument("--warmup", type=int, default=20_000, help="untimed records first")
     ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--tables", type=int, default=1, help="target tables, routed (1-10)")
     ap.add_argument(
         "--batch",
         type=int,
@@ -316,7 +344,9 @@ def main() -> None:
         warm_ends = end_offsets(bootstrap, TOPIC)
         catalog = load_catalog("bench", **props)
         make_table(catalog, "bench.ceiling")
-        make_table(catalog, "bench.e2e")
+        targets = target_tables(args.tables)
+        for target in targets:
+            make_table(catalog, target["name"])
         backend_section: dict[str, Any] = {}
         if args.backend == "kafka":
             backend_section = {"bootstrap_servers": bootstrap}
@@ -328,7 +358,7 @@ def main() -> None:
                     "topics": [TOPIC],
                     "max_records_per_batch": args.batch,
                 },
-                "tables": [{"name": "bench.e2e"}],
+                "tables": targets,
                 "catalog": {"name": "bench", "properties": props},
                 "coordination": {
                     "backend": args.backend,
@@ -349,7 +379,7 @@ def main() -> None:
             bootstrap,
             config,
             catalog,
-            "bench.e2e",
+            [t["name"] for t in targets],
             args.warmup,
             args.records,
             args.timeout,
@@ -382,7 +412,8 @@ def main() -> None:
         print("\nMarkdown row for docs/benchmarks.md:")
         print(
             f"| {datetime.now(UTC):%Y-%m-%d} | `{cmd.strip()}` | {args.records:,} | "
-            f"{args.partitions} | {args.backend}, {args.data_path} | {c_rate:,.0f} | "
+            f"{args.partitions} | {args.backend}, {args.data_path}, {args.tables} table(s) | "
+            f"{c_rate:,.0f} | "
             f"{e_rate:,.0f} | {ratio:.0%} | {e_cpu / c_cpu:.2f} | "
             f"{os.cpu_count()} cores, load {load:.1f}, {platform.python_version()} |"
         )
