@@ -856,18 +856,19 @@ def read_range(
                         f"{part.end}) (next: {next_offset})"
                     )
                 continue
+            reading_from = next_offset  # before an end-of-partition event below moves it
             # list comprehensions, not a loop with branches: this runs once per record
             events = [m for m in polled if m.error() is not None]
             if events:
                 polled = [m for m in polled if m.error() is None]
                 if _range_ends_here(part, events):
                     next_offset = part.end
-            if polled and not _all_of_range(polled, part, next_offset):
+            if polled and not _all_of_range(polled, part, reading_from):
                 polled = [  # a pooled consumer's leftovers (never seen): keep only this range
                     m
                     for m in polled
                     if (m.topic(), m.partition()) == (part.topic, part.partition)
-                    and _int_of(m.offset()) >= next_offset
+                    and _int_of(m.offset()) >= reading_from
                 ]
             if polled:
                 if _int_of(polled[-1].offset()) >= part.end:

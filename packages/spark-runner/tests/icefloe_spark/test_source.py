@@ -586,3 +586,27 @@ def test_pooled_consumer_reads_each_next_range_exactly(
     assert read(0, 25, 30) == [f"p0-{i}".encode() for i in range(25, 30)]
     assert read(0, 5, 12) == [f"p0-{i}".encode() for i in range(5, 12)]
     assert len(set(seen)) == 1
+
+
+def test_warm_consumer_reads_a_range_ending_at_a_transaction_marker(
+    kafka_broker: Any, new_topic: Any, produce: Any, source_options: Any
+) -> None:
+    """A connected (pooled) consumer gets a range's records and the end-of-partition event in
+    one consume; the records must not be dropped as another range's leftovers (they were,
+    when the stale-record guard compared against the offset the event had already moved)."""
+    warm, topic = new_topic(partitions=1), new_topic(partitions=1)
+    produce(warm, [b"w"] * 3, partition=0)
+    producer = Producer(
+        {"bootstrap.servers": kafka_broker.bootstrap_servers, "transactional.id": f"tx-{topic}"}
+    )
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    for i in range(5):
+        producer.produce(topic, value=f"t{i}".encode(), partition=0)
+    producer.commit_transaction(30)
+    opts = SourceOptions.parse(source_options(topic))
+    pool = ConsumerPool()
+    with patch("icefloe_spark.source.CONSUMERS", pool):
+        list(read_range(opts, KafkaInputPartition(warm, 0, 0, 3)))
+        got = list(read_range(opts, KafkaInputPartition(topic, 0, 0, 6)))  # 5 records, a marker
+    assert [o for b in got for o in b.column("offset").to_pylist()] == [0, 1, 2, 3, 4]
