@@ -830,7 +830,18 @@ class BackendConformance:
             pipes.append(parent)
             procs.append(proc)
         try:
-            read = self._concurrent_read(coord, group_id, lambda: any(p.is_alive() for p in procs))
+            try:
+                read = self._concurrent_read(
+                    coord, group_id, lambda: any(p.is_alive() for p in procs)
+                )
+            except pytest.fail.Exception as exc:
+                # say where the publishers were: still publishing, or done but not exited
+                where = [
+                    f"p{i}: {'result sent' if pipe.poll(0) else 'no result'}, "
+                    f"{'alive' if proc.is_alive() else f'exit {proc.exitcode}'}"
+                    for i, (pipe, proc) in enumerate(zip(pipes, procs, strict=True))
+                ]
+                pytest.fail(f"{exc} ({'; '.join(where)})")
             published: dict[str, list[list[str]]] = {}
             for i, pipe in enumerate(pipes):
                 assert pipe.poll(self.read_timeout_s), f"child p{i} sent no result"
