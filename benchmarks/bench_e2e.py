@@ -350,6 +350,9 @@ def main() -> None:
         backend_section: dict[str, Any] = {}
         if args.backend == "kafka":
             backend_section = {"bootstrap_servers": bootstrap}
+        elif args.backend == "postgres":  # the machine's server, as the tests use it
+            dsn = "host=127.0.0.1 port=5432 user=postgres dbname=test"
+            backend_section = {"dsn": os.environ.get("ICEFLOE_POSTGRES_DSN", dsn)}
         config = config_from_dict(
             {
                 "name": f"bench-{int(time.time())}",
