@@ -63,7 +63,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -167,16 +167,16 @@ def _bool(options: Mapping[str, str], key: str, default: bool) -> bool:
     raise ConfigError(f"option '{key}'", "must be true or false", f"set {key} to true/false", raw)
 
 
-def probe_mode(options: Mapping[str, str]) -> Literal["auto", "true", "false"]:
+ProbeMode = Literal["auto", "true", "false"]
+PROBE_MODES: tuple[str, ...] = get_args(ProbeMode)
+
+
+def probe_mode(options: Mapping[str, str]) -> ProbeMode:
     """``probeHighWatermark`` of reader options (any key case): auto, true or false."""
     raw = {k.lower(): v for k, v in options.items()}.get("probehighwatermark", "auto")
     value = str(raw).lower()
-    if value == "auto":
-        return "auto"
-    if value == "true":
-        return "true"
-    if value == "false":
-        return "false"
+    if value in PROBE_MODES:
+        return cast(ProbeMode, value)
     raise ConfigError(
         "option 'probeHighWatermark'",
         "must be auto, true or false",
@@ -211,7 +211,7 @@ class SourceOptions:
     starting_timestamps: Offsets = field(default_factory=dict)
     max_records: int | None = None
     fail_on_data_loss: bool = True
-    probe_high_watermark: Literal["auto", "true", "false"] = "auto"
+    probe_high_watermark: ProbeMode = "auto"
     poll_timeout_s: float = 30.0
     max_partition_records: int | None = None  # maxRecordsPerPartition: split longer ranges
     client_conf: dict[str, str] = field(default_factory=dict)
