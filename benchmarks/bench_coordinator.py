@@ -48,7 +48,7 @@ from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettin
 from icefloe.embedded import EmbeddedKafkaBroker
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.hookspecs import BackendContext
-from icefloe.maintenance import recommended_properties
+from icefloe.maintenance import expire_snapshots, recommended_properties
 from icefloe.plugins import get_plugins
 from icefloe.testing.fixtures import create_rows_table, make_sqlite_catalog, write_rows
 from icefloe.testing.harness import drive, lead
@@ -190,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="create the table without icefloe's bounded-metadata properties",
     )
+    parser.add_argument(
+        "--retain-last",
+        type=int,
+        default=0,
+        help="after every cycle, expire all but the N newest snapshots as `icefloe maintain "
+        "--retain-last N` next to the pipeline would (untimed; 0: never)",
+    )
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="bench-coordinator-"))
@@ -277,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                 else "",
                 flush=True,
             )
+            if args.retain_last > 0:
+                live = catalog.load_table(TABLE)
+                expire_snapshots(live, older_than_ms=2**62, retain_last=args.retain_last)
         if args.idle_s > 0:
             idle_cores = measure_idle(workers, replies, args.idle_s)
         check_table(catalog, total_files)
@@ -350,9 +360,13 @@ def report(
     print(
         f"backend={args.backend} writers={args.writers} files/cycle={args.files} "
         f"cycles={args.cycles} processes={args.processes} plain_table={args.plain_table} "
+        f"retain_last={args.retain_last} "
         f"cpus={os.cpu_count()} python={platform.python_version()} load(1m)={load:.1f}"
     )
-    print(f"cycle p50 {ms(percentile(cycles, 0.5))}, p99 {ms(percentile(cycles, 0.99))}")
+    print(
+        f"cycle p50 {ms(percentile(cycles, 0.5))}, p99 {ms(percentile(cycles, 0.99))}, "
+        f"max {ms(max(cycles, default=0.0))}"
+    )
     print(f"commit p50 {ms(percentile(commits, 0.5))}, p99 {ms(percentile(commits, 0.99))}")
     print(f"commit CPU p50 {ms(percentile(cpu, 0.5))}, p99 {ms(percentile(cpu, 0.99))}")
     print(

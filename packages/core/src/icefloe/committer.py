@@ -65,7 +65,7 @@ from pyiceberg.exceptions import (
     CommitStateUnknownException,
     NoSuchTableError,
 )
-from pyiceberg.manifest import ManifestContent
+from pyiceberg.manifest import ManifestContent, ManifestFile
 from pyiceberg.table import Table, TableProperties, Transaction
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
@@ -240,6 +240,10 @@ class _Plan:
         if self.merge is not None:
             return list(self.merge.appended)
         return [f.meta for f in self.files if not _is_key_file(f)]
+
+
+def _data_manifests(table: Table, snapshot: Snapshot) -> list[ManifestFile]:
+    return [m for m in snapshot.manifests(table.io) if m.content == ManifestContent.DATA]
 
 
 class IcebergCommitter:
@@ -870,13 +874,18 @@ class IcebergCommitter:
                 continue
             cached = self._manifest_paths.get(manifest.manifest_path)
             if cached is None:
-                cached = frozenset(
-                    e.data_file.file_path
-                    for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
-                )
+                cached = self._decode_live(table, manifest)
                 self._cache_manifest(manifest.manifest_path, cached)
             found |= paths & cached
         return found
+
+    @staticmethod
+    def _decode_live(table: Table, manifest: ManifestFile) -> frozenset[str]:
+        """The live data-file paths of one manifest: the costly read the cache avoids."""
+        return frozenset(
+            e.data_file.file_path
+            for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
+        )
 
     def _cache_manifest(self, location: str, paths: frozenset[str]) -> None:
         if len(self._manifest_paths) >= _MANIFEST_CACHE_SIZE:
@@ -884,28 +893,53 @@ class IcebergCommitter:
         self._manifest_paths[location] = paths
 
     def _remember_added(self, table: Table, snapshot_id: int, plan: _Plan) -> None:
-        """Cache the paths of the manifest this commit wrote: it holds exactly the files just
-        appended, and otherwise the next commit's live-path check decodes it again (as costly
-        as writing it: the commit's cost doubled)."""
+        """Cache the paths of the manifests this commit wrote, so the next commit's live-path
+        check does not decode them again (as costly as writing them).
+
+        A plain append writes one manifest holding exactly the files just appended. When
+        pyiceberg also merged older manifests (``commit.manifest-merge.enabled``), the merged
+        manifest holds the live paths of the manifests it replaced, which are cached already
+        in a running committer: their union is its content, checked against its file counts.
+        Without this, the commit after every merge decoded the whole merged manifest.
+        """
         try:
             snapshot = table.metadata.snapshot_by_id(snapshot_id)
-            manifests = [] if snapshot is None else snapshot.manifests(table.io)
+            manifests = [] if snapshot is None else _data_manifests(table, snapshot)
+            parent_id = None if snapshot is None else snapshot.parent_snapshot_id
+            parent = None if parent_id is None else table.metadata.snapshot_by_id(parent_id)
+            before = [] if parent is None else _data_manifests(table, parent)
         except Exception as exc:  # the commit landed; the cache is only an optimisation
             logger.debug("cannot list the manifests of snapshot %d: %s", snapshot_id, exc)
             return
-        data = plan.appended()
-        added = [
+        appended = frozenset(m.path for m in plan.appended())
+        written = [m for m in manifests if m.added_snapshot_id == snapshot_id]
+        plain = [
             m
-            for m in manifests
-            if m.added_snapshot_id == snapshot_id and m.content == ManifestContent.DATA
+            for m in written
+            if not m.existing_files_count
+            and not m.deleted_files_count
+            and m.added_files_count == len(appended)
         ]
-        if (
-            len(added) == 1
-            and not added[0].existing_files_count  # a merged manifest holds older files too
-            and not added[0].deleted_files_count
-            and added[0].added_files_count == len(data)
+        if len(plain) == 1 and len(written) == 1:
+            self._cache_manifest(plain[0].manifest_path, appended)
+            return
+        merged = [m for m in written if m not in plain]
+        kept = {m.manifest_path for m in manifests}
+        replaced = [
+            self._manifest_paths.get(m.manifest_path) for m in before if m.manifest_path not in kept
+        ]
+        if len(merged) != 1 or len(plain) > 1 or any(paths is None for paths in replaced):
+            return  # several merged bins, or inputs not cached: the next check decodes them
+        content = frozenset().union(*(paths for paths in replaced if paths is not None))
+        if plain:
+            self._cache_manifest(plain[0].manifest_path, appended)
+        else:
+            content |= appended
+        target = merged[0]
+        if not target.deleted_files_count and len(content) == (
+            (target.existing_files_count or 0) + (target.added_files_count or 0)
         ):
-            self._cache_manifest(added[0].manifest_path, frozenset(m.path for m in data))
+            self._cache_manifest(target.manifest_path, content)
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep
