@@ -53,7 +53,7 @@ from pyiceberg.types import (
     TimestamptzType,
 )
 
-from icefloe.config import PipelineConfig, SourceConfig, TableConfig, config_from_dict
+from icefloe.config import PipelineConfig, SourceConfig, SparkConfig, TableConfig, config_from_dict
 from icefloe.convert import RecordConverter, TargetTable
 from icefloe.datafiles import write_data_files
 from icefloe.embedded import EmbeddedKafkaBroker
@@ -319,6 +319,12 @@ def main() -> None:
         default=SourceConfig.model_fields["max_records_per_batch"].default,
         help="source.max_records_per_batch of the pipeline (default: the configuration's)",
     )
+    ap.add_argument(
+        "--task-records",
+        type=int,
+        default=SparkConfig.model_fields["max_records_per_task"].default,
+        help="spark.max_records_per_task of the pipeline (default: the configuration's)",
+    )
     ap.add_argument("--write", type=int, default=100_000, help="records per ceiling write")
     ap.add_argument("--backend", default="kafka")
     ap.add_argument("--master", default="local[2]")
@@ -373,6 +379,7 @@ def main() -> None:
                     "checkpoint_location": str(root / "checkpoint"),
                     "trigger_interval_s": 0,
                     "data_path": args.data_path,
+                    "max_records_per_task": args.task_records,
                     "conf": {"spark.ui.enabled": "false"},
                 },
             }
