@@ -324,7 +324,10 @@ class SparkConfig(_Model):
     #: ``ranges``: the source hands the sink offset ranges and the sink's tasks read them
     #: (records never cross into the JVM); ``records``: Spark moves the records themselves
     data_path: Literal["ranges", "records"] = "ranges"
-    max_records_per_task: int | None = Field(default=50_000, gt=0)
+    #: a task has a fixed cost (~0.2 CPU s here), so ranges are split, and short ones packed,
+    #: into tasks of up to this many records (docs/benchmarks.md: 50,000 -> 125,000 took the
+    #: pipeline from 2.2x to 1.6x the ceiling's CPU per record)
+    max_records_per_task: int | None = Field(default=125_000, gt=0)
     #: how often the driver checks its tables for a rollback to replay (docs/operations.md)
     rollback_check_interval_s: float = Field(default=10.0, gt=0)
     conf: dict[str, str] = Field(default_factory=dict)

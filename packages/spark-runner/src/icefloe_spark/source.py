@@ -909,14 +909,62 @@ def _all_of_range(polled: Sequence[Any], part: KafkaInputPartition, next_offset:
     )
 
 
+class KafkaRangeGroup(InputPartition):
+    """Ranges of several Kafka partitions that one task reads, in this order."""
+
+    def __init__(self, ranges: Sequence[KafkaInputPartition]) -> None:
+        super().__init__(tuple(r.value for r in ranges))
+        self.ranges = list(ranges)
+
+
+def pack_ranges(
+    ranges: Sequence[KafkaInputPartition], limit: int
+) -> list[list[KafkaInputPartition]]:
+    """Ranges packed into groups of at most ``limit`` records (a longer range alone), first
+    fit, largest first; deterministic, so a replayed batch plans the same tasks.
+
+    Why: with many source partitions a micro-batch's ranges are short (500,000 records over
+    16 partitions: 31,250 each), and a task per range pays Spark's per-task cost, a range
+    read's set-up and a Parquet file each time; bench_e2e measured 2.4x the ceiling's CPU
+    per record at 16 partitions against 1.6x with ranges of 125,000 records."""
+    order = sorted(ranges, key=lambda r: (-(r.end - r.start), r.topic, r.partition, r.start))
+    groups: list[list[KafkaInputPartition]] = []
+    sizes: list[int] = []
+    for r in order:
+        n = r.end - r.start
+        at = next((i for i, size in enumerate(sizes) if size + n <= limit), None)
+        if at is None:
+            groups.append([r])
+            sizes.append(n)
+        else:
+            groups[at].append(r)
+            sizes[at] += n
+    return groups
+
+
 class KafkaRangeReader(KafkaStreamReader):
-    """Plans like :class:`KafkaStreamReader`; each input partition's one row is its range."""
+    """Plans like :class:`KafkaStreamReader`, then packs short ranges into one task
+    (:func:`pack_ranges`) where ``maxRecordsPerPartition`` is set; each range is one row."""
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        planned = super().partitions(start, end)
+        limit = self.options.max_partition_records
+        ranges = [p for p in planned if isinstance(p, KafkaInputPartition)]
+        if limit is None or len(ranges) != len(planned):
+            return planned
+        return [KafkaRangeGroup(group) for group in pack_ranges(ranges, limit)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, KafkaInputPartition)
-        p = partition
+        if isinstance(partition, KafkaRangeGroup):
+            ranges = partition.ranges
+        else:
+            assert isinstance(partition, KafkaInputPartition)
+            ranges = [partition]
         yield pa.RecordBatch.from_pylist(
-            [{"topic": p.topic, "partition": p.partition, "start": p.start, "end": p.end}],
+            [
+                {"topic": p.topic, "partition": p.partition, "start": p.start, "end": p.end}
+                for p in ranges
+            ],
             schema=RANGE_ARROW_SCHEMA,
         )
         workergc.freeze_once()

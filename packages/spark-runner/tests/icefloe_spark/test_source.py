@@ -46,8 +46,10 @@ from icefloe_spark.source import (
     ConsumerPool,
     DataLossError,
     KafkaInputPartition,
+    KafkaRangeReader,
     KafkaStreamReader,
     SourceOptions,
+    pack_ranges,
     probe_mode,
     read_range,
     split_limit,
@@ -589,6 +591,49 @@ def test_ranges_longer_than_max_records_per_partition_are_split_in_order() -> No
     assert got == [("t", 0, 3, 7), ("t", 0, 7, 11), ("t", 0, 11, 13), ("t", 1, 5, 6)]
     whole = _planner().partitions({"t": {"0": 3}}, {"t": {"0": 13}})
     assert [(p.start, p.end) for p in whole] == [(3, 13)]  # type: ignore[attr-defined]
+
+
+@given(
+    sizes=st.lists(st.integers(1, 300), max_size=40),
+    limit=st.integers(1, 500),
+)
+def test_pack_ranges_keeps_every_range_once_within_the_limit(sizes: list[int], limit: int) -> None:
+    ranges = [KafkaInputPartition("t", i, 1000 * i, 1000 * i + n) for i, n in enumerate(sizes)]
+    groups = pack_ranges(ranges, limit)
+    flat = [(r.partition, r.start, r.end) for g in groups for r in g]
+    assert sorted(flat) == [(r.partition, r.start, r.end) for r in ranges]  # each exactly once
+    for group in groups:
+        assert len(group) == 1 or sum(r.end - r.start for r in group) <= limit
+    # first fit: no two groups could have been one (fewer tasks is the point)
+    totals = sorted(sum(r.end - r.start for r in g) for g in groups)
+    assert len(totals) < 2 or totals[0] + totals[1] > limit
+    shuffled = list(reversed(ranges))
+    assert [[r.value for r in g] for g in pack_ranges(shuffled, limit)] == [
+        [r.value for r in g] for g in groups
+    ]  # deterministic: a replayed batch plans the same tasks
+
+
+def test_range_reader_packs_short_ranges_of_many_partitions_into_one_task() -> None:
+    """16 partitions of 3 records each, at most 16 per task: 4 tasks of 5, 5, 5 and 1
+    ranges instead of 16, and one row per range in each task's input."""
+    reader = KafkaRangeReader(
+        SourceOptions.parse(
+            {"kafka.bootstrap.servers": "unused:9092", "subscribe": "t"}
+            | {"maxRecordsPerPartition": "16"}
+        )
+    )
+    start = {"t": {str(p): 10 for p in range(16)}}
+    end = {"t": {str(p): 13 for p in range(16)}}
+    tasks = reader.partitions(start, end)
+    assert [len(t.ranges) for t in tasks] == [5, 5, 5, 1]  # type: ignore[attr-defined]
+    rows = [row for t in tasks for b in reader.read(t) for row in b.to_pylist()]
+    assert sorted((r["partition"], r["start"], r["end"]) for r in rows) == [
+        (p, 10, 13) for p in range(16)
+    ]
+    unsplit = KafkaRangeReader(
+        SourceOptions.parse({"kafka.bootstrap.servers": "unused:9092", "subscribe": "t"})
+    )
+    assert len(unsplit.partitions(start, end)) == 16  # no limit (keyed tables): one each
 
 
 def test_pooled_consumer_reads_each_next_range_exactly(
