@@ -9,7 +9,10 @@
    decoded and conformed by the sink's converter and written as Parquet by pyiceberg's writer
    (``write_data_files``), ``--write`` records at a time. Nothing is committed.
 3. End to end: the real pipeline (icefloe-kafka source -> Spark local -> icefloe sink ->
-   backend -> coordinator -> Iceberg commits) into a fresh table. It is started and warmed up
+   backend -> coordinator -> Iceberg commits) into a fresh table; with ``--cluster N`` Spark
+   runs on a standalone cluster of N one-core workers started from the PySpark wheel on
+   127.0.0.1 (``icefloe_spark.standalone``), so the tasks run in executors' JVMs and Python
+   workers apart from the driver's. It is started and warmed up
    first on W extra records (JVM, Python workers, first commit: start-up is latency, not
    throughput); then the N events (generated beforehand, untimed) are produced while it
    runs. Timed from the start of that production until the table's committed snapshot holds
@@ -60,8 +63,17 @@ from icefloe.embedded import EmbeddedKafkaBroker
 from icefloe_spark.kafkautil import create_topic, end_offsets, produce
 from icefloe_spark.pipeline import Pipeline, build_session
 from icefloe_spark.source import to_record_batch
+from icefloe_spark.standalone import standalone_cluster
 
 TOPIC = "bench-events"
+# --cluster: each worker offers 1 core and this much memory, each executor takes one worker;
+# the tasks' work is in Python workers outside the executor's heap, so 2 GB is ample, and
+# a few workers fit a 24 GB machine
+WORKER_MEMORY = "4g"
+EXECUTOR_MEMORY = "2g"
+# kind under which the master's and workers' own JVMs are counted: the cluster manager, not
+# the pipeline (its executors and their Python workers are counted as the pipeline's)
+DAEMONS = "cluster daemons"
 SCHEMA = Schema(
     NestedField(1, "id", LongType(), required=False),
     NestedField(2, "user_id", LongType(), required=False),
@@ -162,12 +174,15 @@ def ceiling(
     return seconds, records
 
 
-def cpu_seconds(exclude: set[int], detail: bool = False) -> dict[str, float]:
+def cpu_seconds(
+    exclude: set[int], detail: bool = False, daemons: frozenset[int] = frozenset()
+) -> dict[str, float]:
     """CPU seconds (user + system) this process and every live descendant used so far, by
-    kind of process (driver, jvm, python: Spark's Python workers and planners; with
-    ``detail`` one entry per process), exited children included through their parents'
-    accounts; ``exclude`` (broker, producer) left out. CPU time, unlike wall time, hardly
-    depends on what else the machine runs."""
+    kind of process (driver, jvm, python: Spark's Python workers and planners; ``daemons``,
+    a standalone cluster's master and workers, apart; with ``detail`` one entry per
+    process), exited children included through their parents' accounts; ``exclude``
+    (broker, producer) left out. CPU time, unlike wall time, hardly depends on what else the
+    machine runs."""
     me = psutil.Process()
     mine = me.cpu_times()
     out = {"driver": mine.user + mine.system}  # not its reaped children: the producer is one
@@ -176,7 +191,7 @@ def cpu_seconds(exclude: set[int], detail: bool = False) -> dict[str, float]:
             continue
         with contextlib.suppress(psutil.NoSuchProcess):
             t = proc.cpu_times()
-            kind = "jvm" if "java" in proc.name() else "python"
+            kind = DAEMONS if proc.pid in daemons else "jvm" if "java" in proc.name() else "python"
             if detail:
                 kind = f"{kind} {proc.pid} {' '.join(proc.cmdline()[-1:])}"
             out[kind] = out.get(kind, 0.0) + t.user + t.system + t.children_user + t.children_system
@@ -238,10 +253,12 @@ def end_to_end(
     timeout_s: float,
     broker_pid: int,
     cpu_detail: bool = False,
+    daemons: frozenset[int] = frozenset(),
 ) -> tuple[float, float, int, int]:
     """Warm the pipeline up on ``warmup`` records, then time ``records`` more;
     (seconds, CPU seconds of the pipeline's processes, Spark batches, snapshots) of the timed
-    part."""
+    part. ``daemons``: a standalone cluster's master and workers, whose CPU is reported but
+    not counted as the pipeline's."""
     spark = build_session(config)
     spark.sparkContext.setLogLevel("ERROR")
     pipeline = Pipeline(config, spark=spark)
@@ -270,12 +287,12 @@ def end_to_end(
         producer.start()
         ready.wait()
         skip = {broker_pid, producer.pid or -1}
-        cpu0, t0 = cpu_seconds(skip, cpu_detail), time.perf_counter()
+        cpu0, t0 = cpu_seconds(skip, cpu_detail, daemons), time.perf_counter()
         go.set()
         wait_for(warmup + records)
         seconds = time.perf_counter() - t0
-        by_kind = cpu_used(cpu0, cpu_seconds(skip, cpu_detail))
-        cpu = sum(by_kind.values())
+        by_kind = cpu_used(cpu0, cpu_seconds(skip, cpu_detail, daemons))
+        cpu = sum(v for k, v in by_kind.items() if not k.startswith(DAEMONS))
         print(f"CPU by kind : {by_kind}", flush=True)
         producer.join()
         batches = pipeline.stats.batches - batches0
@@ -327,7 +344,15 @@ def main() -> None:
     )
     ap.add_argument("--write", type=int, default=100_000, help="records per ceiling write")
     ap.add_argument("--backend", default="kafka")
-    ap.add_argument("--master", default="local[2]")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--master", default="local[2]")
+    where.add_argument(
+        "--cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run Spark on a standalone cluster of N 1-core workers started here",
+    )
     ap.add_argument("--data-path", default="ranges", choices=("ranges", "records"))
     ap.add_argument("--commit-interval", type=float, default=2.0)
     ap.add_argument("--cpu-detail", action="store_true", help="CPU seconds per process")
@@ -359,43 +384,65 @@ def main() -> None:
         elif args.backend == "postgres":  # the machine's server, as the tests use it
             dsn = "host=127.0.0.1 port=5432 user=postgres dbname=test"
             backend_section = {"dsn": os.environ.get("ICEFLOE_POSTGRES_DSN", dsn)}
-        config = config_from_dict(
-            {
-                "name": f"bench-{int(time.time())}",
-                "source": {
-                    "bootstrap_servers": bootstrap,
-                    "topics": [TOPIC],
-                    "max_records_per_batch": args.batch,
-                },
-                "tables": targets,
-                "catalog": {"name": "bench", "properties": props},
-                "coordination": {
-                    "backend": args.backend,
-                    "commit_interval_s": args.commit_interval,
-                    args.backend: backend_section,
-                },
-                "spark": {
-                    "master": args.master,
-                    "checkpoint_location": str(root / "checkpoint"),
-                    "trigger_interval_s": 0,
-                    "data_path": args.data_path,
-                    "max_records_per_task": args.task_records,
-                    "conf": {"spark.ui.enabled": "false"},
-                },
-            }
-        )
-        assert broker.proc is not None
-        e_s, e_cpu, batches, snaps = end_to_end(
-            bootstrap,
-            config,
-            catalog,
-            [t["name"] for t in targets],
-            args.warmup,
-            args.records,
-            args.timeout,
-            broker.proc.pid,
-            args.cpu_detail,
-        )
+        master, cluster_conf, daemons = args.master, {}, frozenset[int]()
+        # the cluster (if any) lives as long as the pipeline: gone before the ceiling runs
+        with contextlib.ExitStack() as stack:
+            if args.cluster:
+                cluster = stack.enter_context(
+                    standalone_cluster(
+                        root / "spark-cluster",
+                        workers=args.cluster,
+                        cores=1,
+                        memory=WORKER_MEMORY,
+                    )
+                )
+                master, daemons = cluster.master_url, frozenset(cluster.pids)
+                cluster_conf = {
+                    "spark.driver.host": "127.0.0.1",
+                    "spark.executor.cores": "1",
+                    "spark.executor.memory": EXECUTOR_MEMORY,
+                    "spark.cores.max": str(args.cluster),
+                    # schedule once every executor joined, so all of them take tasks
+                    "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+                }
+            config = config_from_dict(
+                {
+                    "name": f"bench-{int(time.time())}",
+                    "source": {
+                        "bootstrap_servers": bootstrap,
+                        "topics": [TOPIC],
+                        "max_records_per_batch": args.batch,
+                    },
+                    "tables": targets,
+                    "catalog": {"name": "bench", "properties": props},
+                    "coordination": {
+                        "backend": args.backend,
+                        "commit_interval_s": args.commit_interval,
+                        args.backend: backend_section,
+                    },
+                    "spark": {
+                        "master": master,
+                        "checkpoint_location": str(root / "checkpoint"),
+                        "trigger_interval_s": 0,
+                        "data_path": args.data_path,
+                        "max_records_per_task": args.task_records,
+                        "conf": {"spark.ui.enabled": "false", **cluster_conf},
+                    },
+                }
+            )
+            assert broker.proc is not None
+            e_s, e_cpu, batches, snaps = end_to_end(
+                bootstrap,
+                config,
+                catalog,
+                [t["name"] for t in targets],
+                args.warmup,
+                args.records,
+                args.timeout,
+                broker.proc.pid,
+                args.cpu_detail,
+                daemons,
+            )
         e_rate = args.records / e_s
         print(
             f"end to end  : {args.records:,} records in {e_s:.1f}s = {e_rate:,.0f} records/s "
@@ -419,10 +466,11 @@ def main() -> None:
         )
         load = os.getloadavg()[0]
         cmd = "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
+        on = f", standalone cluster of {args.cluster} x 1 core" if args.cluster else ""
         print("\nMarkdown row for docs/benchmarks.md:")
         print(
             f"| {datetime.now(UTC):%Y-%m-%d} | `{cmd.strip()}` | {args.records:,} | "
-            f"{args.partitions} | {args.backend}, {args.data_path}, {args.tables} table(s) | "
+            f"{args.partitions} | {args.backend}, {args.data_path}, {args.tables} table(s){on} | "
             f"{c_rate:,.0f} | "
             f"{e_rate:,.0f} | {ratio:.0%} | {e_cpu / c_cpu:.2f} | "
             f"{os.cpu_count()} cores, load {load:.1f}, {platform.python_version()} |"

@@ -83,7 +83,7 @@ def keep_ahead(
 
     def run() -> None:
         while not stop.is_set():
-            if produced[0] - committed_rows(catalog, "bench.soak") < lag:
+            if produced[0] - committed_rows(catalog, ["bench.soak"]) < lag:
                 produce(bootstrap, TOPIC, events(produced[0], 50_000))
                 produced[0] += 50_000
             else:
@@ -149,7 +149,7 @@ def main() -> None:
             while (elapsed := time.monotonic() - started) < args.minutes * 60:
                 if proc.poll() is not None:
                     raise RuntimeError(f"icefloe run exited {proc.returncode}; see {root}/run.log")
-                samples.append((elapsed, committed_rows(catalog, "bench.soak"), sample(driver)))
+                samples.append((elapsed, committed_rows(catalog, ["bench.soak"]), sample(driver)))
                 time.sleep(args.every)
         finally:
             stop.set()

@@ -12,14 +12,11 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +28,8 @@ from pyiceberg.catalog import load_catalog
 from icefloe.embedded import EmbeddedKafkaBroker
 from icefloe.testing.fixtures import EVENTS_SCHEMA, EVENTS_SPEC, assert_exactly_once
 from icefloe_spark.kafkautil import create_topic, produce
+from icefloe_spark.standalone import StandaloneCluster, standalone_cluster
 
-START_S = 180.0  # a generous bound for JVMs starting on a loaded 2-core machine
 RUN_S = 300.0
 TABLE = "cluster.events"
 RECORDS = 60
@@ -48,125 +45,14 @@ AVRO_SCHEMA = {
 }
 
 
-@dataclass(frozen=True)
-class SparkCluster:
-    """A running standalone cluster: its master URL and where each worker keeps executors."""
-
-    master_url: str
-    ui_url: str
-    worker_dirs: tuple[Path, ...]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spark_home() -> Path:
-    """The pyspark package is a complete SPARK_HOME (bin/spark-class, jars/)."""
-    import pyspark
-
-    return Path(pyspark.__file__).parent
-
-
-def _cluster_env(spark_home: Path, logs: Path) -> dict[str, str]:
-    """Spark's own defaults (no SPARK_CONF_DIR of the caller's): executors log each task at
-    INFO, which the test reads."""
-    return {
-        **{k: v for k, v in os.environ.items() if k != "SPARK_CONF_DIR"},
-        "SPARK_HOME": str(spark_home),
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "SPARK_LOG_DIR": str(logs),
-        # executors' Python workers must import icefloe: this interpreter, not python3 on PATH
-        "PYSPARK_PYTHON": sys.executable,
-    }
-
-
-def _alive_workers(ui_url: str) -> int:
-    """Workers the master reports ALIVE, read from its web UI's JSON."""
-    with urllib.request.urlopen(f"{ui_url}/json/", timeout=5) as response:
-        state = json.loads(response.read())
-    return sum(1 for w in state.get("workers", []) if w.get("state") == "ALIVE")
-
-
-def _logs_of(paths: list[Path]) -> str:
-    return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-4000:]}" for p in paths)
-
-
-def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
-    """Kill each cluster process's group (spark-class execs java in the same group)."""
-    for proc in procs:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    for proc in procs:
-        proc.wait(60)
-
-
 @pytest.fixture(scope="module")
-def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
-    """A master and two 1-core, 1 GB workers; fails loudly when they do not come up."""
-    base = tmp_path_factory.mktemp("spark-cluster")
-    spark_home = _spark_home()
-    spark_class = spark_home / "bin" / "spark-class"
-    env = _cluster_env(spark_home, base / "logs")
-    port, ui_port = _free_port(), _free_port()
-    master_url = f"spark://127.0.0.1:{port}"
-    ui_url = f"http://127.0.0.1:{ui_port}"
-    procs: list[subprocess.Popen[bytes]] = []
-    outs: list[Path] = []
-
-    def launch(name: str, args: list[str]) -> None:
-        out = base / f"{name}.out"
-        outs.append(out)
-        with out.open("wb") as f:
-            procs.append(
-                subprocess.Popen(
-                    [str(spark_class), *args],
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=base,
-                    start_new_session=True,  # one group per process: killed as a whole
-                )
-            )
-
-    worker_dirs = tuple(base / f"worker{i}" for i in (1, 2))
-    try:
-        launch(
-            "master",
-            [
-                "org.apache.spark.deploy.master.Master",
-                *("--host", "127.0.0.1", "--port", str(port), "--webui-port", str(ui_port)),
-            ],
-        )
-        for i, work in enumerate(worker_dirs, 1):
-            work.mkdir()
-            launch(
-                f"worker{i}",
-                [
-                    "org.apache.spark.deploy.worker.Worker",
-                    master_url,
-                    *("--host", "127.0.0.1", "--cores", "1", "--memory", "1g"),
-                    *("--webui-port", str(_free_port()), "--work-dir", str(work)),
-                ],
-            )
-        deadline = time.monotonic() + START_S
-        while True:
-            dead = [p.args for p in procs if p.poll() is not None]
-            if dead:
-                pytest.fail(f"a Spark cluster process exited: {dead}\n{_logs_of(outs)}")
-            try:
-                if _alive_workers(ui_url) == 2:
-                    break
-            except OSError:
-                pass  # the master's UI is not up yet
-            if time.monotonic() > deadline:
-                pytest.fail(f"the Spark cluster did not start in {START_S:.0f}s\n{_logs_of(outs)}")
-            time.sleep(1.0)
-        yield SparkCluster(master_url, ui_url, worker_dirs)
-    finally:
-        _kill(procs)
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandaloneCluster]:
+    """A master and two 1-core, 1 GB workers; the fixture errors with the processes' logs
+    when they do not come up."""
+    with standalone_cluster(
+        tmp_path_factory.mktemp("spark-cluster"), workers=2, cores=1, memory="1g"
+    ) as cluster:
+        yield cluster
 
 
 def _pipeline(
@@ -273,7 +159,7 @@ def _icefloe(args: list[str], out: Path, cwd: Path) -> subprocess.Popen[bytes]:
 def test_run_on_a_standalone_cluster_commits_every_record_once(
     tmp_path: Path,
     kafka_broker: EmbeddedKafkaBroker,
-    spark_cluster: SparkCluster,
+    spark_cluster: StandaloneCluster,
     coordinator: str,
 ) -> None:
     """Four partitions, records produced before and while the query runs on two executors in
