@@ -10,18 +10,19 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyiceberg.io.pyarrow import schema_to_pyarrow
-from pyiceberg.table import Table
 
-from icefloe.config import ErrorsConfig
-from icefloe.convert import RecordConverter, Rejected
-from icefloe.datafiles import write_data_files, write_key_files
 from icefloe.errors import ConfigError, RecordConversionError
 from icefloe.events import DataFileMeta, SourcePosition
-from icefloe_spark.tables import DEAD_LETTER_SCHEMA
+
+if TYPE_CHECKING:
+    from pyiceberg.table import Table
+
+    from icefloe.config import ErrorsConfig
+    from icefloe.convert import RecordConverter, Rejected
 
 REQUIRED_COLUMNS = ("value", "topic", "partition", "offset")
 """Spark's Kafka layout columns the sink needs (key, timestamp, headers are optional)."""
@@ -115,6 +116,8 @@ def write_task(
     that one table and nothing else, bad records included (a rollback's replay: the other
     tables and the dead-letter table hold their share already).
     """
+    from icefloe.datafiles import write_data_files, write_key_files
+
     policy = errors.policy if errors is not None else "fail"
     check_columns(data.column_names)
     positions = source_positions(data)
@@ -171,6 +174,10 @@ def dead_letter_rows(
 ) -> pa.Table:
     """The rejected records of ``data`` (Spark's Kafka layout) as rows of the dead-letter
     table: where each came from, its raw key and value, and why it was set aside."""
+    from pyiceberg.io.pyarrow import schema_to_pyarrow
+
+    from icefloe_spark.tables import DEAD_LETTER_SCHEMA
+
     target = schema_to_pyarrow(DEAD_LETTER_SCHEMA)
     picked = data.take(pa.array([r.row for r in rejected], pa.int64()))
     n = picked.num_rows

@@ -19,12 +19,10 @@ import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from pydantic import ValidationError
-from pyiceberg.catalog import Catalog, load_catalog
-from pyiceberg.table import Table
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceStreamArrowWriter,
@@ -35,12 +33,11 @@ from pyspark.sql.types import StructType
 
 from icefloe.codecs import self_contained
 from icefloe.config import PipelineConfig, config_error_from, load_config
-from icefloe.convert import RecordConverter
 from icefloe.errors import ConfigError, TableMismatchError
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.writer import merge_positions
 from icefloe_spark import faults, workergc
-from icefloe_spark.batch import TaskOutput, check_columns, write_task
+from icefloe_spark.batch import TaskOutput, check_columns
 from icefloe_spark.publish import (
     BatchPublisher,
     PublishRequest,
@@ -48,7 +45,16 @@ from icefloe_spark.publish import (
     local_publisher,
 )
 from icefloe_spark.source import RANGE_ARROW_SCHEMA, SourceOptions, read_ranges
-from icefloe_spark.tables import TableResolver
+
+# Spark imports this module in a fresh Python process for each planning step of the query and
+# for the sink's commit on the driver, one after another before the first batch is committed:
+# what only the write tasks use (pyiceberg's catalog and Parquet writer, the converter) is
+# imported where it is used, not here (docs/benchmarks.md, start-up)
+if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
+    from pyiceberg.table import Table
+
+    from icefloe.convert import RecordConverter
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +230,10 @@ class _ExecutorRuntime:
     _cache: dict[str, _ExecutorRuntime] = {}
 
     def __init__(self, config: PipelineConfig) -> None:
+        from pyiceberg.catalog import load_catalog
+
+        from icefloe_spark.tables import TableResolver
+
         self.config = config
         self.catalog: Catalog = load_catalog(config.catalog.name, **config.catalog.properties)
         self.resolver = TableResolver(self.catalog, config)
@@ -275,6 +285,8 @@ class IcefloeStreamWriter(DataSourceStreamArrowWriter):
             batches = read_ranges(self.options.source, batches)
         if not batches:
             return IcefloeCommitMessage(partition_id, attempt)
+        from icefloe_spark.batch import write_task
+
         data = pa.Table.from_batches(batches)
         runtime = _ExecutorRuntime.get(self.options.config)
         tables, converter = runtime.prepare(data)
