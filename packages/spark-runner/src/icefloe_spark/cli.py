@@ -165,6 +165,10 @@ def run(
     from icefloe_spark.source import check_reader_options
 
     check_reader_options(extra, "--source-option")
+    # the JVM is the longest step before the first batch: launch it before importing the rest
+    from icefloe_spark.jvm import launch_early
+
+    launch_early(cfg, level)
     from icefloe_spark.pipeline import Pipeline
 
     stop = threading.Event()

@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -36,7 +35,8 @@ from icefloe.errors import ChannelIdentityError
 from icefloe.plugins import Plugins, get_plugins
 from icefloe.policy import TablePolicies
 from icefloe.resume import check_batch_continuity, committed, published, start_offsets
-from icefloe_spark import faults, sparklog
+from icefloe_spark import faults, jvm, sparklog
+from icefloe_spark.jvm import launch_detached_gateway
 from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
 from icefloe_spark.replay import RollbackWatcher
 from icefloe_spark.sink import (
@@ -57,8 +57,6 @@ from icefloe_spark.tables import ensure_tables
 log = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT_ROOT = ".icefloe/checkpoints"
-# keep the pipeline config (catalog credentials) and the publisher secret out of Spark's plans
-_REDACT_OPTIONS = "(?i)url|config|secret"
 _COORDINATOR_RETRY_S = 2.0
 
 
@@ -83,28 +81,14 @@ def checkpoint_batch(location: str) -> int | None:
     return max(ids, default=None)
 
 
-NO_BYTECODE = "PYTHONDONTWRITEBYTECODE"
-
-
 def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> SparkSession:
-    """A SparkSession for this pipeline; Python workers run this interpreter (else they start
-    under whatever ``python3`` is first on PATH, without icefloe installed).
+    """A SparkSession for this pipeline (settings: :func:`icefloe_spark.jvm.session_conf`).
 
-    The JVM is started in a session of its own (see :func:`launch_detached_gateway`) and logs
-    to a file unless debugging (see :mod:`icefloe_spark.sparklog`).
+    The JVM is started in a session of its own (see :func:`launch_detached_gateway`), unless
+    ``icefloe run`` launched it early for this pipeline (:func:`icefloe_spark.jvm.launch_early`),
+    and logs to a file unless debugging (see :mod:`icefloe_spark.sparklog`).
     """
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    conf = {
-        "spark.master": config.spark.master,
-        "spark.app.name": config.spark.app_name,
-        "spark.sql.redaction.options.regex": _REDACT_OPTIONS,
-        "spark.ui.showConsoleProgress": "false",  # it would scribble over the live view
-        # see launch_detached_gateway: executors' Python workers (on a cluster) likewise
-        f"spark.executorEnv.{NO_BYTECODE}": "",
-        **config.spark.conf,
-    }
-    conf.update(sparklog.java_options(conf, config.name, log_level))
+    conf = jvm.early_conf(config, log_level) or jvm.session_conf(config, log_level)
     launch_detached_gateway(conf)
     previous_sigint = signal.getsignal(signal.SIGINT)
     builder: Any = SparkSession.builder
@@ -135,38 +119,6 @@ def activate(session: SparkSession) -> SparkSession:
     assert jvm is not None
     SparkSession._get_j_spark_session_class(jvm).setActiveSession(session._jsparkSession)
     return session
-
-
-def launch_detached_gateway(conf: Mapping[str, str]) -> None:
-    """Start Spark's gateway JVM in a new session (process group) unless one runs already.
-
-    Supervisors signal the whole process group on stop; a JVM in the group would die under
-    the running query (``Cannot call methods on a stopped SparkContext``, exit 1). Detached,
-    it stops only when the driver stops it, and still exits when this process dies (PySpark
-    closes its stdin pipe). Uses PySpark's documented ``popen_kwargs`` launch hook.
-    """
-    from pyspark import SparkConf, SparkContext
-    from pyspark.java_gateway import launch_gateway
-
-    if SparkContext._gateway is not None or "PYSPARK_GATEWAY_PORT" in os.environ:
-        return
-    spark_conf = SparkConf(loadDefaults=False)
-    for key, value in conf.items():
-        spark_conf.set(key, value)
-    # Spark starts a fresh Python process for each step of a Python data source's life and
-    # forks workers for the tasks; without bytecode caches each one compiles pyspark, pyarrow,
-    # pyiceberg and icefloe from source again (4-5 s of CPU a process here, most of the first
-    # micro-batch), so the JVM and the Python processes it starts may write them even where
-    # the driver's environment says not to (an empty value is "unset" to Python)
-    saved = os.environ.pop(NO_BYTECODE, None)
-    try:
-        gateway = launch_gateway(  # type: ignore[no-untyped-call]
-            spark_conf, popen_kwargs={"start_new_session": True}
-        )
-    finally:
-        if saved is not None:
-            os.environ[NO_BYTECODE] = saved
-    SparkContext._ensure_initialized(gateway=gateway)
 
 
 def register(spark: SparkSession) -> None:
