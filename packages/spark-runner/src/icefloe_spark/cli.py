@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 console = Console(stderr=True)
 REFRESH_S = 1.0
 TABLE_REFRESH_S = 2.0
+TICK_S = 0.2
 
 
 def watch(
@@ -57,7 +58,10 @@ def watch(
     tables = monitor.tables()
     progress_log = ProgressLog(pipeline.config.name)
     progress_log.tables(tables, pipeline.stats)
-    last_tables = 0.0
+    last_tables = last_view = 0.0
+    # a commit of this writer's batches is reported as soon as the writer hears of it (its
+    # CommitComplete), not at the next poll of the tables
+    seen_committed = pipeline.publisher.committed_through if pipeline.publisher else None
     live = live and console.is_terminal
 
     def view() -> Any:
@@ -78,13 +82,18 @@ def watch(
     )
     try:
         with display:
-            while not stop.wait(REFRESH_S):
+            while not stop.wait(TICK_S):
+                committed = pipeline.publisher.committed_through if pipeline.publisher else None
+                now = time.monotonic()
+                if committed == seen_committed and now - last_view < REFRESH_S:
+                    continue
+                last_view = now
                 if not pipeline.query.isActive and not past_end:
                     break
                 if pipeline.coordinator is not None and pipeline.coordinator.fatal is not None:
                     break  # nothing would be committed any more: stop (run exits with it)
-                now = time.monotonic()
-                if now - last_tables >= TABLE_REFRESH_S:
+                if committed != seen_committed or now - last_tables >= TABLE_REFRESH_S:
+                    seen_committed = committed
                     tables = monitor.tables()
                     last_tables = now
                     progress_log.tables(tables, pipeline.stats)

@@ -1,16 +1,21 @@
-"""What keeps start-up short (docs/benchmarks.md, start-up)."""
+"""What keeps start-up short: light modules for Spark's planner processes, the JVM launched
+early, and a commit reported when the writer hears of it (docs/benchmarks.md, start-up)."""
 
 from __future__ import annotations
 
 import logging
 import subprocess
 import sys
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from icefloe.config import PipelineConfig, config_from_dict
-from icefloe_spark import jvm
+from icefloe_spark import cli, jvm
+from icefloe_spark.progress import TableProgress
+from icefloe_spark.publish import PublishStats
 
 # what only the write tasks need: pyiceberg's catalog and Parquet writer, the converter
 TASK_ONLY = ("pyiceberg.catalog", "pyiceberg.io.pyarrow", "icefloe.convert", "icefloe.coordinator")
@@ -57,3 +62,71 @@ def test_a_failed_early_launch_is_left_to_the_session(monkeypatch: pytest.Monkey
     jvm.launch_early(config(), logging.INFO)
     # the settings are still handed on: building the session launches again and raises there
     assert jvm.early_conf(config(), logging.INFO) is not None
+
+
+@dataclass
+class FakePublisher:
+    committed_through: int | None = None
+    stats: PublishStats = field(default_factory=PublishStats)
+
+
+class FakeQuery:
+    isActive = True  # noqa: N815 (Spark's name)
+    lastProgress = None  # noqa: N815 (Spark's name)
+
+
+@dataclass
+class FakePipeline:
+    config: PipelineConfig
+    publisher: FakePublisher
+    query: FakeQuery = field(default_factory=FakeQuery)
+    catalog: object = object()
+    source_extra_options: dict[str, str] = field(default_factory=dict)
+    coordinator: None = None
+    reads_ranges: bool = True
+
+    @property
+    def stats(self) -> PublishStats:
+        return self.publisher.stats
+
+
+def test_a_commit_the_writer_hears_of_is_logged_without_waiting_for_the_table_poll(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tables are polled every TABLE_REFRESH_S (here: never); a CommitComplete for this
+    writer's batches (``committed_through`` moves) makes the next tick read them at once."""
+    pipeline = FakePipeline(config(), FakePublisher())
+    snapshots = iter([None, 7])
+    reads = 0
+
+    class FakeMonitor:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def tables(self) -> list[TableProgress]:
+            nonlocal reads
+            reads += 1
+            snapshot = next(snapshots, 7)
+            return [TableProgress("db.orders", snapshot, None, 40 if snapshot else None, 0)]
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr("icefloe_spark.progress.Monitor", FakeMonitor)
+    monkeypatch.setattr(cli, "TABLE_REFRESH_S", float("inf"))
+
+    def until() -> bool:
+        if reads == 1:  # after the start's read: the writer hears its batches were committed
+            pipeline.publisher.committed_through = 0
+        return reads >= 2
+
+    stop = threading.Event()
+    guard = threading.Timer(120, stop.set)  # only ends a broken run; nothing is timed
+    guard.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="icefloe.progress"):
+            cli.watch(pipeline, stop, live=False, until=until)  # type: ignore[arg-type]
+    finally:
+        guard.cancel()
+    assert reads == 2, "the tables were not read again after the writer heard of a commit"
+    assert any(getattr(r, "event", None) == "table_commit" for r in caplog.records)
