@@ -99,7 +99,7 @@ def bench(session: nox.Session) -> None:
 def bench_startup(session: nox.Session) -> None:
     """Start-up benchmark (not run by default): seconds from `icefloe run` to its first table
     commit with default settings, e.g. `nox -s bench-startup -- --repeats 3 --backend kafka`."""
-    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]")
+    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
     session.run("python", "benchmarks/bench_startup.py", *session.posargs)
 
 
