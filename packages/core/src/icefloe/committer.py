@@ -899,47 +899,53 @@ class IcebergCommitter:
         A plain append writes one manifest holding exactly the files just appended. When
         pyiceberg also merged older manifests (``commit.manifest-merge.enabled``), the merged
         manifest holds the live paths of the manifests it replaced, which are cached already
-        in a running committer: their union is its content, checked against its file counts.
-        Without this, the commit after every merge decoded the whole merged manifest.
+        in a running committer: their union is its content. Each guess is checked against the
+        manifest's file counts. Without this, the commit after every merge decoded the whole
+        merged manifest.
         """
         try:
             snapshot = table.metadata.snapshot_by_id(snapshot_id)
             manifests = [] if snapshot is None else _data_manifests(table, snapshot)
-            parent_id = None if snapshot is None else snapshot.parent_snapshot_id
-            parent = None if parent_id is None else table.metadata.snapshot_by_id(parent_id)
-            before = [] if parent is None else _data_manifests(table, parent)
+            written = [m for m in manifests if m.added_snapshot_id == snapshot_id]
+            merged = [m for m in written if m.existing_files_count]
+            older = self._replaced_paths(table, snapshot, manifests) if merged else frozenset()
         except Exception as exc:  # the commit landed; the cache is only an optimisation
             logger.debug("cannot list the manifests of snapshot %d: %s", snapshot_id, exc)
             return
+        if older is None:
+            return  # a replaced manifest is not cached: the next check decodes the merged one
         appended = frozenset(m.path for m in plan.appended())
-        written = [m for m in manifests if m.added_snapshot_id == snapshot_id]
-        plain = [
-            m
-            for m in written
-            if not m.existing_files_count
-            and not m.deleted_files_count
-            and m.added_files_count == len(appended)
-        ]
-        if len(plain) == 1 and len(written) == 1:
-            self._cache_manifest(plain[0].manifest_path, appended)
-            return
-        merged = [m for m in written if m not in plain]
+        own = [m for m in written if not m.existing_files_count]
+        if len(written) == 1:  # the files just appended, with the replaced ones if merged
+            guesses = [(written[0], older | appended)]
+        elif len(own) == 1 and len(merged) == 1:
+            guesses = [(own[0], appended), (merged[0], older)]
+        else:
+            return  # several merged bins: the next check decodes them
+        for manifest, paths in guesses:
+            if not manifest.deleted_files_count and len(paths) == (
+                (manifest.existing_files_count or 0) + (manifest.added_files_count or 0)
+            ):
+                self._cache_manifest(manifest.manifest_path, paths)
+
+    def _replaced_paths(
+        self, table: Table, snapshot: Snapshot | None, manifests: list[ManifestFile]
+    ) -> frozenset[str] | None:
+        """The cached live paths of the parent's data manifests that ``snapshot`` no longer
+        lists (the ones a merge replaced); None when one of them is not cached."""
+        parent_id = None if snapshot is None else snapshot.parent_snapshot_id
+        parent = None if parent_id is None else table.metadata.snapshot_by_id(parent_id)
+        if parent is None:
+            return None
         kept = {m.manifest_path for m in manifests}
         replaced = [
-            self._manifest_paths.get(m.manifest_path) for m in before if m.manifest_path not in kept
+            self._manifest_paths.get(m.manifest_path)
+            for m in _data_manifests(table, parent)
+            if m.manifest_path not in kept
         ]
-        if len(merged) != 1 or len(plain) > 1 or any(paths is None for paths in replaced):
-            return  # several merged bins, or inputs not cached: the next check decodes them
-        content = frozenset().union(*(paths for paths in replaced if paths is not None))
-        if plain:
-            self._cache_manifest(plain[0].manifest_path, appended)
-        else:
-            content |= appended
-        target = merged[0]
-        if not target.deleted_files_count and len(content) == (
-            (target.existing_files_count or 0) + (target.added_files_count or 0)
-        ):
-            self._cache_manifest(target.manifest_path, content)
+        if any(paths is None for paths in replaced):
+            return None
+        return frozenset().union(*(paths for paths in replaced if paths is not None))
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep
