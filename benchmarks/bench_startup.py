@@ -6,9 +6,7 @@ the first micro-batch, the first cycle). Each repeat is a fresh process, pipelin
 Run by ``nox -s bench-startup -- --repeats 3 [--backend kafka]``; figures go to
 docs/benchmarks.md by hand. Each run also reports the CPU seconds its processes used until the
 first commit (driver, Spark's JVM, its Python processes; the JVM's share apart): on a shared
-machine the wall time depends on the others' load, the CPU time much less. The JVM's
-class-data cache (``ICEFLOE_JVM_CLASS_CACHE``) is used as a user's runs use it: the first run
-on a machine writes it, later ones start from it.
+machine the wall time depends on the others' load, the CPU time much less.
 """
 
 from __future__ import annotations
