@@ -831,8 +831,15 @@ class BackendConformance:
             procs.append(proc)
         try:
             try:
+                # publishing ends when a child sends its result; closing its clients after
+                # that is not what the read must outlast (the finally below reaps them)
                 read = self._concurrent_read(
-                    coord, group_id, lambda: any(p.is_alive() for p in procs)
+                    coord,
+                    group_id,
+                    lambda: any(
+                        p.is_alive() and not pipe.poll(0)
+                        for p, pipe in zip(procs, pipes, strict=True)
+                    ),
                 )
             except pytest.fail.Exception as exc:
                 # say where the publishers were: still publishing, or done but not exited
