@@ -330,6 +330,10 @@ class SparkConfig(_Model):
     max_records_per_task: int | None = Field(default=125_000, gt=0)
     #: how often the driver checks its tables for a rollback to replay (docs/operations.md)
     rollback_check_interval_s: float = Field(default=10.0, gt=0)
+    #: keep an archive of the driver JVM's classes (Java's AppCDS, ~150 MB in the user's
+    #: cache, written by the first ``icefloe run`` as it stops) so later JVMs start in a third
+    #: of the time (docs/benchmarks.md, start-up); off when the Java options manage it
+    class_data_cache: bool = True
     conf: dict[str, str] = Field(default_factory=dict)
 
 

@@ -175,9 +175,9 @@ def run(
 
     check_reader_options(extra, "--source-option")
     # the JVM is the longest step before the first batch: launch it before importing the rest
-    from icefloe_spark.jvm import launch_early
+    from icefloe_spark import jvm
 
-    launch_early(cfg, level)
+    jvm.launch_early(cfg, level)
     from icefloe_spark.pipeline import Pipeline
 
     stop = threading.Event()
@@ -211,6 +211,7 @@ def run(
                 fatal = pipeline.coordinator.fatal
             console.print("stopping ...")
             pipeline.stop()
+            end_jvm()
             if pipeline.spark_log is not None:
                 for line in sparklog.summarize(pipeline.spark_log):
                     console.print(line, markup=False, highlight=False)
@@ -223,6 +224,16 @@ def run(
             console.print(trace, markup=False, highlight=False)
         raise typer.Exit(1)
     console.print("stopped cleanly")
+
+
+def end_jvm() -> None:
+    """End the JVM if it writes class data for later starts, and keep that (once per
+    machine and Spark: about 10 s)."""
+    from icefloe_spark import jvm
+
+    if jvm.writes_class_data():
+        console.print("keeping Spark's class data for faster starts (once) ...")
+        jvm.end()
 
 
 def caught_up(pipeline: Pipeline) -> Callable[[], bool]:

@@ -34,7 +34,8 @@ from rich.table import Table as RichTable
 
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe_spark.cli import console, watch
+from icefloe_spark import jvm
+from icefloe_spark.cli import console, end_jvm, watch
 from icefloe_spark.kafkautil import create_topic, produce
 from icefloe_spark.pipeline import Pipeline
 from icefloe_spark.signals import stop_on_signals
@@ -290,6 +291,7 @@ def run_demo(
             )
             stop = threading.Event()
             deadline = time.monotonic() + timeout_s
+            jvm.launch_early(config)  # and write class data at the end, as `icefloe run` does
             pipeline = Pipeline(config)
             with stop_on_signals(stop):
                 try:
@@ -307,6 +309,7 @@ def run_demo(
                 finally:
                     console.print("stopping ...")
                     pipeline.stop()
+                    end_jvm()
             producer.join(timeout=30)
         console.print()
         return scenario.summarize(catalog, records, time.monotonic() - started, console)

@@ -9,14 +9,18 @@ stays light to import for that reason (PySpark is imported by the launch itself)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
-from icefloe_spark import sparklog
+from icefloe_spark import classdata, sparkhome, sparklog
 
 if TYPE_CHECKING:
     from icefloe.config import PipelineConfig
@@ -27,8 +31,26 @@ NO_BYTECODE = "PYTHONDONTWRITEBYTECODE"
 # keep the pipeline config (catalog credentials) and the publisher secret out of Spark's plans
 _REDACT_OPTIONS = "(?i)url|config|secret"
 
+QUICK_JIT = "-XX:TieredStopAtLevel=1"
+#: what a launched JVM does with the class-data cache (:mod:`icefloe_spark.classdata`)
+ClassDataUse = Literal["off", "read", "write"]
+#: a JVM writing its class data takes about 10 s to exit
+END_TIMEOUT_S = 120.0
+
 _early_lock = threading.Lock()
 _early: tuple[threading.Thread, str, dict[str, str]] | None = None
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """The JVM this process launched, while it writes class data to keep at its end."""
+
+    proc: subprocess.Popen[bytes]
+    archive: classdata.Archive
+    class_path: str
+
+
+_launched: _Launched | None = None
 
 
 def session_conf(config: PipelineConfig, log_level: int = logging.INFO) -> dict[str, str]:
@@ -46,40 +68,118 @@ def session_conf(config: PipelineConfig, log_level: int = logging.INFO) -> dict[
         f"spark.executorEnv.{NO_BYTECODE}": "",
         **config.spark.conf,
     }
+    if config.spark.data_path == "ranges":
+        conf.update(quick_jit(conf))
     conf.update(sparklog.java_options(conf, config.name, log_level))
     return conf
 
 
-def launch_detached_gateway(conf: Mapping[str, str]) -> None:
+def quick_jit(conf: Mapping[str, str]) -> dict[str, str]:
+    """The JVMs' options with only the quick (C1) JIT compiler, unless the user set the
+    compilers. On the ranges path the JVM plans and schedules while Python moves the records,
+    so the optimizing (C2) compiler's work never pays back: measured here, the driver JVM
+    used 21 -> 12 CPU s to the first commit and 3.6 -> 1.7 CPU s per 2 million records
+    (docs/benchmarks.md). The records path keeps both compilers."""
+    out = {}
+    for key in ("spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"):
+        current = conf.get(key, "")
+        if "Tiered" not in current:
+            out[key] = f"{current} {QUICK_JIT}".strip()
+    return out
+
+
+def _class_data(
+    conf: Mapping[str, str], spark_home: str | None, use: ClassDataUse
+) -> classdata.Archive | None:
+    if use == "off" or not classdata.wanted(conf):
+        return None
+    home = Path(spark_home or os.environ.get(sparkhome.SPARK_HOME_ENV) or sparkhome.pyspark_home())
+    return classdata.prepare(
+        sparkhome.cache_dir() / "class-data",
+        home,
+        conf.get("spark.driver.extraClassPath", ""),
+        write=use == "write",
+    )
+
+
+def launch_detached_gateway(conf: Mapping[str, str], class_data: ClassDataUse = "read") -> None:
     """Start Spark's gateway JVM in a new session (process group) unless one runs already.
 
     Supervisors signal the whole process group on stop; a JVM in the group would die under
     the running query (``Cannot call methods on a stopped SparkContext``, exit 1). Detached,
     it stops only when the driver stops it, and still exits when this process dies (PySpark
     closes its stdin pipe). Uses PySpark's documented ``popen_kwargs`` launch hook.
+
+    Its SPARK_HOME is :func:`icefloe_spark.sparkhome.jvm_spark_home` (Python processes import
+    PySpark with bytecode caches); ``class_data`` says whether it maps the kept class-data
+    archive (``read``), or writes one as it exits when none is kept (``write``: then
+    :func:`end` must end it, to keep the file).
     """
+    global _launched
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
 
     if SparkContext._gateway is not None or "PYSPARK_GATEWAY_PORT" in os.environ:
         return
+    home = sparkhome.jvm_spark_home()
+    archive = _class_data(conf, home, class_data)
     spark_conf = SparkConf(loadDefaults=False)
     for key, value in conf.items():
         spark_conf.set(key, value)
+    if archive is not None:
+        options = conf.get("spark.driver.extraJavaOptions", "")
+        spark_conf.set("spark.driver.extraJavaOptions", f"{options} {archive.java_options()}")
     # Spark starts a fresh Python process for each step of a Python data source's life and
     # forks workers for the tasks; without bytecode caches each one compiles pyspark, pyarrow,
     # pyiceberg and icefloe from source again (4-5 s of CPU a process here, most of the first
     # micro-batch), so the JVM and the Python processes it starts may write them even where
     # the driver's environment says not to (an empty value is "unset" to Python)
-    saved = os.environ.pop(NO_BYTECODE, None)
+    saved: dict[str, str | None] = {NO_BYTECODE: os.environ.pop(NO_BYTECODE, None)}
+    if home is not None:
+        saved[sparkhome.SPARK_HOME_ENV] = None
+        os.environ[sparkhome.SPARK_HOME_ENV] = home
     try:
         gateway = launch_gateway(  # type: ignore[no-untyped-call]
             spark_conf, popen_kwargs={"start_new_session": True}
         )
     finally:
-        if saved is not None:
-            os.environ[NO_BYTECODE] = saved
+        for name, previous in saved.items():
+            if previous is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = previous
     SparkContext._ensure_initialized(gateway=gateway)
+    if archive is not None and archive.write is not None:
+        class_path = gateway.jvm.java.lang.System.getProperty("java.class.path")
+        _launched = _Launched(gateway.proc, archive, str(class_path))
+
+
+def writes_class_data() -> bool:
+    """Whether the JVM this process launched writes class data as it exits."""
+    return _launched is not None
+
+
+def end(timeout_s: float = END_TIMEOUT_S) -> Path | None:
+    """End the JVM this process launched to write class data, after the session stopped,
+    and keep the archive it wrote as it exited (:func:`icefloe_spark.classdata.keep`). The
+    kept path; None when there was nothing to keep, or the JVM did not end in time."""
+    global _launched
+    from pyspark import SparkContext
+
+    launched, _launched = _launched, None
+    if launched is None:
+        return None
+    if launched.proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            launched.proc.stdin.close()  # the JVM exits when its stdin ends
+    try:
+        launched.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning("the JVM did not end within %.0f s; its class data is not kept", timeout_s)
+        return None
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    return classdata.keep(launched.archive, launched.class_path)
 
 
 def _key(config: PipelineConfig, log_level: int) -> str:
@@ -98,7 +198,7 @@ def launch_early(config: PipelineConfig, log_level: int = logging.INFO) -> None:
 
         def launch() -> None:
             try:
-                launch_detached_gateway(conf)
+                launch_detached_gateway(conf, "write" if config.spark.class_data_cache else "off")
             except Exception:
                 log.debug("early JVM launch failed; the session launches it again", exc_info=True)
 

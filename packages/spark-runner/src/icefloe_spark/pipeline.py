@@ -89,7 +89,7 @@ def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> Spar
     and logs to a file unless debugging (see :mod:`icefloe_spark.sparklog`).
     """
     conf = jvm.early_conf(config, log_level) or jvm.session_conf(config, log_level)
-    launch_detached_gateway(conf)
+    launch_detached_gateway(conf, "read" if config.spark.class_data_cache else "off")
     previous_sigint = signal.getsignal(signal.SIGINT)
     builder: Any = SparkSession.builder
     for key, value in conf.items():

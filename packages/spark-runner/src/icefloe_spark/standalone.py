@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from icefloe.embedded import free_port
+from icefloe_spark import sparkhome
 
 #: enough for three JVMs to start on a loaded 2-core machine
 DEFAULT_START_TIMEOUT_S = 180.0
@@ -45,13 +46,6 @@ class StandaloneCluster:
     ui_url: str
     worker_dirs: tuple[Path, ...]
     pids: tuple[int, ...]
-
-
-def spark_home() -> Path:
-    """The installed pyspark package, which is a whole SPARK_HOME."""
-    import pyspark
-
-    return Path(pyspark.__file__).parent
 
 
 def alive_workers(ui_url: str) -> int:
@@ -104,7 +98,8 @@ def standalone_cluster(
     size syntax: ``"1g"``, ``"512m"``) under ``workdir``; yield once the master reports every
     worker ALIVE; kill them all on exit. Raises :class:`ClusterStartError` when they do not
     come up. ``python`` is the executors' Python (``PYSPARK_PYTHON``)."""
-    home = spark_home()
+    # executors' Python workers import PySpark with bytecode caches, as the driver's do
+    home = Path(sparkhome.jvm_spark_home() or sparkhome.pyspark_home())
     spark_class = str(home / "bin" / "spark-class")
     workdir.mkdir(parents=True, exist_ok=True)
     env = _env(home, workdir / "logs", python)

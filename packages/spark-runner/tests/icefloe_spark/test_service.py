@@ -5,6 +5,7 @@ to the pid; every case must stop cleanly (exit 0, "stopped cleanly") and leave n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -118,8 +119,10 @@ def _rows(catalog: dict[str, str]) -> int:
     return table.scan().to_arrow().num_rows
 
 
-def _start(args: list[str], out: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _start(
+    args: list[str], out: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     with out.open("wb") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "icefloe", *args],
@@ -310,3 +313,62 @@ def test_run_stops_with_the_recovery_when_the_channel_changed_without_a_drain(
     assert old_id in text, text
     assert "stopped cleanly" not in text, text
     assert_exactly_once(catalog, "svc.rows", committed)
+
+
+def _jvm_options(proc: subprocess.Popen[bytes]) -> str:
+    """The command line of the JVM under ``proc`` (empty until it runs)."""
+    for pid in _children(proc.pid):
+        if _is_java(pid):
+            with contextlib.suppress(OSError):
+                return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return ""
+
+
+def _run_once(config: Path, out: Path, env: dict[str, str]) -> tuple[str, str]:
+    """``icefloe run --once`` to its end: (its output, its JVM's command line)."""
+    proc = _start(["run", "--config", str(config), "--once"], out, env)
+    options: list[str] = []
+
+    def jvm_running() -> bool:
+        options.append(_jvm_options(proc))
+        return bool(options[-1])
+
+    try:
+        _wait_for("the JVM", jvm_running, proc, out)
+        rc = proc.wait(DEADLINE_S)
+        text = out.read_text()
+        assert rc == 0, text
+        assert "stopped cleanly" in text, text
+    finally:
+        _stop(proc)
+    return text, options[-1]
+
+
+def test_the_first_run_keeps_the_jvm_s_class_data_and_the_next_one_maps_it(
+    tmp_path: Path,
+    kafka_broker: EmbeddedKafkaBroker,
+    new_topic: Callable[..., str],
+    produce: Callable[..., Any],
+) -> None:
+    """``icefloe run`` with an empty cache: its JVM writes its class data as it ends, which
+    is checked and kept under its size; the next run's JVM maps that file, and writes none."""
+    topic = new_topic(partitions=2)
+    config, catalog = _pipeline(tmp_path, kafka_broker, topic)
+    produce(topic, [json.dumps({"id": i}).encode() for i in range(20)], partitions=2)
+    cache = tmp_path / "cache"
+    env = {"ICEFLOE_CACHE_DIR": str(cache)}
+
+    text, jvm = _run_once(config, tmp_path / "first.log", env)
+    assert "-XX:ArchiveClassesAtExit=" in jvm, jvm
+    assert "keeping Spark's class data" in text, text
+    kept = sorted((cache / "class-data").iterdir())
+    assert [p.suffix for p in kept] == [".jsa"], kept  # nothing half-written is left
+    assert kept[0].stat().st_size == int(kept[0].stem.rsplit("-", 1)[1])
+    assert _rows(catalog) == 20
+
+    text, jvm = _run_once(config, tmp_path / "second.log", env)
+    assert f"-XX:SharedArchiveFile={kept[0]}" in jvm, jvm
+    assert "-XX:ArchiveClassesAtExit=" not in jvm, jvm
+    assert "keeping Spark's class data" not in text, text
+    assert sorted((cache / "class-data").iterdir()) == kept
+    assert _rows(catalog) == 20

@@ -44,7 +44,9 @@ def test_modules_spark_planners_import_leave_the_task_only_parts_out(module: str
 def test_early_launch_hands_its_settings_to_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
     launched: list[dict[str, str]] = []
     monkeypatch.setattr(jvm, "_early", None)
-    monkeypatch.setattr(jvm, "launch_detached_gateway", lambda conf: launched.append(dict(conf)))
+    monkeypatch.setattr(
+        jvm, "launch_detached_gateway", lambda conf, *_: launched.append(dict(conf))
+    )
     jvm.launch_early(config(), logging.INFO)
     jvm.launch_early(config(), logging.INFO)  # once per process
     conf = jvm.early_conf(config(), logging.INFO)
@@ -54,7 +56,7 @@ def test_early_launch_hands_its_settings_to_the_session(monkeypatch: pytest.Monk
 
 
 def test_a_failed_early_launch_is_left_to_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(conf: Any) -> None:
+    def fail(conf: Any, *_: Any) -> None:
         raise RuntimeError("no java")
 
     monkeypatch.setattr(jvm, "_early", None)
@@ -130,3 +132,19 @@ def test_a_commit_the_writer_hears_of_is_logged_without_waiting_for_the_table_po
         guard.cancel()
     assert reads == 2, "the tables were not read again after the writer heard of a commit"
     assert any(getattr(r, "event", None) == "table_commit" for r in caplog.records)
+
+
+def test_the_ranges_path_runs_the_jvms_with_the_quick_compiler_only() -> None:
+    """docs/benchmarks.md: C2's compiles cost the driver JVM ~9 CPU s before the first commit
+    and never pay back when the records stay in Python; the records path keeps C2."""
+    driver, executor = "spark.driver.extraJavaOptions", "spark.executor.extraJavaOptions"
+    ranges = jvm.session_conf(config())
+    assert jvm.QUICK_JIT in ranges[driver].split()
+    assert ranges[executor] == jvm.QUICK_JIT
+    records = config().model_copy(
+        update={"spark": config().spark.model_copy(update={"data_path": "records"})}
+    )
+    assert jvm.QUICK_JIT not in jvm.session_conf(records)[driver]
+    assert executor not in jvm.session_conf(records)
+    mine = {driver: "-XX:-TieredCompilation", executor: "-XX:TieredStopAtLevel=4"}
+    assert jvm.quick_jit(mine) == {}  # the user's choice of compilers holds
