@@ -41,15 +41,17 @@ def spark() -> Iterator[Any]:
     two cores and two attempts per task (local mode ignores spark.task.maxFailures)."""
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
 
-    session = (
-        SparkSession.builder.master("local[2,2]")
-        .appName("icefloe-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
+    from icefloe_spark import jvm
+
+    conf = {
+        "spark.master": "local[2,2]",
+        "spark.app.name": "icefloe-tests",
+        "spark.ui.enabled": "false",
+        "spark.sql.shuffle.partitions": "2",
+    }
+    # as icefloe launches it: Python workers import PySpark with bytecode caches, class data
+    session = jvm.session(conf)
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()

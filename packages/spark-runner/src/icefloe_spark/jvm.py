@@ -18,11 +18,13 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from icefloe_spark import classdata, sparkhome, sparklog
 
 if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
     from icefloe.config import PipelineConfig
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,19 @@ def launch_detached_gateway(conf: Mapping[str, str], class_data: ClassDataUse = 
     if archive is not None and archive.write is not None:
         class_path = gateway.jvm.java.lang.System.getProperty("java.class.path")
         _launched = _Launched(gateway.proc, archive, str(class_path))
+
+
+def session(conf: Mapping[str, str], class_data: ClassDataUse = "read") -> SparkSession:
+    """A SparkSession with ``conf`` on a JVM launched by :func:`launch_detached_gateway` (or
+    the one already running)."""
+    from pyspark.sql import SparkSession
+
+    launch_detached_gateway(conf, class_data)
+    builder: Any = SparkSession.builder
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    built: SparkSession = builder.getOrCreate()
+    return built
 
 
 def writes_class_data() -> bool:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from pyiceberg.catalog import Catalog, load_catalog
 from pyspark.sql import DataFrame, SparkSession
@@ -36,7 +35,6 @@ from icefloe.plugins import Plugins, get_plugins
 from icefloe.policy import TablePolicies
 from icefloe.resume import check_batch_continuity, committed, published, start_offsets
 from icefloe_spark import faults, jvm, sparklog
-from icefloe_spark.jvm import launch_detached_gateway
 from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
 from icefloe_spark.replay import RollbackWatcher
 from icefloe_spark.sink import (
@@ -84,17 +82,13 @@ def checkpoint_batch(location: str) -> int | None:
 def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> SparkSession:
     """A SparkSession for this pipeline (settings: :func:`icefloe_spark.jvm.session_conf`).
 
-    The JVM is started in a session of its own (see :func:`launch_detached_gateway`), unless
+    The JVM is started in a session of its own (see :func:`jvm.launch_detached_gateway`), unless
     ``icefloe run`` launched it early for this pipeline (:func:`icefloe_spark.jvm.launch_early`),
     and logs to a file unless debugging (see :mod:`icefloe_spark.sparklog`).
     """
     conf = jvm.early_conf(config, log_level) or jvm.session_conf(config, log_level)
-    launch_detached_gateway(conf, "read" if config.spark.class_data_cache else "off")
     previous_sigint = signal.getsignal(signal.SIGINT)
-    builder: Any = SparkSession.builder
-    for key, value in conf.items():
-        builder = builder.config(key, value)
-    session: SparkSession = builder.getOrCreate()
+    session = jvm.session(conf, "read" if config.spark.class_data_cache else "off")
     # SparkContext replaces the SIGINT handler with one raising KeyboardInterrupt: keep ours
     # (only the main thread may set handlers; PySpark sets none from other threads either)
     if previous_sigint is not None and threading.current_thread() is threading.main_thread():

@@ -23,6 +23,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from pyspark.sql import SparkSession
 
 from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe_spark import jvm
 from icefloe_spark.source import register_sources
 
 _log = logging.getLogger("tests.kafka")
@@ -40,16 +41,17 @@ def spark() -> Iterator[SparkSession]:
     """One local SparkSession per test process; Python workers run this interpreter."""
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("icefloe-tests")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.default.parallelism", "2")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.streaming.stopTimeout", "30s")
-        .config("spark.driver.memory", "1g")
-        .getOrCreate()
-    )
+    conf = {
+        "spark.master": "local[2]",
+        "spark.app.name": "icefloe-tests",
+        "spark.sql.shuffle.partitions": "2",
+        "spark.default.parallelism": "2",
+        "spark.ui.enabled": "false",
+        "spark.sql.streaming.stopTimeout": "30s",
+        "spark.driver.memory": "1g",
+    }
+    # as icefloe launches it: Python workers import PySpark with bytecode caches, class data
+    session = jvm.session(conf)
     session.sparkContext.setLogLevel("ERROR")
     register_sources(session)
     yield session

@@ -75,7 +75,6 @@ SPARK_PROBE = textwrap.dedent(
     import sys
     from icefloe.config import config_from_dict
     from icefloe_spark import jvm
-    from pyspark.sql import SparkSession
     from pyspark.sql.datasource import DataSource, DataSourceReader
 
     class Probe(DataSource):
@@ -103,12 +102,7 @@ SPARK_PROBE = textwrap.dedent(
         "catalog": {"properties": {"uri": "sqlite:///x.db"}},
         "spark": {"conf": {"spark.ui.enabled": "false"}, "class_data_cache": False},
     })
-    conf = jvm.session_conf(config)
-    jvm.launch_detached_gateway(conf, "off")
-    builder = SparkSession.builder
-    for key, value in conf.items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    spark = jvm.session(jvm.session_conf(config), "off")
     spark.dataSource.register(Probe)
     df = spark.read.format("probe").load()
     print("PLANNER", df.columns[0], "TASK", df.collect()[0][0], flush=True)
