@@ -44,11 +44,12 @@ KINDS = ("driver", "jvm", "workers", "other python")
 def kind_of(proc: psutil.Process, driver_pid: int) -> str | None:
     if proc.pid == driver_pid:
         return "driver"
-    try:
+    try:  # a process may end between two calls (the sink's commit runner, every batch)
         cmd = " ".join(proc.cmdline())
+        name = proc.name()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    if "java" in proc.name() or "org.apache.spark" in cmd:
+    if "java" in name or "org.apache.spark" in cmd:
         return "jvm"
     if "pyspark.daemon" in cmd or "pyspark/daemon" in cmd:
         return "workers"

@@ -235,3 +235,15 @@ def test_the_first_writer_kept_wins(tmp_path: Path) -> None:
     assert kept is not None
     assert classdata.keep(second, ".") == kept
     assert [p.name for p in cache.iterdir()] == [kept.name]
+
+
+def test_an_unusable_cache_directory_costs_speed_not_the_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a writable cache PySpark's own SPARK_HOME holds and no class data is used."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.delenv("SPARK_HOME", raising=False)
+    monkeypatch.setenv(sparkhome.CACHE_ENV, str(blocked / "cache"))
+    assert sparkhome.jvm_spark_home() is None
+    assert classdata.prepare(blocked / "class-data", fake_pyspark(tmp_path), write=True) is None
