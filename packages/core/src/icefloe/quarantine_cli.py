@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from icefloe.config import load_config
-from icefloe.quarantine import Quarantine
+
+if TYPE_CHECKING:  # pyarrow and pyiceberg load when a quarantine command runs, not with the CLI
+    from icefloe.quarantine import Quarantine
 
 app = typer.Typer(
     name="quarantine",
@@ -37,6 +39,8 @@ QuarantineTableOption = Annotated[
 def _open(config: Path, quarantine_table: str | None) -> tuple[str, Quarantine]:
     # imported here: pyiceberg's catalog loading is slow, other commands stay quick
     from pyiceberg.catalog import load_catalog
+
+    from icefloe.quarantine import Quarantine
 
     cfg = load_config(config)
     catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
