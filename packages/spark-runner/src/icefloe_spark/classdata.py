@@ -157,7 +157,9 @@ def prepare(
 def verify(java: Path, archive: Path, class_path: str) -> bool:
     """Whether a JVM with ``class_path`` maps ``archive`` and every region's checksum holds."""
     command = [str(java), "-Xshare:on", f"-XX:SharedArchiveFile={archive}"]
-    command += ["-XX:+VerifySharedSpaces", "-cp", class_path, "-version"]
+    command += ["-XX:+VerifySharedSpaces", "-cp", class_path]
+    # a damaged archive crashes this JVM: no crash report in the user's working directory
+    command += ["-XX:ErrorFile=/dev/null", "-XX:-CreateCoredumpOnCrash", "-version"]
     try:
         done = subprocess.run(command, capture_output=True, timeout=VERIFY_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:

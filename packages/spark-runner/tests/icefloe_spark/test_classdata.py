@@ -198,9 +198,15 @@ def test_a_written_archive_is_checked_and_kept_under_its_size(tmp_path: Path) ->
 
 @needs_java
 @pytest.mark.parametrize("damage", ["truncated", "corrupted"])
-def test_a_damaged_written_archive_is_not_kept(tmp_path: Path, damage: str) -> None:
+def test_a_damaged_written_archive_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
     """A truncated archive crashes the JVM that maps it (SIGBUS); one with a flipped byte
-    fails its checksum. Either is removed and nothing is kept."""
+    fails its checksum. Either is removed and nothing is kept, and the crash leaves no report
+    in the working directory."""
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
     spark_home = fake_pyspark(tmp_path)
     cache = tmp_path / "cache"
     plan = classdata.prepare(cache, spark_home, write=True)
@@ -216,6 +222,7 @@ def test_a_damaged_written_archive_is_not_kept(tmp_path: Path, damage: str) -> N
     plan.write.write_bytes(bytes(data))
     assert classdata.keep(plan, ".") is None
     assert list(cache.iterdir()) == []
+    assert list(workdir.iterdir()) == []
 
 
 @needs_java
