@@ -217,6 +217,13 @@ def launch_early(config: PipelineConfig, log_level: int = logging.INFO) -> None:
             except Exception:
                 log.debug("early JVM launch failed; the session launches it again", exc_info=True)
 
+        # The launch forks in that thread while this one imports the runner. CPython runs the
+        # fork handlers registered when a fork starts before it and those registered by the
+        # time it ends after it, so a module imported meanwhile that registers a pair
+        # (concurrent.futures.thread: acquire before, release after) releases a lock it
+        # never took ("RuntimeError: release unlocked lock", seen in CI). Register it first.
+        import concurrent.futures.thread  # noqa: F401
+
         thread = threading.Thread(target=launch, name="icefloe-jvm-launch", daemon=True)
         _early = (thread, _key(config, log_level), conf)
         thread.start()

@@ -148,3 +148,31 @@ def test_the_ranges_path_runs_the_jvms_with_the_quick_compiler_only() -> None:
     assert executor not in jvm.session_conf(records)
     mine = {driver: "-XX:-TieredCompilation", executor: "-XX:TieredStopAtLevel=4"}
     assert jvm.quick_jit(mine) == {}  # the user's choice of compilers holds
+
+
+EARLY_LAUNCH_PROBE = """
+import sys
+from icefloe.config import config_from_dict
+from icefloe_spark import jvm
+
+seen = []
+jvm.launch_detached_gateway = lambda conf, *_: seen.append(
+    "concurrent.futures.thread" in sys.modules
+)
+before = "concurrent.futures.thread" in sys.modules
+jvm.launch_early(config_from_dict({
+    "name": "p", "source": {"topics": ["t"]}, "tables": [{"name": "db.t"}],
+    "catalog": {"properties": {"uri": "sqlite:///x.db"}},
+}))
+jvm._early[0].join()
+print(before, seen)
+"""
+
+
+def test_fork_handlers_the_runner_registers_exist_before_the_early_launch_forks() -> None:
+    """The runner's imports meet the launch thread's fork: a fork handler pair registered in
+    between ran its release without its acquire (CI: "release unlocked lock" at start-up)."""
+    out = subprocess.run(
+        [sys.executable, "-c", EARLY_LAUNCH_PROBE], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False", "[True]"], out.stdout + out.stderr
