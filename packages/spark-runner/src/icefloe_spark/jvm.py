@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -104,6 +104,27 @@ def _class_data(
     )
 
 
+@contextlib.contextmanager
+def _environ(changes: Mapping[str, str | None]) -> Iterator[None]:
+    """``os.environ`` with ``changes`` (None: unset) inside the block, as it was after it:
+    the launched JVM inherits the environment, this process keeps its own."""
+    saved = {name: os.environ.get(name) for name in changes}
+    try:
+        for name, value in changes.items():
+            _set_env(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            _set_env(name, value)
+
+
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def launch_detached_gateway(conf: Mapping[str, str], class_data: ClassDataUse = "read") -> None:
     """Start Spark's gateway JVM in a new session (process group) unless one runs already.
 
@@ -136,20 +157,13 @@ def launch_detached_gateway(conf: Mapping[str, str], class_data: ClassDataUse = 
     # pyiceberg and icefloe from source again (4-5 s of CPU a process here, most of the first
     # micro-batch), so the JVM and the Python processes it starts may write them even where
     # the driver's environment says not to (an empty value is "unset" to Python)
-    saved: dict[str, str | None] = {NO_BYTECODE: os.environ.pop(NO_BYTECODE, None)}
+    changes: dict[str, str | None] = {NO_BYTECODE: None}
     if home is not None:
-        saved[sparkhome.SPARK_HOME_ENV] = None
-        os.environ[sparkhome.SPARK_HOME_ENV] = home
-    try:
+        changes[sparkhome.SPARK_HOME_ENV] = home
+    with _environ(changes):
         gateway = launch_gateway(  # type: ignore[no-untyped-call]
             spark_conf, popen_kwargs={"start_new_session": True}
         )
-    finally:
-        for name, previous in saved.items():
-            if previous is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = previous
     SparkContext._ensure_initialized(gateway=gateway)
     if archive is not None and archive.write is not None:
         class_path = gateway.jvm.java.lang.System.getProperty("java.class.path")

@@ -160,11 +160,12 @@ jvm.launch_detached_gateway = lambda conf, *_: seen.append(
     "concurrent.futures.thread" in sys.modules
 )
 before = "concurrent.futures.thread" in sys.modules
-jvm.launch_early(config_from_dict({
+config = config_from_dict({
     "name": "p", "source": {"topics": ["t"]}, "tables": [{"name": "db.t"}],
     "catalog": {"properties": {"uri": "sqlite:///x.db"}},
-}))
-jvm._early[0].join()
+})
+jvm.launch_early(config)
+jvm.early_conf(config)  # returns once the launch thread has run
 print(before, seen)
 """
 
