@@ -5,9 +5,10 @@
 
 A simulation of a pipeline without Spark, on the real code paths:
 
-* writers: real :class:`~icefloe.writer.WriterClient` objects (each with its responder thread)
+* writers: real :class:`~icefloe.coordination.writer.WriterClient` objects (each with its responder
+thread)
   on the chosen backend, spread over ``--processes`` child processes;
-* coordinator: the real :class:`~icefloe.coordinator.Coordinator` and committer in this
+* coordinator: the real :class:`~icefloe.coordination.coordinator.Coordinator` and committer in this
   process, committing to a real SQLite-catalog table;
 * files: every published file is a real Parquet file inside the table location. Each writer
   process writes one small Parquet file through pyiceberg's writer and hard-links it under a
@@ -44,15 +45,20 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from icefloe.channel import Backend
-from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings, CycleResult
-from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe.coordination.coordinator import (
+    Coordinator,
+    CoordinatorHooks,
+    CoordinatorSettings,
+    CycleResult,
+)
+from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.hookspecs import BackendContext
-from icefloe.maintenance import expire_snapshots, recommended_properties
-from icefloe.plugins import get_plugins
+from icefloe.ops.maintenance import expire_snapshots, recommended_properties
+from icefloe.plugins.manager import get_plugins
 from icefloe.testing.fixtures import create_rows_table, make_sqlite_catalog, write_rows
 from icefloe.testing.harness import drive, lead
-from icefloe.writer import WriterClient
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 TABLE = "bench.events"
 ROWS_PER_FILE = 10

@@ -11,7 +11,7 @@
 3. End to end: the real pipeline (icefloe-kafka source -> Spark local -> icefloe sink ->
    backend -> coordinator -> Iceberg commits) into a fresh table; with ``--cluster N`` Spark
    runs on a standalone cluster of N one-core workers started from the PySpark wheel on
-   127.0.0.1 (``icefloe_spark.standalone``), so the tasks run in executors' JVMs and Python
+   127.0.0.1 (``icefloe_spark.runtime.standalone``), so the tasks run in executors' JVMs and Python
    workers apart from the driver's. It is started and warmed up
    first on W extra records (JVM, Python workers, first commit: start-up is latency, not
    throughput); then the N events (generated beforehand, untimed) are produced while it
@@ -57,13 +57,13 @@ from pyiceberg.types import (
 )
 
 from icefloe.config import PipelineConfig, SourceConfig, SparkConfig, TableConfig, config_from_dict
-from icefloe.convert import RecordConverter, TargetTable
-from icefloe.datafiles import write_data_files
-from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe_spark.kafkautil import create_topic, end_offsets, produce
+from icefloe.records.converter import RecordConverter, TargetTable
+from icefloe.records.datafiles import write_data_files
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
+from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
+from icefloe_spark.kafka.source import to_record_batch
 from icefloe_spark.pipeline import Pipeline, build_session
-from icefloe_spark.source import to_record_batch
-from icefloe_spark.standalone import standalone_cluster
+from icefloe_spark.runtime.standalone import standalone_cluster
 
 TOPIC = "bench-events"
 # --cluster: each worker offers 1 core and this much memory, each executor takes one worker;

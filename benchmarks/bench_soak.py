@@ -35,8 +35,8 @@ import tomli_w
 from bench_e2e import TOPIC, committed_rows, events, make_table
 from pyiceberg.catalog import load_catalog
 
-from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe_spark.kafkautil import create_topic, produce
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
+from icefloe_spark.kafka.admin import create_topic, produce
 
 KINDS = ("driver", "jvm", "workers", "other python")
 

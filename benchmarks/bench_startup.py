@@ -32,8 +32,8 @@ from pyiceberg.catalog import load_catalog
 from pyiceberg.schema import Schema
 from pyiceberg.types import LongType, NestedField, StringType
 
-from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe_spark.kafkautil import create_topic
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
+from icefloe_spark.kafka.admin import create_topic
 
 LOG_JSON = ("--log-format", "json")
 BACKENDS: dict[str, dict[str, Any]] = {

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from bench_coordinator import TABLE, Templates, dir_size
 
-from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
-from icefloe.dedupe import WATERMARKS_KEY
-from icefloe.maintenance import recommended_properties
+from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.dedupe import WATERMARKS_KEY
+from icefloe.ops.maintenance import recommended_properties
 from icefloe.testing.fixtures import create_rows_table, make_sqlite_catalog
 
 

@@ -38,10 +38,10 @@ from pyiceberg.schema import Schema
 from pyiceberg.table import Table
 from pyiceberg.types import LongType, NestedField, StringType
 
-from icefloe import rowdelta
-from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
-from icefloe.datafiles import DataFileBuilder, write_data_files, write_key_files
+from icefloe.commit import rowdelta
+from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
 from icefloe.events import DataFileMeta
+from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
 
 SCHEMA = Schema(
     NestedField(1, "id", LongType(), required=True),

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 PARTITIONS = 4
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 pytest_plugins = ["icefloe.testing.fixtures"]
 
@@ -42,7 +42,7 @@ def spark() -> Iterator[Any]:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
-    from icefloe_spark import jvm
+    from icefloe_spark.runtime import jvm
 
     conf = {
         "spark.master": "local[2,2]",

@@ -25,10 +25,10 @@ import pytest
 import tomli_w
 from pyiceberg.catalog import load_catalog
 
-from icefloe.embedded import EmbeddedKafkaBroker
 from icefloe.testing.fixtures import EVENTS_SCHEMA, EVENTS_SPEC, assert_exactly_once
-from icefloe_spark.kafkautil import create_topic, produce
-from icefloe_spark.standalone import StandaloneCluster, standalone_cluster
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
+from icefloe_spark.kafka.admin import create_topic, produce
+from icefloe_spark.runtime.standalone import StandaloneCluster, standalone_cluster
 
 RUN_S = 300.0
 TABLE = "cluster.events"

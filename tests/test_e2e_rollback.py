@@ -19,11 +19,11 @@ from typing import Any
 import tomli_w
 from pyiceberg.catalog import Catalog, load_catalog
 
+from icefloe.commit.rollback import REPLAY_PREFIX
 from icefloe.config import config_from_dict
-from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe.rollback import REPLAY_PREFIX
 from icefloe.testing.fixtures import EVENTS_SCHEMA, EVENTS_SPEC, group_snapshots, table_ids
-from icefloe_spark.kafkautil import end_offsets
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
+from icefloe_spark.kafka.admin import end_offsets
 from icefloe_spark.pipeline import Pipeline
 from tests.test_e2e_spark import (
     FAULT_BACKEND,

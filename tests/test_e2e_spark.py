@@ -28,21 +28,21 @@ from pyiceberg.schema import Schema
 from pyiceberg.table.name_mapping import MappedField, NameMapping
 from pyiceberg.types import LongType, NestedField, StringType
 
-from icefloe.backends import open_backend
 from icefloe.config import config_from_dict
-from icefloe.embedded import EmbeddedKafkaBroker
 from icefloe.errors import WriterRegressionError
-from icefloe.plugins import get_plugins
+from icefloe.plugins.backends import open_backend
+from icefloe.plugins.manager import get_plugins
 from icefloe.testing.fixtures import (
     EVENTS_SCHEMA,
     EVENTS_SPEC,
     assert_exactly_once,
     group_snapshots,
 )
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark import faults
-from icefloe_spark.kafkautil import create_topic, end_offsets, produce
+from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
 from icefloe_spark.pipeline import CoordinatorThread, Pipeline
-from icefloe_spark.sink import derive_writer_id
+from icefloe_spark.sink.datasource import derive_writer_id
 
 TABLE = "e2e.events"
 SCHEMA = EVENTS_SCHEMA
@@ -556,10 +556,10 @@ def test_hand_wired_sink_publishes_from_the_commit_worker(
 ) -> None:
     """``writeStream.format("icefloe")`` without a Pipeline: the commit worker opens its own
     writer client; a coordinator runs beside it."""
-    from icefloe.backends import open_backend
-    from icefloe.plugins import get_plugins
+    from icefloe.plugins.backends import open_backend
+    from icefloe.plugins.manager import get_plugins
+    from icefloe_spark.kafka.source import source_options
     from icefloe_spark.pipeline import CoordinatorThread, register
-    from icefloe_spark.source import source_options
 
     topic = new_topic(kafka_broker)
     catalog = make_table(catalog_properties)

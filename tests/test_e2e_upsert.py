@@ -27,8 +27,8 @@ from pyiceberg.schema import Schema
 from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.config import config_from_dict
-from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe_spark.kafkautil import produce
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
+from icefloe_spark.kafka.admin import produce
 from icefloe_spark.pipeline import Pipeline
 from tests.test_e2e_spark import (
     FAULT_BACKEND,
@@ -222,7 +222,7 @@ def test_a_replayed_batch_neither_deletes_twice_nor_resurrects_rows(
 def test_demo_cdc_command_ends_with_the_exact_final_state(tmp_path: Path) -> None:
     """``icefloe demo --cdc`` as a user runs it (small): exit 0, its own check passes, and the
     table read by hand equals the final state of the change stream it produced."""
-    from icefloe_spark.demo_cdc import TABLE, Changes, change
+    from icefloe_spark.cli.demo_cdc import TABLE, Changes, change
 
     records = 3000
     command = ["demo", "--cdc", "--dir", str(tmp_path), "--records", str(records)]

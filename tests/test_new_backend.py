@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from icefloe.cli.new_backend import generate
 from icefloe.errors import ConfigError
-from icefloe.new_backend import generate
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_generated_package_has_the_entry_point_and_registers_the_backend(package
     }
     assert "icefloe-core[test]" in meta["project"]["optional-dependencies"]["test"]
     probe = (
-        "from icefloe.plugins import new_plugins\n"
+        "from icefloe.plugins.manager import new_plugins\n"
         "import icefloe_backend_my_store.plugin as p\n"
         "plugins = new_plugins(autoload=False)\n"
         "plugins.pm.register(p)\n"

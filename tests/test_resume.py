@@ -1,5 +1,5 @@
-"""Where a writer without a usable checkpoint may start (icefloe.resume), on every backend's
-real server with a real catalog: a batch published and not yet committed counts as much as
+"""Where a writer without a usable checkpoint may start (icefloe.coordination.resume), on every
+backend's real server with a real catalog: a batch published and not yet committed counts as much as
 one in the table, both for the start offsets and for the writer's batch numbers."""
 
 from __future__ import annotations
@@ -12,17 +12,23 @@ from pathlib import Path
 import pytest
 from pyiceberg.catalog import Catalog
 
-from icefloe.backends import open_backend
 from icefloe.channel import Backend
 from icefloe.config import config_from_dict
-from icefloe.coordinator import Coordinator, CoordinatorSettings
-from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.resume import (
+    Progress,
+    check_batch_continuity,
+    committed,
+    published,
+    start_offsets,
+)
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import WriterRegressionError
-from icefloe.plugins import new_plugins
-from icefloe.resume import Progress, check_batch_continuity, committed, published, start_offsets
+from icefloe.plugins.backends import open_backend
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once, make_sqlite_catalog
 from icefloe.testing.harness import RowSource, lead, wait_pending
-from icefloe.writer import WriterClient
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.` from the root
 from tests.test_e2e_spark import BACKENDS, backend_section

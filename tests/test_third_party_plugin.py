@@ -90,7 +90,7 @@ def test_cli_lists_the_installed_backend(site: Path) -> None:
 ROUND_TRIP = """
 import json, sys
 import icefloe_backend_example
-from icefloe.backends import open_backend
+from icefloe.plugins.backends import open_backend
 from icefloe.channel import WriterBatch
 from icefloe.config import load_config
 from icefloe.events import (

@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 from .count import Verdict
 from .harness import Run, RunError, Settings

@@ -21,7 +21,7 @@ import tomli_w
 from pyiceberg.catalog import Catalog, load_catalog
 
 from icefloe.testing.fixtures import EVENTS_SCHEMA, EVENTS_SPEC
-from icefloe_spark.kafkautil import create_topic, end_offsets, produce
+from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
 
 from .count import Tally, Verdict, judge
 from .procs import Tree

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from icefloe.embedded import BrokerUnavailableError, EmbeddedKafkaBroker
 from icefloe.testing.fixtures import sqlite_catalog  # noqa: F401  # re-exported fixture
 from icefloe_kafka import KafkaBackend, KafkaBackendConfig
+from icefloe_kafka.embedded import BrokerUnavailableError, EmbeddedKafkaBroker
 
 LEASE_TTL_S = 1.5
 CONTROL_PARTITIONS = 3

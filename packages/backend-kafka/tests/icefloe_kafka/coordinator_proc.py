@@ -19,9 +19,14 @@ import sys
 
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings, CycleResult
+from icefloe.coordination.coordinator import (
+    Coordinator,
+    CoordinatorHooks,
+    CoordinatorSettings,
+    CycleResult,
+)
 from icefloe.errors import NotLeaderError
-from icefloe.plugins import new_plugins
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.harness import lead, wait_pending
 from icefloe_kafka import KafkaBackend, KafkaBackendConfig
 

@@ -13,7 +13,6 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from icefloe.channel import ChannelRecord, CoordinatorChannel, WriterBatch
-from icefloe.embedded import EmbeddedKafkaBroker
 from icefloe.errors import EventDecodeError, NotLeaderError, WriterFencedError
 from icefloe.events import (
     DataComplete,
@@ -27,6 +26,7 @@ from icefloe.events import (
 )
 from icefloe_kafka.clients import GROUP_HEADER, record_key
 from icefloe_kafka.coordinator import KafkaCoordinatorChannel
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 from .conftest import CONTROL_PARTITIONS, LEASE_TTL_S, BackendMaker
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from icefloe.backends import backend_config, open_backend
 from icefloe.config import config_from_dict, redacted_dict
-from icefloe.embedded import EmbeddedKafkaBroker, free_port
 from icefloe.errors import ChannelError, ConfigError
-from icefloe.plugins import new_plugins
+from icefloe.plugins.backends import backend_config, open_backend
+from icefloe.plugins.manager import new_plugins
 from icefloe_kafka import KafkaBackend, KafkaBackendConfig
+from icefloe_kafka.embedded import EmbeddedKafkaBroker, free_port
 
 SECRET = "s3cr3t-sasl-pw"
 

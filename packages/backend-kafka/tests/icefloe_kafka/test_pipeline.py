@@ -25,12 +25,12 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.coordinator import Coordinator, CoordinatorSettings
-from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import WriterFencedError
 from icefloe.events import DataComplete, DataWritten, Event, WriterRef, decode_event, encode_event
 from icefloe.hookspecs import TableCommitted, hookimpl
-from icefloe.plugins import new_plugins
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import (
     assert_exactly_once,
     group_snapshots,
@@ -39,9 +39,9 @@ from icefloe.testing.fixtures import (
     table_ids,
 )
 from icefloe.testing.harness import RowSource, lead, wait_pending
-from icefloe.writer import WriterClient
 from icefloe_kafka import KafkaBackend
 from icefloe_kafka.clients import group_headers, record_key
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 from .conftest import BackendMaker
 

@@ -13,13 +13,13 @@ import pytest
 from prometheus_client import REGISTRY
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataComplete, Event, WriterRef, encode_event
-from icefloe.plugins import new_plugins
-from icefloe.status import _announced
+from icefloe.ops.status import _announced
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once, make_sqlite_catalog
 from icefloe.testing.harness import RowSource, lead, wait_pending
-from icefloe.writer import WriterClient
 from icefloe_kafka.clients import group_headers, record_key
 
 from .conftest import BackendMaker

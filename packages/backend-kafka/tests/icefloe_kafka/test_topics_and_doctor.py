@@ -8,9 +8,9 @@ import uuid
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic  # type: ignore[attr-defined]
 
-from icefloe.embedded import EmbeddedKafkaBroker
 from icefloe_kafka import KafkaBackend, TopicMissingError
 from icefloe_kafka.clients import STATE_SEGMENT_MS
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 from .conftest import BackendMaker
 

@@ -8,7 +8,7 @@ from icefloe_postgres.config import PostgresConfig
 
 
 def create_backend(config: PostgresConfig, context: BackendContext) -> PostgresBackend:
-    """Factory called by ``icefloe.backends.open_backend`` with the validated section."""
+    """Factory called by ``icefloe.plugins.backends.open_backend`` with the validated section."""
     return PostgresBackend(config, context.group_id, context.lease_ttl_s)
 
 

@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-from icefloe.backends import open_backend
 from icefloe.config import config_from_dict, redacted_dict
 from icefloe.errors import ChannelError, ConfigError
-from icefloe.plugins import new_plugins
+from icefloe.plugins.backends import open_backend
+from icefloe.plugins.manager import new_plugins
 from icefloe_postgres import PostgresBackend, PostgresConfig
 from icefloe_postgres.config import describe_dsn
 from icefloe_postgres.testing import BackendMaker
@@ -104,7 +104,7 @@ def test_registered_through_the_entry_point_and_opened_from_pipeline_config(
 
 
 def test_unknown_key_is_a_config_error_naming_it(pg_dsn: str) -> None:
-    from icefloe.backends import backend_config
+    from icefloe.plugins.backends import backend_config
 
     config = config_from_dict(
         {

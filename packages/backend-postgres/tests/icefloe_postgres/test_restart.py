@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from icefloe.coordinator import Coordinator, CoordinatorSettings
-from icefloe.plugins import new_plugins
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import (
     assert_exactly_once,
     group_snapshots,
@@ -21,7 +22,6 @@ from icefloe.testing.fixtures import (
     table_ids,
 )
 from icefloe.testing.harness import Batch, RowSource, lead
-from icefloe.writer import WriterClient
 from icefloe_postgres import PostgresBackend
 from icefloe_postgres.backend import PostgresWriterChannel
 from icefloe_postgres.testing import PrivatePostgres, make_test_config

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.config import config_from_dict
-from icefloe.status import collect, render_lines
+from icefloe.coordination.writer import WriterClient
+from icefloe.ops.status import collect, render_lines
 from icefloe.testing.fixtures import make_sqlite_catalog, sqlite_catalog_properties
 from icefloe.testing.harness import RowSource, commit_batches
-from icefloe.writer import WriterClient
 
 TABLE = "db.t"
 

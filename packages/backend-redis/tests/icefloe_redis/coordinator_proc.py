@@ -16,7 +16,7 @@ from typing import Any
 
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
 from icefloe.errors import NotLeaderError
 from icefloe_redis import RedisBackend, RedisConfig
 

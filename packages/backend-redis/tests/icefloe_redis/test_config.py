@@ -8,10 +8,10 @@ import logging
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from icefloe.backends import backend_config, open_backend
 from icefloe.config import config_from_dict, redacted_dict
 from icefloe.errors import ChannelError, ConfigError
-from icefloe.plugins import new_plugins
+from icefloe.plugins.backends import backend_config, open_backend
+from icefloe.plugins.manager import new_plugins
 from icefloe_redis import RedisBackend, RedisConfig
 from icefloe_redis.config import mask_url
 

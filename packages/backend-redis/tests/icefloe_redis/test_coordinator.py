@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from icefloe.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
 from icefloe.events import SourcePosition
 from icefloe.testing.fixtures import (
     assert_exactly_once,
@@ -15,7 +16,6 @@ from icefloe.testing.fixtures import (
     make_sqlite_catalog,
     write_rows,
 )
-from icefloe.writer import WriterClient
 
 TABLES = ("ns.a", "ns.b")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import redis
 
+from icefloe.coordination.writer import WriterClient
 from icefloe.testing.fixtures import make_sqlite_catalog
 from icefloe.testing.harness import fan_out_cycle
-from icefloe.writer import WriterClient
 from icefloe_redis import RedisBackend, RedisConfig
 from icefloe_redis.backend import FALLBACK_READS
 

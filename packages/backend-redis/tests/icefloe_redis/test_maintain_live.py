@@ -13,12 +13,13 @@ import os
 import time
 from pathlib import Path
 
-from icefloe.committer import RETIRE_AT, IcebergCommitter, state_property
+from icefloe.commit.committer import RETIRE_AT, IcebergCommitter, state_property
+from icefloe.commit.dedupe import RETIRED_KEY, WATERMARKS_KEY
 from icefloe.config import config_from_dict
-from icefloe.coordinator import Coordinator, CoordinatorSettings
-from icefloe.dedupe import RETIRED_KEY, WATERMARKS_KEY
-from icefloe.maintenance import maintain
-from icefloe.plugins import new_plugins
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
+from icefloe.ops.maintenance import maintain
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import (
     assert_exactly_once,
     group_snapshots,
@@ -27,7 +28,6 @@ from icefloe.testing.fixtures import (
     write_rows,
 )
 from icefloe.testing.harness import RowSource, lead, wait_pending
-from icefloe.writer import WriterClient
 from icefloe_redis import RedisConfig
 
 from .conftest import MakeBackend

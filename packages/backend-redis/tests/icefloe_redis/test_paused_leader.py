@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from icefloe.coordination.writer import WriterClient
 from icefloe.testing.fixtures import (
     assert_exactly_once,
     create_rows_table,
@@ -26,7 +27,6 @@ from icefloe.testing.fixtures import (
     sqlite_catalog_properties,
     write_rows,
 )
-from icefloe.writer import WriterClient
 
 PROC = Path(__file__).with_name("coordinator_proc.py")
 LEASE_TTL_S = 1.5

@@ -8,11 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings, CycleResult
-from icefloe.quarantine import Quarantine
+from icefloe.commit.quarantine import Quarantine
+from icefloe.coordination.coordinator import (
+    Coordinator,
+    CoordinatorHooks,
+    CoordinatorSettings,
+    CycleResult,
+)
+from icefloe.coordination.writer import WriterClient
 from icefloe.testing.fixtures import assert_exactly_once, make_sqlite_catalog
 from icefloe.testing.harness import RowSource, SimulatedCrash, lead, wait_pending
-from icefloe.writer import WriterClient
 
 TABLES = ("ns.a", "ns.b")
 SETTINGS = CoordinatorSettings(commit_interval_s=3600, commit_timeout_s=20)

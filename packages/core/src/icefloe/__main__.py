@@ -1,5 +1,5 @@
 """``python -m icefloe``: the same CLI as the ``icefloe`` script."""
 
-from icefloe.cli import main
+from icefloe.cli.main import main
 
 main()

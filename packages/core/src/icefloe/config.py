@@ -29,8 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from icefloe.commit.policy import DEFAULT_TARGET_FILE_SIZE
 from icefloe.errors import ConfigError
-from icefloe.policy import DEFAULT_TARGET_FILE_SIZE
 
 if TYPE_CHECKING:
     from pydantic_core import ErrorDetails
@@ -165,7 +165,7 @@ class ChangeOptions(_Model):
 
 
 class TableCommitOptions(ChangeOptions):
-    """How the coordinator commits a table (``icefloe.policy``): the branch it commits to,
+    """How the coordinator commits a table (``icefloe.commit.policy``): the branch it commits to,
     and whether a cycle's small files are merged first. After ``mode``, which the merge check
     reads."""
 

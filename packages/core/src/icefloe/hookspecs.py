@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from icefloe.channel import Backend
     from icefloe.config import PipelineConfig
-    from icefloe.doctor import Check
+    from icefloe.ops.doctor import Check
 
 PROJECT = "icefloe"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -74,8 +74,8 @@ class RecordCodec(Protocol):
     def decode(self, values: pa.Array, schema: pa.Schema, context: DecodeContext) -> pa.Table:
         """Decode binary ``values`` into a table, one row per value (a null value: a row of
         nulls), with ``schema``'s columns typed as closely as the format allows; columns it
-        does not name may be kept. ``icefloe.convert.conform`` makes the exact table schema
-        (names, aliases, casts); errors name the record through ``context``."""
+        does not name may be kept. ``icefloe.records.converter.conform`` makes the exact table
+        schema (names, aliases, casts); errors name the record through ``context``."""
         ...
 
 
@@ -120,7 +120,7 @@ class IcefloeHookSpecs:
     @hookspec
     def icefloe_doctor(self, config: PipelineConfig) -> Sequence[Check]:
         """Checks `icefloe doctor` runs for this plugin's part of the pipeline (the Spark
-        runner: the Kafka source and its topics, Java). Return ``icefloe.doctor.Check``s."""
+        runner: the Kafka source and its topics, Java). Return ``icefloe.ops.doctor.Check``s."""
 
     @hookspec
     def icefloe_source_lag(self, config: PipelineConfig) -> Mapping[str, int | None]:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from icefloe import plugins as plugins_module
+from icefloe.plugins import manager as plugins_module
 from icefloe.testing.fixtures import memory_server, sqlite_catalog
 from icefloe.testing.memory import MemoryPlugin
 

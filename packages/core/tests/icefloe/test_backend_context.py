@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from icefloe.backends import open_backend
 from icefloe.channel import Backend
 from icefloe.config import PipelineConfig, load_config
 from icefloe.hookspecs import BackendContext, BackendSpec, hookimpl
-from icefloe.plugins import new_plugins
+from icefloe.plugins.backends import open_backend
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.memory import MemoryBackend, MemoryServer
 
 PIPELINE = """

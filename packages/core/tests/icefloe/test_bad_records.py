@@ -15,10 +15,7 @@ import pytest
 from pyiceberg.schema import Schema
 from pyiceberg.types import LongType, NestedField, StringType, TimestamptzType
 
-from icefloe.codecs.avro import AvroCodec
-from icefloe.codecs.json import JsonCodec
 from icefloe.config import TableConfig, config_from_dict
-from icefloe.convert import RecordConverter, TargetTable
 from icefloe.errors import (
     ConfigError,
     RecordConformError,
@@ -27,6 +24,9 @@ from icefloe.errors import (
     RecordRouteError,
 )
 from icefloe.hookspecs import DecodeContext, RecordCodec
+from icefloe.records.codecs.avro import AvroCodec
+from icefloe.records.codecs.json import JsonCodec
+from icefloe.records.converter import RecordConverter, TargetTable
 
 SCHEMA = Schema(
     NestedField(1, "id", LongType(), required=True),

@@ -12,7 +12,9 @@ import pytest
 from pyiceberg.schema import Schema
 from pyiceberg.types import LongType, NestedField, StringType
 
-from icefloe.changes import (
+from icefloe.config import TableConfig, config_from_dict
+from icefloe.errors import ConfigError, RecordConformError
+from icefloe.records.changes import (
     DELETE_FLAG,
     delete_mask,
     key_arrow_schema,
@@ -20,10 +22,8 @@ from icefloe.changes import (
     row_images,
     schema_rows,
 )
-from icefloe.codecs.json import JsonCodec
-from icefloe.config import TableConfig, config_from_dict
-from icefloe.convert import RecordConverter, TargetTable
-from icefloe.errors import ConfigError, RecordConformError
+from icefloe.records.codecs.json import JsonCodec
+from icefloe.records.converter import RecordConverter, TargetTable
 
 SCHEMA = Schema(
     NestedField(1, "tenant", StringType(), required=True),

@@ -12,15 +12,15 @@ from collections.abc import Iterator
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.committer import IcebergCommitter, drained_property
-from icefloe.coordinator import Coordinator, CoordinatorSettings
-from icefloe.drain import DrainResult, drain
+from icefloe.commit.committer import IcebergCommitter, drained_property
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ChannelChangedError, ChannelResetError
-from icefloe.plugins import new_plugins
+from icefloe.ops.drain import DrainResult, drain
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once
 from icefloe.testing.harness import RowSource, drive, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
-from icefloe.writer import WriterClient
 
 GROUP = "pipe"
 TABLE = "ns.t"

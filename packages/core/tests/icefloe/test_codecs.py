@@ -30,13 +30,13 @@ from pyiceberg.types import (
     UUIDType,
 )
 
-from icefloe.codecs.avro import AvroCodec
-from icefloe.codecs.json import JsonCodec
 from icefloe.config import SourceConfig, TableConfig
-from icefloe.convert import RecordConverter, TargetTable, conform, decode_hint
 from icefloe.errors import ConfigError, RecordConversionError
 from icefloe.hookspecs import DecodeContext
-from icefloe.plugins import new_plugins
+from icefloe.plugins.manager import new_plugins
+from icefloe.records.codecs.avro import AvroCodec
+from icefloe.records.codecs.json import JsonCodec
+from icefloe.records.converter import RecordConverter, TargetTable, conform, decode_hint
 
 UTC = dt.UTC
 

@@ -1,5 +1,6 @@
 """IcebergCommitter against a real SqlCatalog (SQLite) with a file:// warehouse and real
-Parquet files written by ``icefloe.datafiles.write_data_files``; rows are counted by scanning."""
+Parquet files written by ``icefloe.records.datafiles.write_data_files``; rows are counted by
+scanning."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pyiceberg.table import Table, TableProperties
 from pyiceberg.transforms import DayTransform, IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType, TimestampType
 
-from icefloe.committer import (
+from icefloe.commit.committer import (
     COMMIT_ID_KEY,
     FENCING_TOKEN_KEY,
     GROUP_ID_KEY,
@@ -38,8 +39,7 @@ from icefloe.committer import (
     fencing_token_property,
     state_property,
 )
-from icefloe.datafiles import write_data_files
-from icefloe.dedupe import CommitBoundary
+from icefloe.commit.dedupe import CommitBoundary
 from icefloe.errors import (
     CommitError,
     CommitHistoryLostError,
@@ -53,6 +53,7 @@ from icefloe.errors import (
     TableMissingError,
 )
 from icefloe.events import DataFileMeta, FileContent
+from icefloe.records.datafiles import write_data_files
 
 GROUP = "pipe-a"
 SCHEMA = Schema(

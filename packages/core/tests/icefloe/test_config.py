@@ -11,9 +11,7 @@ import pytest
 from pydantic import BaseModel, SecretStr, ValidationError
 from typer.testing import CliRunner
 
-from icefloe import plugins as plugins_module
-from icefloe.backends import backend_config
-from icefloe.cli import app
+from icefloe.cli.main import app
 from icefloe.config import (
     REDACTED,
     PipelineConfig,
@@ -25,6 +23,8 @@ from icefloe.config import (
     redacted_dict,
 )
 from icefloe.errors import ConfigError
+from icefloe.plugins import manager as plugins_module
+from icefloe.plugins.backends import backend_config
 from icefloe.testing.memory import MemoryBackendConfig
 
 FULL_TOML = """

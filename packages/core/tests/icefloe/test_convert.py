@@ -1,4 +1,4 @@
-"""Best-fit conversion to an Iceberg schema (icefloe.convert.conform)."""
+"""Best-fit conversion to an Iceberg schema (icefloe.records.converter.conform)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ from pyiceberg.types import (
     UUIDType,
 )
 
-from icefloe.convert import conform, table_name_mapping
 from icefloe.errors import RecordConversionError
 from icefloe.hookspecs import DecodeContext
+from icefloe.records.converter import conform, table_name_mapping
 
 UTC = dt.UTC
 

@@ -24,9 +24,16 @@ from prometheus_client import REGISTRY
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import ChannelRecord, WriterBatch
-from icefloe.committer import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
+from icefloe.commit.committer import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
+from icefloe.commit.quarantine import Quarantine
 from icefloe.config import CoordinationConfig
-from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings, CycleResult
+from icefloe.coordination.coordinator import (
+    Coordinator,
+    CoordinatorHooks,
+    CoordinatorSettings,
+    CycleResult,
+)
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ChannelError, CommitError, EventDecodeError, NotLeaderError
 from icefloe.events import (
     CommitToTable,
@@ -38,8 +45,7 @@ from icefloe.events import (
     encode_event,
 )
 from icefloe.hookspecs import TableCommitted, hookimpl
-from icefloe.plugins import DISABLE_AUTOLOAD_ENV, Plugins, new_plugins
-from icefloe.quarantine import Quarantine
+from icefloe.plugins.manager import DISABLE_AUTOLOAD_ENV, Plugins, new_plugins
 from icefloe.testing.fixtures import (
     assert_exactly_once,
     create_rows_table,
@@ -64,7 +70,6 @@ from icefloe.testing.memory import (
     memory_backend_options,
     serve_memory_server,
 )
-from icefloe.writer import WriterClient
 
 TABLES = ("db.orders", "db.events")
 TTL = 1.0
@@ -536,10 +541,10 @@ def test_commit_now_requires_leadership(make: _Factory) -> None:
 
 _CLI_SCRIPT = """
 import sys
-from icefloe.plugins import get_plugins
+from icefloe.plugins.manager import get_plugins
 from icefloe.testing.memory import MemoryPlugin
 get_plugins().pm.register(MemoryPlugin())
-from icefloe.cli import main
+from icefloe.cli.main import main
 sys.argv = ["icefloe", "coordinator", "--config", sys.argv[1], "--id", "standalone"]
 main()
 """
@@ -977,7 +982,7 @@ def test_rolled_back_table_waits_for_its_replay_and_the_replay_writer_is_not_wai
     """A rolled-back table's files wait (no growing backoff) while the other table commits;
     the replay batch, published by a writer that never answers StartCommit, completes the
     next cycle without a timeout and lands once with the waiting files."""
-    from icefloe.committer import IcebergCommitter
+    from icefloe.commit.committer import IcebergCommitter
     from icefloe.errors import RollbackPendingError
 
     live = make.writer("live")

@@ -31,7 +31,6 @@ from pyiceberg.types import (
     UUIDType,
 )
 
-from icefloe.datafiles import to_data_file, write_data_files
 from icefloe.events import (
     DataFileMeta,
     DataWritten,
@@ -41,6 +40,7 @@ from icefloe.events import (
     decode_event,
     encode_event,
 )
+from icefloe.records.datafiles import to_data_file, write_data_files
 
 SCHEMA = Schema(
     NestedField(1, "id", LongType(), required=False),

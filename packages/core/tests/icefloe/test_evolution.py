@@ -1,4 +1,5 @@
-"""Schema inference and evolution (icefloe.evolution), field renames, regex and dynamic routes.
+"""Schema inference and evolution (icefloe.records.evolution), field renames, regex and dynamic
+routes.
 
 Inference runs on records decoded by the real JSON codec; evolution is applied to tables of a
 real SQLite catalog."""
@@ -27,10 +28,10 @@ from pyiceberg.types import (
 )
 
 from icefloe.config import SourceConfig, TableConfig, config_from_dict
-from icefloe.convert import RecordConverter, TargetTable, renamed
 from icefloe.errors import ConfigError, RecordRouteError
-from icefloe.evolution import evolve_table, infer_fields, infer_schema, plan_evolution
-from icefloe.routing import dynamic_values, route_masks
+from icefloe.records.converter import RecordConverter, TargetTable, renamed
+from icefloe.records.evolution import evolve_table, infer_fields, infer_schema, plan_evolution
+from icefloe.records.routing import dynamic_values, route_masks
 from icefloe.testing.fixtures import kafka_rows, make_sqlite_catalog
 
 

@@ -12,11 +12,12 @@ import pyarrow as pa
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
 from icefloe.config import config_from_dict
-from icefloe.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ConfigError
-from icefloe.maintenance import (
+from icefloe.ops.maintenance import (
     RECOMMENDED_TABLE_PROPERTIES,
     announced_files,
     expire_snapshots,
@@ -34,7 +35,6 @@ from icefloe.testing.fixtures import (
 )
 from icefloe.testing.harness import RowSource, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
-from icefloe.writer import WriterClient
 
 TABLE = "db.events"
 
@@ -113,7 +113,7 @@ def test_doctor_advice_covers_existing_pipeline_tables_only(tmp_path: Path) -> N
             "tables": [{"name": "db.bare"}, {"name": "db.good"}, {"name": "db.missing"}],
         }
     )
-    from icefloe.doctor import catalog_checks
+    from icefloe.ops.doctor import catalog_checks
 
     advice = [c for c in catalog_checks(cfg) if c.name.endswith(" metadata")]
     assert len(advice) == len(RECOMMENDED_TABLE_PROPERTIES)

@@ -18,15 +18,16 @@ from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.table import Table
 from pyiceberg.transforms import BucketTransform
 
-from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.merge import groups
+from icefloe.commit.policy import TablePolicies, TablePolicy
+from icefloe.commit.quarantine import Quarantine
 from icefloe.config import config_from_dict
-from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ConfigError
 from icefloe.events import DataFileMeta, FileContent, PartitionValue
-from icefloe.maintenance import remove_orphan_files
-from icefloe.merge import groups
-from icefloe.policy import TablePolicies, TablePolicy
-from icefloe.quarantine import Quarantine
+from icefloe.ops.maintenance import remove_orphan_files
 from icefloe.testing.fixtures import (
     assert_exactly_once,
     create_rows_table,
@@ -36,7 +37,6 @@ from icefloe.testing.fixtures import (
 )
 from icefloe.testing.harness import Pipe, RowSource, SimulatedCrash, crash, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
-from icefloe.writer import WriterClient
 
 MERGED, PLAIN = "db.merged", "db.plain"
 BUCKETS = PartitionSpec(PartitionField(1, 1000, BucketTransform(4), "id_bucket"))

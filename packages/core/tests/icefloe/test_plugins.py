@@ -19,8 +19,6 @@ import pytest
 from pydantic import BaseModel
 
 from icefloe import hookspecs
-from icefloe import plugins as plugins_module
-from icefloe.backends import backend_config, open_backend
 from icefloe.channel import Backend, WriterBatch
 from icefloe.config import config_from_dict
 from icefloe.errors import (
@@ -31,7 +29,9 @@ from icefloe.errors import (
 )
 from icefloe.events import DataComplete, Event, SourcePosition, StartCommit, WriterRef
 from icefloe.hookspecs import BackendContext, BackendSpec, TableCommitted, hookimpl
-from icefloe.plugins import Plugins, load_entry_points, new_plugins
+from icefloe.plugins import manager as plugins_module
+from icefloe.plugins.backends import backend_config, open_backend
+from icefloe.plugins.manager import Plugins, load_entry_points, new_plugins
 from icefloe.testing.memory import MemoryBackend, MemoryServer
 
 
@@ -253,10 +253,10 @@ def test_importing_icefloe_loads_no_entry_point() -> None:
         loaded.append(self.name) if self.group == "icefloe" else None
         return original(self)
     md.EntryPoint.load = load
-    import icefloe, icefloe.cli, icefloe.plugins, icefloe.backends, icefloe.config
-    import icefloe.events, icefloe.channel, icefloe.hookspecs
+    import icefloe, icefloe.cli.main, icefloe.plugins.manager, icefloe.plugins.backends
+    import icefloe.config, icefloe.events, icefloe.channel, icefloe.hookspecs
     at_import = list(loaded)
-    icefloe.plugins.get_plugins()
+    icefloe.plugins.manager.get_plugins()
     print(json.dumps({"at_import": at_import, "on_first_use": loaded}))
     """
     env = {k: v for k, v in os.environ.items() if k != plugins_module.DISABLE_AUTOLOAD_ENV}

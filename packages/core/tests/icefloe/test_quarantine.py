@@ -10,8 +10,8 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 from typer.testing import CliRunner
 
-from icefloe.cli import app
-from icefloe.quarantine import Quarantine, QuarantineEntry
+from icefloe.cli.main import app
+from icefloe.commit.quarantine import Quarantine, QuarantineEntry
 from icefloe.testing.fixtures import make_sqlite_catalog, sqlite_catalog_properties
 
 GROUP = "pipe-q"
@@ -85,7 +85,7 @@ def test_cli_lists_and_drops_entries(tmp_path: Path) -> None:
 
 def test_quarantine_settings_come_from_the_coordination_section() -> None:
     from icefloe.config import config_from_dict
-    from icefloe.coordinator import CoordinatorSettings
+    from icefloe.coordination.coordinator import CoordinatorSettings
     from icefloe.errors import ConfigError
 
     base = {"name": "p", "source": {"topics": ["t"]}, "tables": [{"name": "db.t"}]}

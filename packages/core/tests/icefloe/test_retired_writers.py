@@ -11,15 +11,15 @@ import uuid
 
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.committer import (
+from icefloe.commit.committer import (
     RETIRE_AT,
     IcebergCommitter,
     PendingFile,
     TableCommitRequest,
     state_property,
 )
-from icefloe.dedupe import RETIRED_KEY, WATERMARKS_KEY, CommitBoundary, decode_retired
-from icefloe.maintenance import remove_orphan_files
+from icefloe.commit.dedupe import RETIRED_KEY, WATERMARKS_KEY, CommitBoundary, decode_retired
+from icefloe.ops.maintenance import remove_orphan_files
 from icefloe.testing.fixtures import (
     assert_exactly_once,
     create_rows_table,

@@ -1,5 +1,5 @@
-"""The pure rules of seamless rollback (icefloe.rollback): detection, replay ranges, writer ids.
-The committer's side is in test_committer.py, the whole path in tests/test_e2e_rollback.py."""
+"""The pure rules of seamless rollback (icefloe.commit.rollback): detection, replay ranges, writer
+ids. The committer's side is in test_committer.py, the whole path in tests/test_e2e_rollback.py."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import tomli_w
 from pyiceberg.catalog.sql import SqlCatalog
 from typer.testing import CliRunner
 
-from icefloe.cli import app
-from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
-from icefloe.errors import ConfigError, RollbackNotReplayableError
-from icefloe.rollback import (
+from icefloe.cli.main import app
+from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.rollback import (
     ReplayRange,
     Rollback,
     describe,
@@ -24,6 +23,7 @@ from icefloe.rollback import (
     keyed_refusal,
     replay_writer_id,
 )
+from icefloe.errors import ConfigError, RollbackNotReplayableError
 from icefloe.testing.fixtures import (
     create_rows_table,
     make_sqlite_catalog,
@@ -192,7 +192,7 @@ def test_cli_names_an_unknown_table(tmp_path: Path) -> None:
 
 def test_status_shows_a_rollback_waiting_for_its_replay(tmp_path: Path) -> None:
     from icefloe.config import load_config
-    from icefloe.status import table_status
+    from icefloe.ops.status import table_status
 
     path, catalog = pipeline_file(tmp_path)
     first, second = snapshot_ids(catalog)

@@ -1,4 +1,4 @@
-"""Multi-table fan-out (icefloe.routing)."""
+"""Multi-table fan-out (icefloe.records.routing)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from icefloe.config import TableConfig
 from icefloe.errors import ConfigError
-from icefloe.routing import route, route_masks
+from icefloe.records.routing import route, route_masks
 
 
 def test_routes_by_field_value_and_unrouted_tables_get_everything() -> None:

@@ -27,18 +27,18 @@ from pyiceberg.table import Table
 from pyiceberg.transforms import IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
-from icefloe import rowdelta
-from icefloe.committer import (
+from icefloe.commit import rowdelta
+from icefloe.commit.committer import (
     COMMIT_ID_KEY,
     IcebergCommitter,
     PendingFile,
     TableCommitRequest,
     TableCommitResult,
 )
-from icefloe.datafiles import DataFileBuilder, write_data_files, write_key_files
+from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.errors import RowDeltaNotSupportedError, RowDeltaTableError
 from icefloe.events import DataFileMeta, FileContent
-from icefloe.policy import TablePolicies, TablePolicy
+from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
 
 GROUP = "pipe-a"
 NAME = "db.users"

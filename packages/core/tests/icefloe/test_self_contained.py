@@ -13,11 +13,11 @@ import fastavro
 import pyarrow as pa
 import pytest
 
-from icefloe.codecs import self_contained
-from icefloe.codecs.avro import AvroCodec
 from icefloe.config import load_config
 from icefloe.errors import ConfigError
 from icefloe.hookspecs import DecodeContext
+from icefloe.records.codecs.avro import AvroCodec
+from icefloe.records.codecs.options import self_contained
 
 SCHEMA = {
     "type": "record",

@@ -12,12 +12,12 @@ import pytest
 from typer.testing import CliRunner
 
 from icefloe import __version__
-from icefloe import plugins as plugins_module
-from icefloe.backends import backend_config
-from icefloe.cli import app
+from icefloe.cli.logs import JsonFormatter, resolve_level
+from icefloe.cli.main import app
 from icefloe.config import config_from_dict, load_config
 from icefloe.errors import ConfigError, UnknownBackendError
-from icefloe.logs import JsonFormatter, resolve_level
+from icefloe.plugins import manager as plugins_module
+from icefloe.plugins.backends import backend_config
 from icefloe.testing.cli import run_icefloe
 
 BASE: dict[str, Any] = {

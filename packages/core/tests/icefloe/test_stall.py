@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from icefloe.coordination.stall import StallWatch
-from icefloe.status import stalled_read
+from icefloe.ops.status import stalled_read
 
 
 def test_a_read_position_left_behind_by_a_moving_end_is_a_stall_after_the_limit() -> None:

@@ -12,13 +12,13 @@ from collections.abc import Iterator
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.committer import IcebergCommitter, state_property
+from icefloe.commit.committer import IcebergCommitter, state_property
+from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.config import config_from_dict
-from icefloe.coordinator import CoordinatorHooks, CoordinatorSettings
-from icefloe.maintenance import dedupe_snapshots
-from icefloe.policy import TablePolicies, TablePolicy
-from icefloe.resume import committed
-from icefloe.status import PipelineStatus, render_lines, table_status
+from icefloe.coordination.coordinator import CoordinatorHooks, CoordinatorSettings
+from icefloe.coordination.resume import committed
+from icefloe.ops.maintenance import dedupe_snapshots
+from icefloe.ops.status import PipelineStatus, render_lines, table_status
 from icefloe.testing.fixtures import assert_exactly_once, group_snapshots, table_ids
 from icefloe.testing.harness import Pipe, RowSource, SimulatedCrash, crash, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer

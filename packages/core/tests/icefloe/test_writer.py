@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from icefloe.channel import ChannelRecord, CoordinatorChannel
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ChannelError, WriterFencedError
 from icefloe.events import (
     DataComplete,
@@ -20,7 +21,6 @@ from icefloe.events import (
     WriterRef,
 )
 from icefloe.testing.memory import MemoryBackend, MemoryServer, MemoryWriterChannel
-from icefloe.writer import WriterClient
 
 GROUP = "writer-tests"
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from icefloe.errors import IcefloeError
 
 if TYPE_CHECKING:  # the sink's planner processes import this module: keep it light
-    from icefloe.coordinator import CoordinatorHooks, CycleResult
+    from icefloe.coordination.coordinator import CoordinatorHooks, CycleResult
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def coordinator_hooks() -> CoordinatorHooks | None:
     wanted = os.environ.get(EXIT_AFTER_COMMIT_ENV)
     if wanted is None or not wanted.strip():
         return None
-    from icefloe.coordinator import CoordinatorHooks
+    from icefloe.coordination.coordinator import CoordinatorHooks
 
     target = int(wanted)
     seen = 0

@@ -25,32 +25,33 @@ from pyiceberg.catalog import Catalog, load_catalog
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
-from icefloe.backends import open_backend
 from icefloe.channel import Backend
-from icefloe.codecs import self_contained
+from icefloe.commit.policy import TablePolicies
 from icefloe.config import PipelineConfig
-from icefloe.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.resume import check_batch_continuity, committed, published, start_offsets
 from icefloe.errors import ChannelIdentityError
-from icefloe.plugins import Plugins, get_plugins
-from icefloe.policy import TablePolicies
-from icefloe.resume import check_batch_continuity, committed, published, start_offsets
-from icefloe_spark import faults, jvm, sparklog
-from icefloe_spark.publish import PublishServer, PublishStats, WriterPublisher
+from icefloe.plugins.backends import open_backend
+from icefloe.plugins.manager import Plugins, get_plugins
+from icefloe.records.codecs.options import self_contained
+from icefloe_spark import faults
+from icefloe_spark.kafka.source import (
+    RANGES_SOURCE_NAME,
+    SOURCE_NAME,
+    register_sources,
+    source_options,
+)
 from icefloe_spark.replay import RollbackWatcher
-from icefloe_spark.sink import (
+from icefloe_spark.runtime import jvm, sparklog
+from icefloe_spark.sink.datasource import (
     OPT_SOURCE,
     SINK_NAME,
     IcefloeSink,
     derive_writer_id,
     sink_options,
 )
-from icefloe_spark.source import (
-    RANGES_SOURCE_NAME,
-    SOURCE_NAME,
-    register_sources,
-    source_options,
-)
-from icefloe_spark.tables import ensure_tables
+from icefloe_spark.sink.publish import PublishServer, PublishStats, WriterPublisher
+from icefloe_spark.sink.tables import ensure_tables
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,12 @@ def checkpoint_batch(location: str) -> int | None:
 
 
 def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> SparkSession:
-    """A SparkSession for this pipeline (settings: :func:`icefloe_spark.jvm.session_conf`).
+    """A SparkSession for this pipeline (settings: :func:`icefloe_spark.runtime.jvm.session_conf`).
 
     The JVM is started in a session of its own (see :func:`jvm.launch_detached_gateway`), unless
-    ``icefloe run`` launched it early for this pipeline (:func:`icefloe_spark.jvm.launch_early`),
-    and logs to a file unless debugging (see :mod:`icefloe_spark.sparklog`).
+    ``icefloe run`` launched it early for this pipeline
+    (:func:`icefloe_spark.runtime.jvm.launch_early`), and logs to a file unless debugging (see
+    :mod:`icefloe_spark.runtime.sparklog`).
     """
     conf = jvm.early_conf(config, log_level) or jvm.session_conf(config, log_level)
     previous_sigint = signal.getsignal(signal.SIGINT)
@@ -275,7 +277,8 @@ class Pipeline:
                 self.coordinator = CoordinatorThread(
                     config, self.backend, self.catalog, self.plugins
                 ).start()
-            # every driver watches: a rolled-back table waits for its replay (icefloe.rollback)
+            # every driver watches: a rolled-back table waits for its replay
+            # (icefloe.commit.rollback)
             self.rollbacks = RollbackWatcher(
                 config,
                 self.catalog,
@@ -325,11 +328,12 @@ class Pipeline:
         """Before anything is published: refuse a checkpoint that is behind what this writer
         id already published, and, for a new checkpoint with ``starting_offsets = "table"``,
         return the source options that start after every published batch (the greater of the
-        tables' offsets and those of the batches still on the channel; see icefloe.resume)."""
+        tables' offsets and those of the batches still on the channel; see
+        icefloe.coordination.resume)."""
         config = self.config
         latest = checkpoint_batch(self.checkpoint)
         channel = backend.coordinator(f"start-{uuid.uuid4().hex[:8]}")
-        try:  # the channel before the tables: see icefloe.resume on the read order
+        try:  # the channel before the tables: see icefloe.coordination.resume on the read order
             on_channel = published(channel, config.name)
         finally:
             channel.close()

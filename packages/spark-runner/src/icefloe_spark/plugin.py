@@ -8,13 +8,13 @@ from icefloe.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from icefloe.config import PipelineConfig
-    from icefloe.doctor import Check
+    from icefloe.ops.doctor import Check
 
 
 @hookimpl
 def icefloe_cli(app: Any) -> None:
     """Add ``icefloe run`` and ``icefloe demo``; Spark is imported only when they run."""
-    from icefloe_spark.cli import register
+    from icefloe_spark.cli.commands import register
 
     register(app)
 
@@ -24,8 +24,8 @@ def icefloe_source_lag(config: PipelineConfig) -> dict[str, int | None]:
     """`icefloe status`: Kafka partition ends against each table's committed source offsets."""
     from pyiceberg.catalog import load_catalog
 
-    from icefloe_spark.progress import Monitor
-    from icefloe_spark.source import probe_mode, source_options
+    from icefloe_spark.cli.progress import Monitor
+    from icefloe_spark.kafka.source import probe_mode, source_options
 
     catalog = load_catalog(config.catalog.name, **config.catalog.properties)
     probe = probe_mode(source_options(config)) != "false"

@@ -1,9 +1,9 @@
-"""Replaying a rolled-back table, in the driver (the rules are in :mod:`icefloe.rollback`).
+"""Replaying a rolled-back table, in the driver (the rules are in :mod:`icefloe.commit.rollback`).
 
 The driver checks its tables every ``spark.rollback_check_interval_s``. For a table rolled back
 below what the pipeline committed, it reads the lost source range again with the ``ranges``
-path's own reader (:func:`icefloe_spark.source.read_range`), converts and routes the records as
-a write task does but keeps only that table's rows (:func:`icefloe_spark.batch.write_task`
+path's own reader (:func:`icefloe_spark.kafka.source.read_range`), converts and routes the records
+as a write task does but keeps only that table's rows (:func:`icefloe_spark.sink.task.write_task`
 with ``only``), and publishes the files as one writer batch under the rollback's replay writer
 id. The coordinator then commits them, with the table's waiting live files, in one snapshot.
 
@@ -22,14 +22,13 @@ import pyarrow as pa
 from pyiceberg.catalog import Catalog
 
 from icefloe.channel import Backend
-from icefloe.committer import IcebergCommitter
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.rollback import REPLAY_BATCH_SEQ, ReplayRange, Rollback, keyed_refusal
 from icefloe.config import ErrorsConfig, PipelineConfig
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import RollbackNotReplayableError
 from icefloe.events import DataFileMeta
-from icefloe.rollback import REPLAY_BATCH_SEQ, ReplayRange, Rollback, keyed_refusal
-from icefloe.writer import WriterClient
-from icefloe_spark.batch import write_task
-from icefloe_spark.source import (
+from icefloe_spark.kafka.source import (
     EARLIEST,
     KafkaInputPartition,
     KafkaStreamReader,
@@ -38,7 +37,8 @@ from icefloe_spark.source import (
     _parse_offsets_json,
     read_range,
 )
-from icefloe_spark.tables import TableResolver
+from icefloe_spark.sink.tables import TableResolver
+from icefloe_spark.sink.task import write_task
 
 log = logging.getLogger(__name__)
 

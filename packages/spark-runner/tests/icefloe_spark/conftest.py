@@ -1,7 +1,7 @@
 """Shared fixtures of the Spark runner tests: a real Kafka-protocol broker (Tansu), a real
 local SparkSession (one per test process: it takes ~10-30 s to start), topics and a producer.
 
-* ``kafka_broker``: the session's :class:`~icefloe.embedded.EmbeddedKafkaBroker`.
+* ``kafka_broker``: the session's :class:`~icefloe_kafka.embedded.EmbeddedKafkaBroker`.
 * ``spark``: a ``local[2]`` SparkSession with the ``icefloe-kafka`` source registered.
 * ``new_topic(partitions=...)``: create a uniquely named topic, return its name.
 * ``produce(topic, values, ...)``: produce and wait; returns ``(partition, offset)`` per value.
@@ -22,9 +22,9 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from pyspark.sql import SparkSession
 
-from icefloe.embedded import EmbeddedKafkaBroker
-from icefloe_spark import jvm
-from icefloe_spark.source import register_sources
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
+from icefloe_spark.kafka.source import register_sources
+from icefloe_spark.runtime import jvm
 
 _log = logging.getLogger("tests.kafka")
 

@@ -17,12 +17,12 @@ from pyiceberg.transforms import IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.config import ErrorsConfig, SourceConfig, TableConfig, config_from_dict
-from icefloe.convert import RecordConverter, TargetTable
 from icefloe.errors import ConfigError, RecordConversionError
 from icefloe.events import SourcePosition
+from icefloe.records.converter import RecordConverter, TargetTable
 from icefloe.testing.fixtures import kafka_rows, make_sqlite_catalog
-from icefloe_spark.batch import check_columns, source_positions, write_task
-from icefloe_spark.tables import DEAD_LETTER_SCHEMA, ensure_tables
+from icefloe_spark.sink.tables import DEAD_LETTER_SCHEMA, ensure_tables
+from icefloe_spark.sink.task import check_columns, source_positions, write_task
 
 SCHEMA = Schema(
     NestedField(1, "id", LongType(), required=True),

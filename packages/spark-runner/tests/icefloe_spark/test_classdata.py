@@ -1,5 +1,5 @@
-"""The class-data cache (:mod:`icefloe_spark.classdata`) and the SPARK_HOME whose Python
-processes import PySpark with bytecode caches (:mod:`icefloe_spark.sparkhome`). The archive
+"""The class-data cache (:mod:`icefloe_spark.runtime.classdata`) and the SPARK_HOME whose Python
+processes import PySpark with bytecode caches (:mod:`icefloe_spark.runtime.sparkhome`). The archive
 tests run a real ``java``: what is checked is what the JVM does with a file."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from icefloe_spark import classdata, jvm, sparkhome
+from icefloe_spark.runtime import classdata, jvm, sparkhome
 
 needs_java = pytest.mark.skipif(classdata.java_binary() is None, reason="no java")
 
@@ -74,7 +74,7 @@ SPARK_PROBE = textwrap.dedent(
     """
     import sys
     from icefloe.config import config_from_dict
-    from icefloe_spark import jvm
+    from icefloe_spark.runtime import jvm
     from pyspark.sql.datasource import DataSource, DataSourceReader
 
     class Probe(DataSource):

@@ -15,8 +15,8 @@ from pyiceberg.catalog import load_catalog
 from pyiceberg.schema import Schema
 from pyiceberg.types import LongType, NestedField
 
-from icefloe.embedded import EmbeddedKafkaBroker
 from icefloe.testing.cli import failed_check, run_icefloe, write_config
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 
 def _catalog(tmp_path: Path) -> dict[str, str]:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from icefloe_spark import faults
-from icefloe_spark.progress import QueryProgress, lag, render
-from icefloe_spark.publish import PublishStats
+from icefloe_spark.cli.progress import QueryProgress, lag, render
+from icefloe_spark.sink.publish import PublishStats
 
 
 def test_lag_counts_what_the_table_has_not_recorded_yet() -> None:
@@ -74,8 +74,8 @@ def test_exit_after_commit_fires_after_the_nth_cycle_that_committed_a_table() ->
     """Cycles that committed nothing do not count; the exit comes after the Iceberg commits,
     inside the coordinator's own hook (before it stores the channel position)."""
     code = (
-        "from icefloe.committer import TableCommitResult\n"
-        "from icefloe.coordinator import CycleResult\n"
+        "from icefloe.commit.committer import TableCommitResult\n"
+        "from icefloe.coordination.coordinator import CycleResult\n"
         "from icefloe_spark.faults import coordinator_hooks\n"
         "def cycle(snapshot):\n"
         "    r = TableCommitResult('t', 'c', snapshot, 1, 1, 0)\n"
@@ -117,7 +117,7 @@ def test_fail_task_hits_only_the_first_attempt_of_the_chosen_task(tmp_path: Path
 
 def test_source_options_from_the_command_line() -> None:
     from icefloe.errors import ConfigError
-    from icefloe_spark.cli import parse_options
+    from icefloe_spark.cli.commands import parse_options
 
     assert parse_options(["probeHighWatermark=true", "kafka.sasl.jaas=a=b"]) == {
         "probeHighWatermark": "true",
@@ -129,7 +129,7 @@ def test_source_options_from_the_command_line() -> None:
 
 def test_reader_options_from_the_config_are_applied_last() -> None:
     from icefloe.config import config_from_dict
-    from icefloe_spark.source import source_options
+    from icefloe_spark.kafka.source import source_options
 
     config = config_from_dict(
         {

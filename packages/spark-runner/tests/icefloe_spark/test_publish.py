@@ -8,7 +8,7 @@ from multiprocessing.connection import Client
 import pytest
 
 from icefloe.events import DataFileMeta, SourcePosition
-from icefloe_spark.publish import PublishError, PublishRequest, PublishServer, RemotePublisher
+from icefloe_spark.sink.publish import PublishError, PublishRequest, PublishServer, RemotePublisher
 
 
 class Recorder:

@@ -14,12 +14,11 @@ import pyarrow as pa
 import pytest
 from pyiceberg.catalog import Catalog, load_catalog
 
-from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.rollback import Rollback
 from icefloe.config import PipelineConfig, config_from_dict
-from icefloe.coordinator import Coordinator, CoordinatorSettings
-from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.errors import RollbackNotReplayableError
-from icefloe.rollback import Rollback
 from icefloe.testing.fixtures import (
     EVENTS_SCHEMA,
     EVENTS_SPEC,
@@ -29,10 +28,16 @@ from icefloe.testing.fixtures import (
 )
 from icefloe.testing.harness import lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
-from icefloe_spark.batch import write_task
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
+from icefloe_spark.kafka.source import (
+    KafkaInputPartition,
+    SourceOptions,
+    read_range,
+    source_options,
+)
 from icefloe_spark.replay import RollbackWatcher, replay
-from icefloe_spark.source import KafkaInputPartition, SourceOptions, read_range, source_options
-from icefloe_spark.tables import TableResolver
+from icefloe_spark.sink.tables import TableResolver
+from icefloe_spark.sink.task import write_task
 
 A, B = "db.rolled", "db.bystander"
 PROBE = {"probeHighWatermark": "true", "pollTimeoutMs": "10000"}

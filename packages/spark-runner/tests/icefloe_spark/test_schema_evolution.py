@@ -29,12 +29,12 @@ from pyiceberg.types import (
     TimestamptzType,
 )
 
-from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
 from icefloe.config import ErrorsConfig, PipelineConfig, config_from_dict
 from icefloe.errors import RecordConversionError, RecordRouteError
 from icefloe.testing.fixtures import kafka_rows, make_sqlite_catalog
-from icefloe_spark.batch import TaskOutput, write_task
-from icefloe_spark.tables import TableResolver
+from icefloe_spark.sink.tables import TableResolver
+from icefloe_spark.sink.task import TaskOutput, write_task
 
 
 @pytest.fixture
@@ -207,7 +207,7 @@ def test_an_incompatible_value_goes_to_the_error_policy(catalog: Catalog) -> Non
     catalog.create_namespace("bad")
     errors = {"policy": "dead_letter", "dead_letter_table": "bad.records"}
     config = pipeline([{"name": "db.events", "evolve_schema": True}], errors=errors)
-    from icefloe_spark.tables import ensure_dead_letter_table
+    from icefloe_spark.sink.tables import ensure_dead_letter_table
 
     ensure_dead_letter_table(catalog, config)
     records: list[dict[str, Any] | str] = [
@@ -273,7 +273,7 @@ def test_dynamic_fan_out_creates_a_table_per_named_value(catalog: Catalog) -> No
             "errors": {"policy": "dead_letter", "dead_letter_table": "bad.records"},
         }
     )
-    from icefloe_spark.tables import ensure_dead_letter_table
+    from icefloe_spark.sink.tables import ensure_dead_letter_table
 
     ensure_dead_letter_table(catalog, config)
     records: list[dict[str, Any] | str] = [

@@ -24,7 +24,7 @@ from pyiceberg.catalog import load_catalog
 from pyiceberg.schema import Schema
 from pyiceberg.types import LongType, NestedField, StringType
 
-from icefloe.embedded import EmbeddedKafkaBroker
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 DEADLINE_S = 300.0
 

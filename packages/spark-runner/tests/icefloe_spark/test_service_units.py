@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from icefloe.errors import ConfigError
-from icefloe_spark import sparklog
-from icefloe_spark.cli import explain_failure
-from icefloe_spark.signals import StopSignals
-from icefloe_spark.source import check_reader_options
+from icefloe_spark.cli.commands import explain_failure
+from icefloe_spark.kafka.source import check_reader_options
+from icefloe_spark.runtime import sparklog
+from icefloe_spark.runtime.signals import StopSignals
 
 
 def test_first_signal_stops_second_forces() -> None:
@@ -97,7 +97,7 @@ def test_kept_demo_prints_where_things_are_and_a_snippet_that_reads_the_table(
     from pyiceberg.catalog import load_catalog
     from rich.console import Console
 
-    from icefloe_spark.demo import catalog_properties, create_table, where_things_are
+    from icefloe_spark.cli.demo import catalog_properties, create_table, where_things_are
 
     table = create_table(load_catalog("demo", **catalog_properties(tmp_path)))
     rows = pa.table(

@@ -14,9 +14,8 @@ import pytest
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.errors import ConfigError, TableMismatchError
 from icefloe.events import DataFileMeta, SourcePosition
-from icefloe_spark.batch import TaskOutput
-from icefloe_spark.publish import RemotePublisher
-from icefloe_spark.sink import (
+from icefloe_spark.kafka.source import RANGE_ARROW_SCHEMA
+from icefloe_spark.sink.datasource import (
     OPT_SOURCE,
     IcefloeCommitMessage,
     IcefloeStreamWriter,
@@ -25,7 +24,8 @@ from icefloe_spark.sink import (
     merge_messages,
     sink_options,
 )
-from icefloe_spark.source import RANGE_ARROW_SCHEMA
+from icefloe_spark.sink.publish import RemotePublisher
+from icefloe_spark.sink.task import TaskOutput
 
 
 def config(**coordination: Any) -> PipelineConfig:

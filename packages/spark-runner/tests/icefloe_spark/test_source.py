@@ -32,7 +32,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from icefloe.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
 from icefloe.config import config_from_dict
 from icefloe.errors import ConfigError
 from icefloe.testing.fixtures import (
@@ -41,7 +41,7 @@ from icefloe.testing.fixtures import (
     sqlite_catalog_properties,
     write_rows,
 )
-from icefloe_spark.source import (
+from icefloe_spark.kafka.source import (
     KAFKA_ARROW_SCHEMA,
     ConsumerPool,
     DataLossError,
@@ -55,7 +55,7 @@ from icefloe_spark.source import (
     split_limit,
     table_source_offsets,
 )
-from icefloe_spark.source import source_options as source_options_of
+from icefloe_spark.kafka.source import source_options as source_options_of
 
 Row = dict[str, Any]
 
@@ -650,7 +650,7 @@ def test_pooled_consumer_reads_each_next_range_exactly(
 
     def read(partition: int, start: int, end: int) -> list[bytes]:
         part = KafkaInputPartition(topic, partition, start, end)
-        with patch("icefloe_spark.source.CONSUMERS", pool):
+        with patch("icefloe_spark.kafka.source.CONSUMERS", pool):
             batches = list(read_range(opts, part, batch_size=7))
         ((idle,),) = pool._idle.values()  # the one consumer, back in the pool
         seen.append(id(idle))
@@ -681,7 +681,7 @@ def test_warm_consumer_reads_a_range_ending_at_a_transaction_marker(
     producer.commit_transaction(30)
     opts = SourceOptions.parse(source_options(topic))
     pool = ConsumerPool()
-    with patch("icefloe_spark.source.CONSUMERS", pool):
+    with patch("icefloe_spark.kafka.source.CONSUMERS", pool):
         list(read_range(opts, KafkaInputPartition(warm, 0, 0, 3)))
         got = list(read_range(opts, KafkaInputPartition(topic, 0, 0, 6)))  # 5 records, a marker
     assert [o for b in got for o in b.column("offset").to_pylist()] == [0, 1, 2, 3, 4]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from icefloe_spark.standalone import ClusterStartError, standalone_cluster
+from icefloe_spark.runtime.standalone import ClusterStartError, standalone_cluster
 
 
 def test_a_worker_that_cannot_start_raises_with_its_output_and_leaves_no_process(

@@ -13,12 +13,18 @@ from typing import Any
 import pytest
 
 from icefloe.config import PipelineConfig, config_from_dict
-from icefloe_spark import cli, jvm
-from icefloe_spark.progress import TableProgress
-from icefloe_spark.publish import PublishStats
+from icefloe_spark.cli.commands import commands as cli
+from icefloe_spark.cli.progress import TableProgress
+from icefloe_spark.runtime import jvm
+from icefloe_spark.sink.publish import PublishStats
 
 # what only the write tasks need: pyiceberg's catalog and Parquet writer, the converter
-TASK_ONLY = ("pyiceberg.catalog", "pyiceberg.io.pyarrow", "icefloe.convert", "icefloe.coordinator")
+TASK_ONLY = (
+    "pyiceberg.catalog",
+    "pyiceberg.io.pyarrow",
+    "icefloe.records.converter",
+    "icefloe.coordination.coordinator",
+)
 
 
 def config(name: str = "orders") -> PipelineConfig:
@@ -32,7 +38,7 @@ def config(name: str = "orders") -> PipelineConfig:
     )
 
 
-@pytest.mark.parametrize("module", ["icefloe_spark.sink", "icefloe_spark.source"])
+@pytest.mark.parametrize("module", ["icefloe_spark.sink.datasource", "icefloe_spark.kafka.source"])
 def test_modules_spark_planners_import_leave_the_task_only_parts_out(module: str) -> None:
     """Spark imports these in a fresh process for each planning step of a query and for the
     sink's commit; the parts only write tasks use load when a task uses them."""
@@ -114,7 +120,7 @@ def test_a_commit_the_writer_hears_of_is_logged_without_waiting_for_the_table_po
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr("icefloe_spark.progress.Monitor", FakeMonitor)
+    monkeypatch.setattr("icefloe_spark.cli.progress.Monitor", FakeMonitor)
     monkeypatch.setattr(cli, "TABLE_REFRESH_S", float("inf"))
 
     def until() -> bool:
@@ -153,7 +159,7 @@ def test_the_ranges_path_runs_the_jvms_with_the_quick_compiler_only() -> None:
 EARLY_LAUNCH_PROBE = """
 import sys
 from icefloe.config import config_from_dict
-from icefloe_spark import jvm
+from icefloe_spark.runtime import jvm
 
 seen = []
 jvm.launch_detached_gateway = lambda conf, *_: seen.append(

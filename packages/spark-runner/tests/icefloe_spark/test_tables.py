@@ -14,7 +14,7 @@ from pyiceberg.transforms import BucketTransform, DayTransform, IdentityTransfor
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.errors import ConfigError
 from icefloe.testing.fixtures import make_sqlite_catalog
-from icefloe_spark.tables import ensure_tables, parse_partition
+from icefloe_spark.sink.tables import ensure_tables, parse_partition
 
 AVRO = {
     "type": "record",

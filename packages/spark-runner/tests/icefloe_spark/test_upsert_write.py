@@ -25,8 +25,8 @@ from icefloe.config import ErrorsConfig, PipelineConfig, config_from_dict
 from icefloe.errors import KeyedTableError, RecordConversionError
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.testing.fixtures import kafka_rows, make_sqlite_catalog
-from icefloe_spark.batch import TaskOutput, write_task
-from icefloe_spark.tables import TableResolver, ensure_tables
+from icefloe_spark.sink.tables import TableResolver, ensure_tables
+from icefloe_spark.sink.task import TaskOutput, write_task
 
 SCHEMA = Schema(
     NestedField(1, "id", LongType(), required=True),

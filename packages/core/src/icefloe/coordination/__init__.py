@@ -1,4 +1,5 @@
-"""The coordinator's parts, one module per role; :mod:`icefloe.coordinator` assembles them.
+"""The coordinator's parts, one module per role; :mod:`icefloe.coordination.coordinator` assembles
+them.
 
 * :mod:`.settings` - settings, hooks and cycle results (the public data types);
 * :mod:`.leadership` - the lease, its renewal and the fencing token;

@@ -4,7 +4,7 @@ the results and notify plugins, then store the position and prune the channel.
 
 One table's trouble never stops the others, nor the position:
 
-* files a table refuses for good are quarantined (:mod:`icefloe.quarantine`) before the rest
+* files a table refuses for good are quarantined (:mod:`icefloe.commit.quarantine`) before the rest
   is committed;
 * a failing table is retried with an exponential backoff instead of every cycle, and after
   ``quarantine_after_failures`` attempts failing with a
@@ -24,12 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from icefloe.channel import CoordinatorChannel
-from icefloe.committer import (
+from icefloe.commit.committer import (
     IcebergCommitter,
     PendingFile,
     TableCommitRequest,
     TableCommitResult,
 )
+from icefloe.commit.quarantine import Quarantine, QuarantineEntry
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
@@ -42,8 +43,7 @@ from icefloe.errors import (
 )
 from icefloe.events import CommitComplete, CommitToTable, Event, StartCommit
 from icefloe.hookspecs import TableCommitted
-from icefloe.plugins import Plugins, get_plugins
-from icefloe.quarantine import Quarantine, QuarantineEntry
+from icefloe.plugins.manager import Plugins, get_plugins
 
 log = logging.getLogger("icefloe.coordinator")
 

@@ -6,7 +6,7 @@ table, what each table holds already) and rebuilds it on recovery.
   look live and stall the first cycle until the commit timeout).
 * The same (writer, batch, table) may arrive twice where a backend cannot dedupe at publish
   (Kafka shows records of aborted transactions on some brokers): the first copy is kept.
-* Files already quarantined (see :mod:`icefloe.quarantine`) are not taken up again when a new
+* Files already quarantined (see :mod:`icefloe.commit.quarantine`) are not taken up again when a new
   leader re-reads their events.
 * Memory is bounded by ``max_pending_files/bytes``: once pending files reach the bound, the
   reader stops handling events (the rest of a polled chunk is held back, in order) until a
@@ -25,14 +25,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from icefloe.channel import ChannelRecord, CoordinatorChannel
-from icefloe.committer import IcebergCommitter, PendingFile
+from icefloe.commit.committer import IcebergCommitter, PendingFile
+from icefloe.commit.dedupe import CommitBoundary
+from icefloe.commit.quarantine import Quarantine
+from icefloe.commit.rollback import is_replay_writer
 from icefloe.coordination.settings import POLL_S, CoordinatorSettings
-from icefloe.dedupe import CommitBoundary
+from icefloe.coordination.writer import merge_positions
 from icefloe.errors import ChannelIdentityError, ChannelResetError
 from icefloe.events import DataComplete, DataWritten, SourcePosition
-from icefloe.quarantine import Quarantine
-from icefloe.rollback import is_replay_writer
-from icefloe.writer import merge_positions
 
 log = logging.getLogger("icefloe.coordinator")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from icefloe.committer import TableCommitResult
+from icefloe.commit.committer import TableCommitResult
+from icefloe.commit.policy import TablePolicies
+from icefloe.commit.quarantine import DEFAULT_QUARANTINE_TABLE
 from icefloe.config import CoordinationConfig, PipelineConfig
-from icefloe.policy import TablePolicies
-from icefloe.quarantine import DEFAULT_QUARANTINE_TABLE
 
 POLL_S = 0.2  # longest single wait inside a cycle, so lease renewal keeps its pace
 

@@ -73,9 +73,9 @@ from icefloe.channel import (
     WriterBatch,
     WriterChannel,
 )
-from icefloe.committer import IcebergCommitter, drained_property
-from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
-from icefloe.drain import drain
+from icefloe.commit.committer import IcebergCommitter, drained_property
+from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import EventDecodeError, NotLeaderError, WriterFencedError
 from icefloe.events import (
     CommitComplete,
@@ -87,10 +87,10 @@ from icefloe.events import (
     StartCommit,
     WriterRef,
 )
-from icefloe.plugins import new_plugins
+from icefloe.ops.drain import drain
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once, group_snapshots, make_sqlite_catalog
 from icefloe.testing.harness import RowSource, SimulatedCrash, crash, lead, wait_pending
-from icefloe.writer import WriterClient
 
 #: (group_id, lease_ttl_s) -> a new Backend on the shared real server.
 BackendFactory = Callable[[str, float], Backend]

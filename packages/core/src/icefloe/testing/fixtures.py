@@ -29,8 +29,8 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.transforms import IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
-from icefloe.datafiles import write_data_files
 from icefloe.events import DataFileMeta
+from icefloe.records.datafiles import write_data_files
 from icefloe.testing.memory import MemoryServer
 
 GROUP_ID_PROPERTY = "icefloe.group-id"

@@ -18,12 +18,17 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import Backend
-from icefloe.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings, CycleResult
+from icefloe.coordination.coordinator import (
+    Coordinator,
+    CoordinatorHooks,
+    CoordinatorSettings,
+    CycleResult,
+)
+from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataFileMeta, SourcePosition
-from icefloe.plugins import new_plugins
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once, create_rows_table, write_rows
 from icefloe.testing.memory import MemoryBackend, MemoryServerAddress, connect_memory_server
-from icefloe.writer import WriterClient
 
 
 class SimulatedCrash(BaseException):

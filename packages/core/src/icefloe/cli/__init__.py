@@ -1,0 +1,1 @@
+"""The ``icefloe`` command line (``main`` assembles it; the commands are plugins' too)."""

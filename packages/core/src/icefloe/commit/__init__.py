@@ -1,0 +1,1 @@
+"""The Iceberg side of a cycle: screening, deduplication and the fenced, idempotent commit."""

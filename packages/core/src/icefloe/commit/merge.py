@@ -1,0 +1,104 @@
+"""Merging a cycle's small data files before the commit (``tables.merge_small_files``).
+
+Why in the coordinator: every Spark write task writes its own file for every partition it
+touches, so a partitioned table gets tasks x partitions files per cycle, most of them small.
+The coordinator is the one place that sees a cycle's files of a table together, before they
+are committed, so it can commit a few files of about the target size instead, without a
+later rewrite (a compaction commit that conflicts with the pipeline's own commits).
+
+The rules that keep exactly-once:
+
+* Only data files of append tables. A cycle with key files (upsert/CDC) is never merged:
+  keys are resolved into position deletes that name data files and row positions.
+* A group is data files of one partition spec and partition, each below the target, in
+  channel order, packed up to the target; a group of one file stays as it is. Files are read
+  with pyiceberg's own scan, projected onto the table's current schema (so files written under
+  an older schema merge too) and written with pyiceberg's writer into the table's location.
+* Names come from the commit id and the group's source paths (a uuid5 as pyiceberg's write
+  uuid): an attempt repeated with the same group rewrites the same names, never a second copy.
+  A crashed cycle's merged files are never committed (its retry is a new cycle, with a new
+  commit id) and are orphans for ``icefloe maintain``.
+* The originals are deleted only after the commit landed; a crash in between leaves them as
+  orphans. The snapshot summary (positions, watermarks, offsets) still comes from the
+  announced files, so the dedupe rule is unchanged.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pyiceberg.expressions import AlwaysTrue
+from pyiceberg.io.pyarrow import ArrowScan
+from pyiceberg.table import FileScanTask, Table
+
+from icefloe.events import DataFileMeta, FileContent
+from icefloe.records.datafiles import DataFileBuilder, write_data_files
+
+_NAMESPACE = uuid.UUID("6f1c2a5e-3b0d-4e59-9a57-1cefe0a1f10e")  # icefloe merged files
+
+
+@dataclass(frozen=True)
+class Merge:
+    """What a commit appends after merging, and the originals it replaces."""
+
+    appended: tuple[DataFileMeta, ...]
+    replaced: tuple[str, ...]
+
+
+def groups(
+    files: Sequence[DataFileMeta], target: int
+) -> tuple[list[list[DataFileMeta]], list[DataFileMeta]]:
+    """The groups worth merging (two files or more, same spec and partition, each file below
+    ``target``, packed up to it in the given order), and the files kept as they are."""
+    kept: list[DataFileMeta] = []
+    open_groups: dict[tuple[object, ...], list[DataFileMeta]] = {}
+    done: list[list[DataFileMeta]] = []
+    for meta in files:
+        if meta.content != FileContent.DATA or meta.file_size_in_bytes >= target:
+            kept.append(meta)
+            continue
+        key = (meta.spec_id, meta.partition)
+        group = open_groups.setdefault(key, [])
+        if group and sum(m.file_size_in_bytes for m in group) + meta.file_size_in_bytes > target:
+            done.append(group)
+            group = open_groups[key] = []
+        group.append(meta)
+    done.extend(open_groups.values())
+    kept.extend(m for g in done if len(g) == 1 for m in g)
+    return [g for g in done if len(g) > 1], kept
+
+
+def merged_name(commit_id: str, group: Sequence[DataFileMeta]) -> uuid.UUID:
+    """The write uuid of a group's merged files: the same for the same commit and sources."""
+    return uuid.uuid5(_NAMESPACE, "\n".join([commit_id, *(m.path for m in group)]))
+
+
+class SmallFileMerger:
+    """Merges one commit request's small files; remembers the files each group was merged
+    into, so a commit attempt repeated after a conflict rewrites nothing."""
+
+    def __init__(self, commit_id: str, target_file_size: int) -> None:
+        self._commit_id = commit_id
+        self._target = target_file_size
+        self._written: dict[uuid.UUID, tuple[DataFileMeta, ...]] = {}
+
+    def merge(self, table: Table, files: Sequence[DataFileMeta]) -> Merge:
+        """Write the merged files of ``files`` for ``table`` (the version this attempt loaded)
+        and return what to append instead of ``files``."""
+        to_merge, kept = groups(files, self._target)
+        appended = list(kept)
+        replaced: list[str] = []
+        build = DataFileBuilder(table.metadata).build
+        for group in to_merge:
+            name = merged_name(self._commit_id, group)
+            written = self._written.get(name)
+            if written is None:
+                scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
+                data = scan.to_table([FileScanTask(build(m)) for m in group])
+                written = tuple(write_data_files(table, data, name, self._target))
+                self._written[name] = written
+            appended.extend(written)
+            replaced.extend(m.path for m in group)
+        return Merge(tuple(appended), tuple(replaced))

@@ -1,0 +1,70 @@
+"""How the committer treats each table: the branch it commits to and whether it merges a
+cycle's small files (the per-table ``branch``, ``merge_small_files`` and
+``target_file_size_bytes`` keys of ``[[tables]]`` and ``[dynamic_tables]``).
+
+One object answers for every table, so every reader of per-branch state (committer, resume,
+status, drain, maintain) resolves a table's branch the same way: its ``[[tables]]`` entry,
+else ``[dynamic_tables]`` for a table no entry names, else ``coordination.branch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from icefloe.config import PipelineConfig, TableCommitOptions
+
+MAIN_BRANCH = "main"
+DEFAULT_TARGET_FILE_SIZE = 128 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TablePolicy:
+    """One table's commit settings."""
+
+    branch: str = MAIN_BRANCH
+    merge_small_files: bool = False
+    """Rewrite a cycle's small data files into files of about ``target_file_size_bytes``
+    before the commit (append tables only; see :mod:`icefloe.commit.merge`)."""
+    target_file_size_bytes: int = DEFAULT_TARGET_FILE_SIZE
+
+
+@dataclass(frozen=True)
+class TablePolicies:
+    """Every table's :class:`TablePolicy`: ``tables`` by name, ``default`` for the rest."""
+
+    default: TablePolicy = field(default_factory=TablePolicy)
+    tables: Mapping[str, TablePolicy] = field(default_factory=dict)
+
+    def __call__(self, table: str) -> TablePolicy:
+        return self.tables.get(table, self.default)
+
+    def branch(self, table: str) -> str:
+        return self(table).branch
+
+    @classmethod
+    def single(cls, branch: str = MAIN_BRANCH) -> TablePolicies:
+        """Every table on ``branch``, nothing merged (the committer's default)."""
+        return cls(TablePolicy(branch=branch))
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig) -> TablePolicies:
+        """The policies a pipeline configuration sets. The dead-letter table follows
+        ``coordination.branch`` and is never merged."""
+        base = config.coordination.branch
+
+        def of(options: TableCommitOptions) -> TablePolicy:
+            return TablePolicy(
+                branch=options.branch or base,
+                merge_small_files=options.merge_small_files,
+                target_file_size_bytes=options.target_file_size_bytes,
+            )
+
+        dynamic = config.dynamic_tables
+        tables = {t.name: of(t) for t in config.tables}
+        if config.errors.dead_letter_table:
+            tables[config.errors.dead_letter_table] = TablePolicy(branch=base)
+        default = of(dynamic) if dynamic is not None else TablePolicy(branch=base)
+        return cls(default, tables)

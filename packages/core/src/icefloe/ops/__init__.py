@@ -1,0 +1,1 @@
+"""What an operator runs beside a pipeline: status, doctor, drain and maintenance."""

@@ -1,0 +1,180 @@
+"""``icefloe doctor``: every check ``run`` depends on, one line each, non-zero when any would
+make ``run`` fail.
+
+Core checks what it knows (plugins, the backend and its server, the catalog, the tables);
+plugins add theirs through the ``icefloe_doctor`` hook (the Spark runner: the Kafka source
+and its topics, Java). Each check catches its own failure, so one unreachable server does
+not hide the others' results.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from icefloe.config import PipelineConfig
+
+Status = Literal["ok", "warn", "fail"]
+# client libraries that log every failed connection attempt: doctor reports the cause once
+_NOISY_LOGGERS = ("psycopg.pool", "icefloe_kafka", "icefloe_spark.kafka", "icefloe_redis", "redis")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report. ``fail``: ``run`` would fail; ``warn``: it would run with a
+    weaker guarantee or a surprise."""
+
+    name: str
+    status: Status
+    detail: str
+
+
+def cause_of(exc: BaseException) -> str:
+    """The innermost message of an exception chain, one line (the cause, not the wrapper)."""
+    seen: set[int] = set()
+    inner = exc
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        nxt = inner.__cause__ or (None if inner.__suppress_context__ else inner.__context__)
+        if nxt is None:
+            break
+        inner = nxt
+    text = str(exc) if inner is exc else f"{exc} ({type(inner).__name__}: {inner})"
+    return " ".join(text.split())
+
+
+def attempt(name: str, fn: Callable[[], str]) -> Check:
+    """Run ``fn`` (returns the ok detail); any exception is a failed check naming its cause."""
+    try:
+        return Check(name, "ok", fn())
+    except Exception as exc:
+        return Check(name, "fail", cause_of(exc))
+
+
+@contextmanager
+def quiet_clients(verbose: bool) -> Iterator[None]:
+    """Silence client libraries' retry chatter for the duration (unless debugging)."""
+    if verbose:
+        yield
+        return
+    saved = {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def backend_checks(config: PipelineConfig) -> list[Check]:
+    """The backend: installed and configured, its server reachable, its durability settings."""
+    from icefloe.channel import Backend
+    from icefloe.plugins.backends import backend_config, open_backend
+
+    name = config.coordination.backend
+
+    def configured() -> str:
+        backend_config(config)
+        return f"installed, [coordination.{name}] valid"
+
+    out = [attempt(f"backend {name}", configured)]
+    if out[0].status == "fail":
+        return out
+    try:
+        backend: Backend = open_backend(config)
+    except Exception as exc:
+        return [*out, Check(f"backend {name} server", "fail", cause_of(exc))]
+    try:
+        try:
+            backend.probe()
+            out.append(Check(f"backend {name} server", "ok", "reachable"))
+        except NotImplementedError:
+            out.append(Check(f"backend {name} server", "warn", "the backend cannot be probed"))
+        except Exception as exc:
+            out.append(Check(f"backend {name} server", "fail", cause_of(exc)))
+            return out
+        warnings = backend.doctor()
+        if not warnings:
+            out.append(Check(f"backend {name} durability", "ok", "no weakening setting found"))
+        out.extend(Check(f"backend {name} durability", "warn", w) for w in warnings)
+    finally:
+        backend.close()
+    return out
+
+
+def catalog_checks(config: PipelineConfig) -> list[Check]:
+    """The catalog answers, and every table exists or is created by ``run``."""
+    from pyiceberg.catalog import Catalog, load_catalog
+
+    holder: list[Catalog] = []
+
+    def connect() -> str:
+        catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+        catalog.list_namespaces()
+        holder.append(catalog)
+        return f"'{config.catalog.name}' answers"
+
+    out = [attempt("catalog", connect)]
+    if not holder:
+        return out
+    catalog = holder[0]
+    for t in config.tables:
+        try:
+            exists = catalog.table_exists(t.name)
+        except Exception as exc:
+            out.append(Check(f"table {t.name}", "fail", cause_of(exc)))
+            continue
+        if exists:
+            out.append(Check(f"table {t.name}", "ok", "exists"))
+            out.extend(_metadata_advice(catalog, t.name))
+        elif t.auto_create:
+            out.append(Check(f"table {t.name}", "warn", "missing; run creates it (auto_create)"))
+        else:
+            out.append(
+                Check(
+                    f"table {t.name}",
+                    "fail",
+                    "does not exist; create it (or set auto_create = true)",
+                )
+            )
+    return out
+
+
+def _metadata_advice(catalog: Any, table: str) -> list[Check]:
+    """Warnings about metadata settings that let an existing table's metadata grow without
+    bound (icefloe sets them on tables it creates)."""
+    from icefloe.ops.maintenance import table_property_advice  # pulls in pyiceberg
+
+    try:
+        properties = catalog.load_table(table).properties
+    except Exception as exc:
+        return [Check(f"table {table} metadata", "fail", cause_of(exc))]
+    return [
+        Check(f"table {table} metadata", "warn", w)
+        for w in table_property_advice(table, properties)
+    ]
+
+
+def run_checks(config: PipelineConfig, verbose: bool = False) -> list[Check]:
+    """Every check, core's then the plugins'."""
+    from icefloe.plugins.manager import get_plugins
+
+    plugins = get_plugins()
+    with quiet_clients(verbose):
+        out = [attempt("plugins", lambda: _plugins_ok(plugins))]
+        out += backend_checks(config)
+        out += catalog_checks(config)
+        out += plugins.doctor_checks(config)
+    return out
+
+
+def _plugins_ok(plugins: object) -> str:
+    from icefloe.plugins.manager import Plugins
+
+    assert isinstance(plugins, Plugins)
+    plugins.check_pending()
+    return f"{len(plugins.backends())} backend(s), {len(plugins.codecs())} codec(s)"

@@ -1,0 +1,330 @@
+"""Keeping a continuously committed table's metadata bounded, and ``icefloe maintain``.
+
+A pipeline commits one snapshot per table every few seconds. Left alone, every commit adds a
+manifest that nothing merges and a metadata file that nothing deletes, and every later commit
+(and every reader) pays for the history. Iceberg has table properties for each of these; icefloe
+sets them on the tables it creates (:data:`RECOMMENDED_TABLE_PROPERTIES`) and ``icefloe doctor``
+reports tables that lack them (:func:`table_property_advice`). The committer uses pyiceberg's
+merge append, which merges manifests only when ``commit.manifest-merge.enabled`` is true.
+
+``icefloe maintain`` expires old snapshots and deletes orphan files, safely next to a running
+pipeline: it never expires the snapshots the committer's dedupe rule reads
+(:func:`dedupe_snapshots`), and never deletes a file that is young or that a published, not
+yet committed batch announces (:func:`announced_files`, read from the channel's stored
+position, which is where the coordinator itself resumes).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from pyiceberg.table import Table, TableProperties
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.snapshots import ancestors_of
+
+from icefloe.channel import ChannelRecord, CoordinatorChannel
+from icefloe.commit.committer import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY, PendingFile
+from icefloe.commit.dedupe import RETIRED_KEY
+from icefloe.config import PipelineConfig
+from icefloe.errors import ConfigError
+from icefloe.events import DataWritten
+
+#: Table properties icefloe sets on tables it creates, with why (for ``doctor``'s advice).
+RECOMMENDED_TABLE_PROPERTIES: dict[str, tuple[str, str]] = {
+    TableProperties.MANIFEST_MERGE_ENABLED: (
+        "true",
+        "every commit adds a manifest; merging them keeps planning and commits from slowing "
+        "down with the table's history",
+    ),
+    TableProperties.MANIFEST_TARGET_SIZE_BYTES: (
+        str(1024 * 1024),
+        "pyiceberg merges manifests with a pure-Python Avro writer (~90 us per entry), so "
+        "merging up to Iceberg's default 8 MB stalled one commit in ~40 for seconds; "
+        "smaller merges, more often, keep every commit short",
+    ),
+    TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED: (
+        "true",
+        "every commit writes a metadata file; without this none is ever deleted",
+    ),
+    TableProperties.METADATA_PREVIOUS_VERSIONS_MAX: (
+        "50",
+        "how many old metadata files to keep when deleting after commit",
+    ),
+}
+
+
+def recommended_properties(overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The properties for a new table: icefloe's recommendations, then ``overrides``."""
+    props = {key: value for key, (value, _) in RECOMMENDED_TABLE_PROPERTIES.items()}
+    props.update(overrides or {})
+    return props
+
+
+def table_property_advice(table: str, properties: Mapping[str, str]) -> list[str]:
+    """A warning per recommended property that ``properties`` leaves unset (an explicit other
+    value is the owner's choice and is respected)."""
+    return [
+        f"table '{table}': property {key} is not set; set it to {value} ({why})"
+        for key, (value, why) in RECOMMENDED_TABLE_PROPERTIES.items()
+        if key not in properties
+    ]
+
+
+# ---------------------------------------------------------------------- icefloe maintain
+
+
+@dataclass(frozen=True)
+class ExpiryResult:
+    """What :func:`expire_snapshots` removed, and what it kept for the dedupe rule."""
+
+    expired: tuple[int, ...]
+    kept_for_dedupe: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OrphanResult:
+    """What :func:`remove_orphan_files` deleted (or would, in a dry run) and spared."""
+
+    deleted: tuple[str, ...]
+    kept_pending: tuple[str, ...]  # unreferenced, old enough, but announced by a writer
+
+
+def icefloe_groups(metadata: TableMetadata) -> set[str]:
+    """Every pipeline that committed to the table (it left its fencing-token property)."""
+    prefix = f"{FENCING_TOKEN_KEY}."
+    return {k[len(prefix) :] for k in metadata.properties if k.startswith(prefix)}
+
+
+def dedupe_snapshots(metadata: TableMetadata) -> set[int]:
+    """Snapshots the committer's dedupe rule reads: on every branch, the chain from the head
+    down to the newest snapshot of each pipeline (the committer walks exactly that chain to
+    find what a pipeline already committed; a gap in it looks like lost history)."""
+    groups = icefloe_groups(metadata)
+    keep: set[int] = set()
+    for ref in metadata.refs.values():
+        if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
+            continue
+        chain: list[int] = []
+        last_needed = -1
+        missing = set(groups)
+        for snapshot in ancestors_of(metadata.snapshot_by_id(ref.snapshot_id), metadata):
+            chain.append(snapshot.snapshot_id)
+            group = snapshot.summary[GROUP_ID_KEY] if snapshot.summary is not None else None
+            if group in missing:
+                missing.discard(group)
+                last_needed = len(chain) - 1
+                if not missing:
+                    break
+        keep.update(chain[: last_needed + 1])
+    return keep
+
+
+def expire_snapshots(
+    table: Table, older_than_ms: int, retain_last: int = 1, dry_run: bool = False
+) -> ExpiryResult:
+    """Expire snapshots older than ``older_than_ms`` (epoch ms), except branch and tag heads,
+    the ``retain_last`` newest, and :func:`dedupe_snapshots`. Data files are not deleted here
+    (they become orphans once nothing references them; see :func:`remove_orphan_files`)."""
+    metadata = table.metadata
+    needed = dedupe_snapshots(metadata)
+    heads = {ref.snapshot_id for ref in metadata.refs.values()}
+    newest = sorted(metadata.snapshots, key=lambda s: s.timestamp_ms, reverse=True)
+    recent = {s.snapshot_id for s in newest[: max(retain_last, 0)]}
+    old = [s.snapshot_id for s in metadata.snapshots if s.timestamp_ms < older_than_ms]
+    expired = [i for i in old if i not in needed and i not in heads and i not in recent]
+    kept = sorted(i for i in old if i in needed and i not in heads)
+    if expired and not dry_run:
+        # optimistic: a concurrent pipeline commit makes this fail rather than race it
+        table.maintenance.expire_snapshots().by_ids(expired).commit()
+    return ExpiryResult(tuple(sorted(expired)), tuple(kept))
+
+
+def _file_key(uri: str) -> str:
+    """A path as pyarrow's file systems list it (``bucket/key`` for object stores)."""
+    parts = urlsplit(uri)
+    if parts.scheme in ("", "file"):
+        return posixpath.normpath(parts.path)
+    return posixpath.normpath(parts.netloc + parts.path)
+
+
+def retired_writer_files(metadata: TableMetadata) -> set[str]:
+    """The retired-writers files (see :mod:`icefloe.commit.dedupe`) named by remaining snapshots and
+    by the groups' state properties: Iceberg does not know them, the dedupe rule needs them."""
+    found = {s.summary[RETIRED_KEY] for s in metadata.snapshots if s.summary is not None}
+    for key, raw in metadata.properties.items():
+        if key.startswith(f"{STATE_KEY}."):
+            try:
+                found.add(json.loads(raw)["summary"].get(RETIRED_KEY))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # the committer refuses an unreadable state loudly; keep going here
+    return {f for f in found if f}
+
+
+def referenced_files(table: Table) -> set[str]:
+    """Every file the table's metadata still needs: metadata files in its log, manifest
+    lists, manifests, data and delete files of every remaining snapshot, statistics, and the
+    retired writers' watermarks."""
+    metadata = table.metadata
+    refs = {table.metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
+    refs.update(retired_writer_files(metadata))
+    refs.update(s.statistics_path for s in metadata.statistics)
+    refs.update(s.statistics_path for s in metadata.partition_statistics)
+    manifests: set[str] = set()
+    for snapshot in metadata.snapshots:
+        refs.add(snapshot.manifest_list)
+        for manifest in snapshot.manifests(table.io):
+            if manifest.manifest_path in manifests:
+                continue
+            manifests.add(manifest.manifest_path)
+            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=False):
+                refs.add(entry.data_file.file_path)
+    return {_file_key(r) for r in refs | manifests}
+
+
+def remove_orphan_files(
+    table: Table, older_than_ms: int, pending: Iterable[str] = (), dry_run: bool = False
+) -> OrphanResult:
+    """Delete files under the table location that no metadata references, that are older than
+    ``older_than_ms`` (epoch ms: a file being written or committed right now is young), and
+    that no published, not yet committed batch announces (``pending``: their paths)."""
+    import pyarrow.fs as pafs
+
+    referenced = referenced_files(table)
+    announced = {_file_key(p) for p in pending}
+    fs, base = pafs.FileSystem.from_uri(table.location())
+    infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    deleted: list[str] = []
+    spared: list[str] = []
+    for info in infos:
+        if info.type != pafs.FileType.File or info.path in referenced:
+            continue
+        mtime_ms = info.mtime_ns // 1_000_000 if info.mtime_ns is not None else older_than_ms
+        if mtime_ms >= older_than_ms:
+            continue
+        if info.path in announced:
+            spared.append(info.path)
+            continue
+        if not dry_run:
+            fs.delete_file(info.path)
+        deleted.append(info.path)
+    return OrphanResult(tuple(sorted(deleted)), tuple(sorted(spared)))
+
+
+def announced(
+    channel: CoordinatorChannel,
+    group_id: str,
+    idle_polls: int = 3,
+    reached: dict[str, int] | None = None,
+) -> Iterator[tuple[str, PendingFile]]:
+    """``(table, file)`` for every file announced on the channel since its stored position,
+    with where its event sits (read only: no lease, nothing stored). Shared by
+    ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted;
+    it passes ``reached``, filled with the read position the read got to, to spot a stall)."""
+    for rec in backlog(channel, group_id, idle_polls, reached):
+        event, payload = rec.event, rec.event.payload
+        if not isinstance(payload, DataWritten):
+            continue
+        writer = event.writer.writer_id if event.writer else ""
+        # no batch number: the coordinator ignores the event; -1 lets any watermark cover it
+        seq = -1 if event.batch_seq is None else event.batch_seq
+        for f in payload.files:
+            yield payload.table, PendingFile(f, writer, seq, rec.partition, rec.offset)
+
+
+def backlog(
+    channel: CoordinatorChannel,
+    group_id: str,
+    idle_polls: int = 3,
+    reached: dict[str, int] | None = None,
+) -> Iterator[ChannelRecord]:
+    """Every event of ``group_id`` the channel holds from its stored position on (read only:
+    no lease, nothing stored), until ``idle_polls`` polls in a row find nothing new.
+    ``reached``, when given, is filled with the read position got to (every group's events)."""
+    stored = channel.stored_position()
+    if reached is not None:
+        reached.update(stored or {})
+    channel.seek(stored)
+    empty = 0
+    while empty < idle_polls:
+        records = channel.poll(0.5)
+        empty = 0 if records else empty + 1
+        for rec in records:
+            if reached is not None:
+                reached[rec.partition] = max(reached.get(rec.partition, 0), rec.offset + 1)
+            if rec.event.group_id == group_id:
+                yield rec
+
+
+def announced_files(channel: CoordinatorChannel, group_id: str, idle_polls: int = 3) -> set[str]:
+    """Paths of every file announced on the channel since its stored position: published
+    batches the coordinator has not committed yet (read only: no lease, nothing stored)."""
+    return {f.meta.path for _, f in announced(channel, group_id, idle_polls)}
+
+
+def parse_age(text: str) -> float:
+    """``"7d"``, ``"12h"``, ``"30m"``, ``"45s"`` or plain seconds, in seconds."""
+    units = {"d": 86_400.0, "h": 3_600.0, "m": 60.0, "s": 1.0}
+    raw = text.strip().lower()
+    try:
+        scale = units.get(raw[-1:], 0.0)
+        value = float(raw[:-1]) * scale if scale else float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ConfigError("maintain age", f"'{text}' is not an age", 'write e.g. "7d", "12h"')
+    return value
+
+
+def maintain(
+    config: PipelineConfig,
+    tables: Iterable[str] = (),
+    expire_older_than_s: float = 7 * 86_400.0,
+    retain_last: int = 1,
+    orphans_older_than_s: float = 3 * 86_400.0,
+    dry_run: bool = False,
+) -> list[str]:
+    """``icefloe maintain``: expire snapshots, then delete orphan files, in the pipeline's
+    tables (or ``tables``); returns one line per table and step for the operator."""
+    import time
+
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe.plugins.backends import open_backend
+
+    names = list(tables) or [t.name for t in config.tables]
+    now_ms = int(time.time() * 1000)
+    backend = open_backend(config)
+    try:
+        channel = backend.coordinator(f"maintain-{now_ms}")
+        try:
+            pending = announced_files(channel, config.name)
+        finally:
+            channel.close()
+    finally:
+        backend.close()
+    catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+    verb = "would " if dry_run else ""
+    lines: list[str] = []
+    for name in names:
+        table = catalog.load_table(name)
+        expiry = expire_snapshots(
+            table, now_ms - int(expire_older_than_s * 1000), retain_last, dry_run
+        )
+        lines.append(
+            f"{name}: {verb}expire {len(expiry.expired)} snapshot(s); kept "
+            f"{len(expiry.kept_for_dedupe)} old one(s) the dedupe rule reads"
+        )
+        table = catalog.load_table(name)
+        orphans = remove_orphan_files(
+            table, now_ms - int(orphans_older_than_s * 1000), pending, dry_run
+        )
+        lines.append(
+            f"{name}: {verb}delete {len(orphans.deleted)} orphan file(s); kept "
+            f"{len(orphans.kept_pending)} announced by uncommitted batches"
+        )
+    return lines

@@ -1,0 +1,323 @@
+"""``icefloe status``: the pipeline's state from the backend and the catalog, without Spark and
+without taking part (nothing is joined, fenced or renewed).
+
+Per table: the last icefloe commit (time, rows it added, total rows, snapshot), source lag
+(from plugins that know the source, through the ``icefloe_source_lag`` hook), quarantined
+files and dead-lettered records. A table is **stuck** when the source holds records the table
+has not committed and no commit came for longer than a few commit cycles: the exit status
+says so, for monitoring scripts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from pyiceberg.catalog import Catalog
+
+from icefloe.channel import Backend, BackendStatus
+from icefloe.config import PipelineConfig
+
+if TYPE_CHECKING:  # the committer (and pyiceberg's writer side) loads only when needed
+    from icefloe.commit.committer import IcebergCommitter, PendingFile
+
+log = logging.getLogger("icefloe.status")
+
+
+@dataclass(frozen=True)
+class TableStatus:
+    """One target table. ``None``: unknown (not reachable, or no source of that fact)."""
+
+    name: str
+    exists: bool
+    snapshot_id: int | None = None
+    committed_at_ms: int | None = None
+    commit_rows: int | None = None  # rows added by the last icefloe commit
+    rows: int | None = None  # total rows in that snapshot
+    source_lag: int | None = None
+    pending_files: int | None = None  # announced on the channel, not covered by a commit
+    pending_bytes: int | None = None
+    quarantined_files: int | None = None
+    stuck: bool = False
+    reason: str = ""
+    rollback: str = ""  # a rollback waiting for its replay, or why it cannot be replayed
+    branch: str = "main"  # the branch the pipeline commits this table to
+
+
+@dataclass(frozen=True)
+class PipelineStatus:
+    name: str
+    backend: str
+    backend_status: BackendStatus | None
+    backend_error: str | None
+    tables: list[TableStatus] = field(default_factory=list)
+    dead_lettered: int | None = None  # rows in the dead-letter table
+    channel_stall: str | None = None  # why a reader of the channel cannot reach its end
+
+    @property
+    def stuck(self) -> bool:
+        return (
+            any(t.stuck for t in self.tables)
+            or self.backend_error is not None
+            or self.channel_stall is not None
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["stuck"] = self.stuck
+        return out
+
+
+def stuck_after_s(config: PipelineConfig) -> float:
+    """How long without a commit, while the source is ahead, counts as stuck."""
+    c = config.coordination
+    return max(60.0, 3 * c.commit_interval_s + c.commit_timeout_s)
+
+
+def table_status(
+    catalog: Catalog,
+    config: PipelineConfig,
+    name: str,
+    lag: int | None,
+    now_ms: float,
+) -> TableStatus:
+    """What the newest snapshot of this pipeline on the branch says, and whether it is stuck."""
+    from icefloe.commit.committer import IcebergCommitter
+
+    if not catalog.table_exists(name):
+        return TableStatus(name, False, stuck=True, reason="the table does not exist")
+    committer = IcebergCommitter.for_pipeline(catalog, config)
+    rollback = _rollback_note(committer, name)
+    state = None if rollback.startswith("RollbackNotReplayableError") else committer.state(name)
+    table = catalog.load_table(name)
+    snap = table.snapshot_by_id(state.snapshot_id) if state else None
+    summary = snap.summary.additional_properties if snap and snap.summary else {}
+    at = snap.timestamp_ms if snap else None
+    quiet_s = None if at is None else (now_ms - at) / 1000
+    stuck = bool(lag) and (quiet_s is None or quiet_s > stuck_after_s(config))
+    reason = ""
+    if stuck:
+        reason = f"{lag} source records not committed and " + (
+            "no commit yet" if quiet_s is None else f"no commit for {quiet_s:.0f}s"
+        )
+    return TableStatus(
+        name,
+        True,
+        snapshot_id=state.snapshot_id if state else None,
+        committed_at_ms=at,
+        commit_rows=_int(summary.get("added-records")),
+        rows=_int(summary.get("total-records")),
+        source_lag=lag,
+        quarantined_files=_quarantined(
+            catalog, config.name, name, config.coordination.quarantine_table
+        ),
+        stuck=stuck,
+        reason=reason,
+        rollback=rollback,
+        branch=committer.branch_of(name),
+    )
+
+
+def _rollback_note(committer: IcebergCommitter, name: str) -> str:
+    """What a rollback of ``name`` waits for (the figures above are then the pre-rollback
+    commit's, which the replay restores), or why it is refused; empty when none is pending."""
+    from icefloe.errors import RollbackNotReplayableError
+
+    try:
+        pending = committer.rollback(name)
+    except RollbackNotReplayableError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if pending is None:
+        return ""
+    return (
+        f"rolled back from snapshot {pending.lost_snapshot_id} to "
+        f"{pending.restored_snapshot_id}; new files wait for the replay by `icefloe run`"
+    )
+
+
+def _announced(
+    backend: Backend, group_id: str
+) -> tuple[str, dict[str, list[PendingFile]], str | None]:
+    """The channel's identity, per table the files announced since the stored position (read
+    by a coordinator end that never asks for the lease, as ``icefloe maintain`` does), and
+    whether that read stalled (:func:`stalled_read`)."""
+    from icefloe.ops.maintenance import announced
+
+    channel = backend.coordinator(f"status-{uuid.uuid4().hex[:8]}")
+    try:
+        end = dict(channel.end_position())  # before the read: all of it must be readable
+        reached: dict[str, int] = {}
+        by_table: dict[str, list[PendingFile]] = {}
+        for table, f in announced(channel, group_id, reached=reached):
+            by_table.setdefault(table, []).append(f)
+        return channel.channel_id(), by_table, stalled_read(reached, end)
+    finally:
+        channel.close()
+
+
+def stalled_read(reached: Mapping[str, int], end: Mapping[str, int]) -> str | None:
+    """Why a reader that read until the channel went quiet still stands short of where the
+    channel's end was before it started, or None. One offset short is allowed: Kafka numbers
+    a transaction's commit marker but never delivers it, so a reader that got everything can
+    stand one short of the end. (The coordinator's own check, over time, is
+    :class:`icefloe.coordination.stall.StallWatch`.)"""
+    short = {p: (reached.get(p, 0), o) for p, o in end.items() if o - reached.get(p, 0) > 1}
+    if not short:
+        return None
+    where = ", ".join(f"partition {p}: read to {r}, end {e}" for p, (r, e) in sorted(short.items()))
+    return (
+        f"the channel holds events no reader gets ({where}): a transaction left open by "
+        "another producer (Kafka read_committed), or a server fault, holds readers back; the "
+        "coordinator cannot commit them either"
+    )
+
+
+def _with_pending(
+    status: TableStatus,
+    catalog: Catalog,
+    config: PipelineConfig,
+    announced: tuple[str | None, dict[str, list[PendingFile]]] | None,
+) -> TableStatus:
+    """``status`` with the announced files its commit boundary does not cover yet (by path,
+    so a replayed batch counts once); unchanged when the channel or the table was unreadable."""
+    from icefloe.commit.committer import IcebergCommitter
+
+    if announced is None or not status.exists:
+        return status
+    channel_id, by_table = announced
+    try:
+        committer = IcebergCommitter.for_pipeline(catalog, config)
+        boundary = committer.boundary(status.name, channel_id)
+    except Exception as exc:  # e.g. a table committed through another channel
+        log.debug("no commit boundary for %s: %s", status.name, exc)
+        return status
+    pending = {f.meta.path: f for f in by_table.get(status.name, []) if not boundary.covers(f)}
+    return replace(
+        status,
+        pending_files=len(pending),
+        pending_bytes=sum(f.meta.file_size_in_bytes for f in pending.values()),
+    )
+
+
+def _int(raw: Any) -> int | None:
+    return None if raw is None else int(raw)
+
+
+def _quarantined(catalog: Catalog, group_id: str, table: str, quarantine_table: str) -> int | None:
+    try:
+        from icefloe.commit.quarantine import Quarantine
+
+        return len(Quarantine(catalog, quarantine_table).list(group_id, table))
+    except Exception:
+        log.debug("quarantine unavailable", exc_info=True)
+        return None
+
+
+def _dead_lettered(catalog: Catalog, config: PipelineConfig) -> int | None:
+    errors = getattr(config, "errors", None)
+    name = getattr(errors, "dead_letter_table", None)
+    if not name:
+        return None
+    try:
+        snap = catalog.load_table(name).current_snapshot()
+    except Exception:
+        return None
+    if snap is None or snap.summary is None:
+        return 0
+    return _int(snap.summary.additional_properties.get("total-records")) or 0
+
+
+def collect(config: PipelineConfig) -> PipelineStatus:
+    """Read everything ``icefloe status`` shows."""
+    from pyiceberg.catalog import load_catalog
+
+    from icefloe.ops.doctor import cause_of, quiet_clients
+    from icefloe.plugins.backends import open_backend
+    from icefloe.plugins.manager import get_plugins
+
+    plugins = get_plugins()
+    with quiet_clients(verbose=False):
+        backend_status: BackendStatus | None = None
+        backend_error: str | None = None
+        announced: tuple[str | None, dict[str, list[PendingFile]]] | None = None
+        channel_stall: str | None = None
+        try:
+            backend = open_backend(config, plugins)
+            try:
+                backend_status = backend.describe()
+                # no writer ever registered: nothing can be pending, and not opening the
+                # channel keeps status from creating it (Kafka creates topics on first use)
+                if backend_status.writers == ():
+                    announced = (None, {})
+                else:
+                    channel_id, by_table, channel_stall = _announced(backend, config.name)
+                    announced = (channel_id, by_table)
+            finally:
+                backend.close()
+        except Exception as exc:
+            backend_error = cause_of(exc)
+        lags = plugins.source_lag(config)
+    catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+    now_ms = time.time() * 1000
+    tables = [
+        _with_pending(
+            table_status(catalog, config, t.name, lags.get(t.name), now_ms),
+            catalog,
+            config,
+            announced,
+        )
+        for t in config.tables
+    ]
+    return PipelineStatus(
+        config.name,
+        config.coordination.backend,
+        backend_status,
+        backend_error,
+        tables,
+        _dead_lettered(catalog, config),
+        channel_stall,
+    )
+
+
+def render_lines(status: PipelineStatus) -> list[str]:
+    """The text view: a few lines for the pipeline, one per table."""
+    b = status.backend_status
+    out = [f"pipeline {status.name}  backend {status.backend}"]
+    if status.backend_error:
+        out.append(f"  backend unreachable: {status.backend_error}")
+    elif b is not None:
+        age = "?" if b.lease_age_s is None else f"{b.lease_age_s:.0f}s"
+        left = "?" if b.lease_expires_in_s is None else f"{b.lease_expires_in_s:.0f}s"
+        out.append(
+            f"  leader {b.leader or '-'}  token {b.token if b.token is not None else '-'}"
+            f"  lease age {age}, expires in {left}"
+        )
+        writers = "?" if b.writers is None else f"{len(b.writers)} ({', '.join(b.writers)})"
+        out.append(f"  writers {writers}")
+    if status.dead_lettered is not None:
+        out.append(f"  dead-lettered records {status.dead_lettered}")
+    if status.channel_stall is not None:
+        out.append(f"  CHANNEL STALLED: {status.channel_stall}")
+    now = time.time()
+    for t in status.tables:
+        if not t.exists:
+            out.append(f"  table {t.name}: STUCK: {t.reason}")
+            continue
+        ago = "never" if t.committed_at_ms is None else f"{now - t.committed_at_ms / 1000:.0f}s ago"
+        lag = "?" if t.source_lag is None else str(t.source_lag)
+        quarantined = "?" if t.quarantined_files is None else str(t.quarantined_files)
+        pending = "?" if t.pending_files is None else f"{t.pending_files} ({t.pending_bytes} B)"
+        on = "" if t.branch == "main" else f" (branch {t.branch})"
+        line = (
+            f"  table {t.name}{on}: last commit {ago} (+{t.commit_rows or 0} rows, snapshot "
+            f"{t.snapshot_id or '-'}), {t.rows if t.rows is not None else '-'} rows, "
+            f"lag {lag}, pending files {pending}, quarantined files {quarantined}"
+        )
+        out.append(line + (f"  STUCK: {t.reason}" if t.stuck else ""))
+        if t.rollback:
+            out.append(f"    ROLLED BACK: {t.rollback}")
+    return out

@@ -1,0 +1,1 @@
+"""The ``icefloe`` plugin manager and the configured backend's lookup."""

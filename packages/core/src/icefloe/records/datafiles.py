@@ -1,0 +1,205 @@
+"""Writing Iceberg data files and converting their metadata to and from control events.
+
+Writers turn Arrow data into Parquet files with pyiceberg's own writer (it honours the table's
+partition spec, write properties and target file size, and computes column statistics);
+the resulting file metadata travels in DataWritten events, and the committer turns it back into
+pyiceberg ``DataFile`` objects without opening the files.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import replace
+from decimal import Decimal
+from typing import Any
+
+import pyarrow as pa
+from pyiceberg.io.pyarrow import _dataframe_to_data_files, schema_to_pyarrow, write_file
+from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+from pyiceberg.schema import Schema
+from pyiceberg.table import Table, TableProperties, WriteTask
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.typedef import Record
+from pyiceberg.types import DecimalType, StructType
+
+from icefloe.events import DataFileMeta, FileContent, PartitionScalar, PartitionValue
+
+_CONTENT_TO_ICEBERG = {
+    FileContent.DATA: DataFileContent.DATA,
+    FileContent.POSITION_DELETES: DataFileContent.POSITION_DELETES,
+    FileContent.EQUALITY_DELETES: DataFileContent.EQUALITY_DELETES,
+}
+_CONTENT_FROM_ICEBERG = {v: k for k, v in _CONTENT_TO_ICEBERG.items()}
+
+
+def _scalar(value: Any) -> PartitionScalar:
+    """Partition values are physical already (days, micros, bytes); Decimal and UUID need a
+    carrier type that Avro's union holds."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, uuid.UUID):
+        return value.bytes
+    raise TypeError(f"unsupported partition value type {type(value).__name__}")
+
+
+def to_meta(data_file: DataFile, table_metadata: TableMetadata) -> DataFileMeta:
+    """Describe a pyiceberg DataFile completely, so it can be committed without reading it."""
+    # pyiceberg's writer leaves spec_id unset on new files: they use the default spec
+    spec_id = getattr(data_file, "_spec_id", table_metadata.default_spec_id)
+    spec = table_metadata.specs()[spec_id]
+    partition = tuple(
+        PartitionValue(f.field_id, f.name, _scalar(data_file.partition[i]))
+        for i, f in enumerate(spec.fields)
+    )
+    return _meta(data_file, spec_id, partition)
+
+
+def _meta(data_file: DataFile, spec_id: int, partition: tuple[PartitionValue, ...]) -> DataFileMeta:
+    return DataFileMeta(
+        path=data_file.file_path,
+        record_count=data_file.record_count,
+        file_size_in_bytes=data_file.file_size_in_bytes,
+        file_format=data_file.file_format.name,
+        content=_CONTENT_FROM_ICEBERG[data_file.content],
+        spec_id=spec_id,
+        partition=partition,
+        column_sizes=dict(data_file.column_sizes or {}),
+        value_counts=dict(data_file.value_counts or {}),
+        null_value_counts=dict(data_file.null_value_counts or {}),
+        nan_value_counts=dict(data_file.nan_value_counts or {}),
+        lower_bounds=dict(data_file.lower_bounds or {}),
+        upper_bounds=dict(data_file.upper_bounds or {}),
+        split_offsets=None if data_file.split_offsets is None else tuple(data_file.split_offsets),
+        equality_ids=None if data_file.equality_ids is None else tuple(data_file.equality_ids),
+        sort_order_id=data_file.sort_order_id,
+    )
+
+
+def to_data_file(meta: DataFileMeta, table_metadata: TableMetadata) -> DataFile:
+    """The pyiceberg DataFile for ``meta``, typed by the table's partition spec ``spec_id``."""
+    return DataFileBuilder(table_metadata).build(meta)
+
+
+class DataFileBuilder:
+    """Builds DataFiles for one table version, computing each spec's partition type once.
+
+    Why: a commit converts every file of a cycle (10,000s), and building the partition type
+    per file cost as much as the rest of the conversion.
+    """
+
+    def __init__(self, table_metadata: TableMetadata) -> None:
+        self._metadata = table_metadata
+        self._specs = table_metadata.specs()
+        self._types: dict[int, StructType] = {}
+
+    def _partition_type(self, meta: DataFileMeta) -> StructType:
+        ptype = self._types.get(meta.spec_id)
+        if ptype is None:
+            if meta.spec_id not in self._specs:
+                raise ValueError(f"{meta.path}: partition spec {meta.spec_id} is not in the table")
+            ptype = self._specs[meta.spec_id].partition_type(self._metadata.schema())
+            self._types[meta.spec_id] = ptype
+        return ptype
+
+    def build(self, meta: DataFileMeta) -> DataFile:
+        """The DataFile for ``meta``; ValueError when its spec is not in the table."""
+        ptype = self._partition_type(meta)
+        by_id = {p.field_id: p.value for p in meta.partition}
+        values: list[Any] = []
+        for f in ptype.fields:
+            v: Any = by_id.get(f.field_id)
+            if isinstance(f.field_type, DecimalType) and isinstance(v, str):
+                v = Decimal(v)
+            values.append(v)
+        df = DataFile.from_args(
+            _table_format_version=self._metadata.format_version,
+            content=_CONTENT_TO_ICEBERG[meta.content],
+            file_path=meta.path,
+            file_format=FileFormat[meta.file_format],
+            partition=Record(*values),
+            record_count=meta.record_count,
+            file_size_in_bytes=meta.file_size_in_bytes,
+            column_sizes=meta.column_sizes,
+            value_counts=meta.value_counts,
+            null_value_counts=meta.null_value_counts,
+            nan_value_counts=meta.nan_value_counts,
+            lower_bounds=meta.lower_bounds,
+            upper_bounds=meta.upper_bounds,
+            split_offsets=None if meta.split_offsets is None else list(meta.split_offsets),
+            equality_ids=None if meta.equality_ids is None else list(meta.equality_ids),
+            sort_order_id=meta.sort_order_id,
+        )
+        df.spec_id = meta.spec_id
+        return df
+
+
+def write_data_files(
+    table: Table,
+    data: pa.Table,
+    write_uuid: uuid.UUID | None = None,
+    target_file_size: int | None = None,
+) -> list[DataFileMeta]:
+    """Write ``data`` (already in the table's schema) as Parquet data files in the table's
+    location, honouring its partition spec and write properties; commit nothing. The files are
+    named after ``write_uuid`` (and their order), so the same uuid writes the same names.
+    ``target_file_size`` overrides the table's ``write.target-file-size-bytes``.
+
+    Uses pyiceberg's internal ``_dataframe_to_data_files`` because pyiceberg's public API
+    offers only write-and-commit (``append``), and writers must never commit.
+    """
+    if data.num_rows == 0:
+        return []
+    metadata = table.metadata
+    if target_file_size is not None:
+        properties = {
+            **metadata.properties,
+            TableProperties.WRITE_TARGET_FILE_SIZE_BYTES: str(target_file_size),
+        }
+        metadata = metadata.model_copy(update={"properties": properties})
+    files: Iterable[DataFile] = _dataframe_to_data_files(
+        table_metadata=metadata, df=data, io=table.io, write_uuid=write_uuid
+    )
+    return [to_meta(f, table.metadata) for f in files]
+
+
+def write_key_files(
+    table: Table, keys: pa.Table, write_uuid: uuid.UUID | None = None
+) -> list[DataFileMeta]:
+    """Write the keys an upsert/CDC task touched (``keys``: the table's identifier columns by
+    name, as :class:`icefloe.records.converter.Conversion` gives them) as one Parquet file next to
+    the table's
+    data files, announced as equality deletes on those columns; commit nothing.
+
+    The file holds only the key columns, with their field ids. It is unpartitioned
+    (``partition`` empty): a changed row may have lived in any partition, so the coordinator
+    resolves its keys against the whole table. pyiceberg's ``write_file`` writes the
+    table's current schema, so it gets a copy of the metadata whose schema is the key columns
+    alone (pyiceberg has no public way to write a file of some columns without committing).
+    """
+    if keys.num_rows == 0:
+        return []
+    schema = table.schema()
+    key_schema = schema.select(*keys.column_names, case_sensitive=True)
+    key_schema = Schema(*key_schema.fields, schema_id=schema.schema_id)
+    metadata = table.metadata.model_copy(
+        update={"schemas": [key_schema], "current_schema_id": schema.schema_id}
+    )
+    arrow = schema_to_pyarrow(key_schema)
+    task = WriteTask(
+        write_uuid=write_uuid or uuid.uuid4(),
+        task_id=0,
+        schema=key_schema,
+        record_batches=keys.select(arrow.names).cast(arrow).to_batches(),
+    )
+    files = write_file(table.io, metadata, iter([task]))
+    ids = tuple(f.field_id for f in key_schema.fields)
+    # the table's unpartitioned spec when it has one: equality deletes there apply everywhere
+    specs = table.metadata.specs()
+    spec_id = next((i for i, s in specs.items() if not s.fields), table.metadata.default_spec_id)
+    return [
+        replace(_meta(f, spec_id, ()), content=FileContent.EQUALITY_DELETES, equality_ids=ids)
+        for f in files
+    ]

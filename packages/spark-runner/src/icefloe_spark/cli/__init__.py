@@ -1,0 +1,1 @@
+"""``icefloe run`` and ``icefloe demo``, the live view, and the demos."""

@@ -1,0 +1,287 @@
+"""Live progress of a running pipeline: Spark's rates, what the driver published, what the
+tables hold and how far behind the source they are.
+
+Commit state is read from the tables (the snapshot summary the committer writes), not from the
+coordinator, so the view is the same when a standalone coordinator commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from pyiceberg.catalog import Catalog
+from rich.console import Group
+from rich.table import Table as RichTable
+from rich.text import Text
+
+from icefloe import metrics
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.config import PipelineConfig
+from icefloe_spark.kafka.admin import end_offsets
+from icefloe_spark.sink.publish import PublishStats
+
+log = logging.getLogger("icefloe_spark.progress")
+
+
+@dataclass(frozen=True)
+class TableProgress:
+    """One target table as the committer left it."""
+
+    name: str
+    snapshot_id: int | None
+    committed_at_ms: int | None
+    records: int | None  # total-records of the current snapshot
+    lag: int | None  # source records not yet committed to this table (None: unknown)
+
+
+@dataclass(frozen=True)
+class QueryProgress:
+    """The fields of Spark's last progress report that matter here."""
+
+    batch_id: int | None = None
+    input_rows: int = 0
+    rows_per_s: float = 0.0
+
+    @classmethod
+    def from_spark(
+        cls, progress: Mapping[str, Any] | None, records: int | None = None
+    ) -> QueryProgress:
+        """``records``: the batch's records when Spark's ``numInputRows`` does not count
+        them (on the ``ranges`` data path it counts offset ranges, one per task)."""
+        if not progress:
+            return cls()
+        if records is None:
+            return cls(
+                batch_id=progress.get("batchId"),
+                input_rows=int(progress.get("numInputRows") or 0),
+                rows_per_s=float(progress.get("processedRowsPerSecond") or 0.0),
+            )
+        seconds = float((progress.get("durationMs") or {}).get("triggerExecution") or 0) / 1000
+        return cls(
+            batch_id=progress.get("batchId"),
+            input_rows=records,
+            rows_per_s=records / seconds if seconds > 0 else 0.0,
+        )
+
+
+def lag(
+    high_watermarks: Mapping[tuple[str, int], int],
+    committed: Mapping[str, Mapping[int, int]],
+    low_watermarks: Mapping[tuple[str, int], int],
+) -> int:
+    """Records between what the table's source offsets record and each partition's end."""
+    return sum(lag_by_partition(high_watermarks, committed, low_watermarks).values())
+
+
+def lag_by_partition(
+    high_watermarks: Mapping[tuple[str, int], int],
+    committed: Mapping[str, Mapping[int, int]],
+    low_watermarks: Mapping[tuple[str, int], int],
+) -> dict[tuple[str, int], int]:
+    """:func:`lag` per source partition (the metrics export it so)."""
+    out: dict[tuple[str, int], int] = {}
+    for (topic, partition), high in high_watermarks.items():
+        start = committed.get(topic, {}).get(partition, low_watermarks.get((topic, partition), 0))
+        out[(topic, partition)] = max(0, high - start)
+    return out
+
+
+class Monitor:
+    """Reads table state and source watermarks; cheap enough to call every couple of seconds."""
+
+    def __init__(self, config: PipelineConfig, catalog: Catalog, probe_end: bool = False) -> None:
+        self.config = config
+        self.probe_end = probe_end  # read partition ends by fetching (see kafkautil.end_offsets)
+        self.catalog = catalog
+        self.committer = IcebergCommitter.for_pipeline(catalog, config)
+        self._consumer: Consumer | None = None
+
+    def _watermarks(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]] | None:
+        src = self.config.source
+        try:
+            if self._consumer is None:
+                self._consumer = Consumer(
+                    {
+                        **src.kafka,
+                        "bootstrap.servers": src.bootstrap_servers,
+                        "group.id": f"icefloe-monitor-{uuid.uuid4().hex[:8]}",
+                        "enable.auto.commit": False,
+                    }
+                )
+            high: dict[tuple[str, int], int] = {}
+            low: dict[tuple[str, int], int] = {}
+            listed = self._consumer.list_topics(timeout=2.0).topics  # all: never auto-creates
+            for topic in src.subscribed(listed):
+                meta = listed[topic]
+                if meta.error is not None:
+                    continue
+                for p in meta.partitions:
+                    lo, hi = self._consumer.get_watermark_offsets(
+                        TopicPartition(topic, p), timeout=2.0, cached=False
+                    )
+                    low[(topic, p)], high[(topic, p)] = lo, hi
+                if self.probe_end:
+                    ends = end_offsets(src.bootstrap_servers, topic, timeout_s=5.0)
+                    high.update({(topic, p): o for p, o in ends.items()})
+            return high, low
+        except (KafkaException, TimeoutError):
+            log.debug("watermarks unavailable", exc_info=True)
+            return None
+
+    def tables(self) -> list[TableProgress]:
+        marks = self._watermarks()
+        out = []
+        for t in self.config.tables:
+            try:
+                state = self.committer.state(t.name)
+                table = self.catalog.load_table(t.name)
+            except Exception:
+                log.debug("state of %s unavailable", t.name, exc_info=True)
+                out.append(TableProgress(t.name, None, None, None, None))
+                continue
+            snap = table.snapshot_by_id(state.snapshot_id) if state else None
+            records = None
+            if snap is not None and snap.summary is not None:
+                raw = snap.summary.additional_properties.get("total-records")
+                records = int(raw) if raw is not None else None
+            behind = None
+            if marks is not None:
+                parts = lag_by_partition(marks[0], state.source_offsets if state else {}, marks[1])
+                behind = sum(parts.values())
+                for (topic, partition), n in parts.items():
+                    metrics.SOURCE_LAG.labels(t.name, topic, str(partition)).set(n)
+            out.append(
+                TableProgress(
+                    t.name,
+                    state.snapshot_id if state else None,
+                    snap.timestamp_ms if snap else None,
+                    records,
+                    behind,
+                )
+            )
+        return out
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+
+
+def _ago(ms: int | None, now: float) -> str:
+    if ms is None:
+        return "never"
+    return f"{max(0.0, now - ms / 1000):.0f}s ago"
+
+
+def _bad_records(stats: PublishStats) -> Text:
+    """Bad records set aside by the [errors] policy, in a colour that asks for a look."""
+    if not (stats.skipped or stats.dead_lettered):
+        return Text("")
+    return Text(
+        f"\nbad records: {stats.skipped:,} skipped, {stats.dead_lettered:,} dead-lettered",
+        style="yellow",
+    )
+
+
+def render(
+    name: str,
+    query: QueryProgress,
+    stats: PublishStats,
+    tables: list[TableProgress],
+    coordinator: str,
+) -> Group:
+    """The live view of ``icefloe run``."""
+    now = time.time()
+    head = Text.assemble(
+        ("icefloe ", "bold cyan"),
+        (name, "bold"),
+        f"  batch {query.batch_id if query.batch_id is not None else '-'}",
+        f"  {query.rows_per_s:,.0f} records/s",
+        f"  coordinator: {coordinator}\n",
+        f"published {stats.batches} batches, {stats.records:,} records, {stats.files} files",
+        f" ({stats.duplicates} replays ignored)" if stats.duplicates else "",
+        _bad_records(stats),
+    )
+    grid = RichTable(box=None, pad_edge=False)
+    for col in ("table", "rows", "snapshot", "last commit", "lag"):
+        grid.add_column(col, justify="left" if col == "table" else "right")
+    for t in tables:
+        grid.add_row(
+            t.name,
+            "-" if t.records is None else f"{t.records:,}",
+            "-" if t.snapshot_id is None else str(t.snapshot_id),
+            _ago(t.committed_at_ms, now),
+            "?" if t.lag is None else f"{t.lag:,}",
+        )
+    return Group(head, grid)
+
+
+class ProgressLog:
+    """Progress as log lines, for runs without a terminal: one line per table commit (a new
+    snapshot) and a summary every ``every_s`` seconds. Fields go to ``extra`` so
+    ``--log-format json`` makes them JSON keys."""
+
+    def __init__(self, name: str, every_s: float = 60.0, logger: logging.Logger | None = None):
+        self.name = name
+        self.every_s = every_s
+        self.log = logger or logging.getLogger("icefloe.progress")
+        self._snapshots: dict[str, int | None] = {}
+        self._next_summary = time.monotonic() + every_s
+        self._first = True
+
+    def tables(self, tables: list[TableProgress], stats: PublishStats) -> None:
+        for t in tables:
+            before = self._snapshots.get(t.name)
+            self._snapshots[t.name] = t.snapshot_id
+            if self._first or t.snapshot_id is None or t.snapshot_id == before:
+                continue
+            self.log.info(
+                "table %s committed: snapshot %s, %s rows, lag %s",
+                t.name,
+                t.snapshot_id,
+                t.records,
+                "?" if t.lag is None else t.lag,
+                extra={
+                    "event": "table_commit",
+                    "pipeline": self.name,
+                    "table": t.name,
+                    "snapshot_id": t.snapshot_id,
+                    "rows": t.records,
+                    "lag": t.lag,
+                },
+            )
+        self._first = False
+        now = time.monotonic()
+        if now >= self._next_summary:
+            self._next_summary = now + self.every_s
+            self.summary(tables, stats)
+
+    def summary(self, tables: list[TableProgress], stats: PublishStats) -> None:
+        lags = [t.lag for t in tables if t.lag is not None]
+        total_lag = sum(lags) if lags else None
+        self.log.info(
+            "progress: %d records in %d files published (%d batches), lag %s, "
+            "dead-lettered %d, skipped %d",
+            stats.records,
+            stats.files,
+            stats.batches,
+            "?" if total_lag is None else total_lag,
+            stats.dead_lettered,
+            stats.skipped,
+            extra={
+                "event": "progress",
+                "pipeline": self.name,
+                "records": stats.records,
+                "files": stats.files,
+                "batches": stats.batches,
+                "lag": total_lag,
+                "dead_lettered": stats.dead_lettered,
+                "skipped": stats.skipped,
+            },
+        )

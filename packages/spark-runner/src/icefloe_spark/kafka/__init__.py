@@ -1,0 +1,1 @@
+"""Reading Kafka into Spark: the ``icefloe-kafka`` streaming source and Kafka helpers."""

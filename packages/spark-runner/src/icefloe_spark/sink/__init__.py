@@ -1,0 +1,1 @@
+"""The ``icefloe`` streaming sink: write tasks, the tables they write, publishing batches."""
