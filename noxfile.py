@@ -82,8 +82,11 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def docs(session: nox.Session) -> None:
-    """Check the docs: relative links resolve and every configuration key is documented."""
-    session.install("./packages/core")
+    """Check the docs: relative links resolve, every configuration key is documented, and
+    every module, object and repository path the docs name exists (so every package is
+    installed, with core's test extra for icefloe.testing)."""
+    others = [f"./packages/{d}" for d in LOCAL_DEPS if d != "core"]
+    session.install("./packages/core[test]", *others)
     session.run("python", "docs/check_docs.py")
 
 

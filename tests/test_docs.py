@@ -53,3 +53,32 @@ def test_checker_reports_missing_stale_and_invalid(check_docs: ModuleType, tmp_p
     links = list(check_docs.broken_links(doc))
     assert f"{doc}: broken link nowhere.md" in links
     assert not [link for link in links if "example.com" in link or "#secrets" in link]
+
+
+def test_checker_reports_made_up_names_and_paths(check_docs: ModuleType, tmp_path: Path) -> None:
+    doc = tmp_path / "page.md"
+    doc.write_text(
+        "Real: `icefloe.commit.dedupe.CommitBoundary`, `icefloe_spark.runtime.jvm.launch_early()`\n"
+        "`icefloe.plugins.backends.open_backend(config)`, `tests/test_docs.py`,\n"
+        "`pytest packages/backend-*/tests`, `tests/test_docs.py::test_docs_check_passes`.\n"
+        "Not names or paths: `icefloe.commit-id`, `icefloe.quarantine`, `icefloe.state.<g>.<b>`,\n"
+        "`https://example.com/a/b`, `~/.cache/icefloe`, `max_pending_files/bytes`.\n"
+        "Made up: `icefloe.commit.nowhere`, `icefloe_spark.sink.task.no_such_thing`,\n"
+        "`icefloe_kafka.broadcasts.BroadcastReader.nope`, `python tests/test_nowhere.py -q`,\n"
+        "`packages/core/src/icefloe/gone/`, `packages/nope-*/tests`,\n"
+        "`tests/test_docs.py::test_nowhere`.\n"
+        "```\n`icefloe.in_a_code_block` tests/not_checked.py\n```\n"
+    )
+    found = list(check_docs.reference_problems(doc))
+    made_up = [
+        "`icefloe.commit.nowhere`",
+        "`icefloe_spark.sink.task.no_such_thing`",
+        "`icefloe_kafka.broadcasts.BroadcastReader.nope`",
+        "`tests/test_nowhere.py`",
+        "`packages/core/src/icefloe/gone/`",
+        "`packages/nope-*/tests`",
+        "`tests/test_docs.py::test_nowhere`",
+    ]
+    for name in made_up:
+        assert sum(name in p for p in found) == 1, (name, found)
+    assert len(found) == len(made_up), found
