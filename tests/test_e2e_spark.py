@@ -43,6 +43,7 @@ from icefloe_spark import faults
 from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
 from icefloe_spark.pipeline import CoordinatorThread, Pipeline
 from icefloe_spark.sink.datasource import derive_writer_id
+from icefloe_spark.sink.publish import PublishStats
 
 TABLE = "e2e.events"
 SCHEMA = EVENTS_SCHEMA
@@ -673,6 +674,22 @@ def bad_records_run(
     return BadRecordsRun(topic, catalog, name, data, bad)
 
 
+def run_until_good_and_bad(
+    spark: Any, run: BadRecordsRun, good: int, set_aside: Callable[[Pipeline], int], how: str
+) -> PublishStats:
+    """Run ``run``'s pipeline until its ``good`` records are committed and ``set_aside`` counts
+    every bad one; return the pipeline's final stats."""
+    with Pipeline(
+        config_from_dict(run.data), spark=spark, source_extra_options=SOURCE_OPTIONS
+    ) as p:
+        wait_until(
+            lambda: committed_rows(run.catalog) >= good and set_aside(p) >= len(run.bad),
+            2 * WAIT_S,  # first batches are slow on a loaded machine
+            f"the {good} good records and every bad one {how}",
+        )
+        return p.stats
+
+
 def dead_letter_rows(catalog: Catalog) -> list[dict[str, Any]]:
     """The dead-letter table as a reader other than the committer sees it (pyiceberg scan)."""
     return catalog.load_table(DEAD).scan().to_arrow().to_pylist()
@@ -728,19 +745,11 @@ def test_policy_skip_commits_exactly_the_good_records_and_counts_the_bad(
     tmp_path: Path,
 ) -> None:
     run = bad_records_run(kafka_broker, catalog_properties, tmp_path, "skip", 400)
-    catalog, bad = run.catalog, run.bad
-    with Pipeline(
-        config_from_dict(run.data), spark=spark, source_extra_options=SOURCE_OPTIONS
-    ) as p:
-        wait_until(
-            lambda: committed_rows(catalog) >= 400 and p.stats.skipped >= len(bad),
-            2 * WAIT_S,  # first batches are slow on a loaded machine
-            "the 400 good records and every bad one skipped",
-        )
-        assert p.stats.batches >= 3  # bad records in several batches
-        assert p.stats.skipped == len(bad)
-        assert p.stats.dead_lettered == 0
-    assert_exactly_once(catalog, TABLE, range(400))
+    stats = run_until_good_and_bad(spark, run, 400, lambda p: p.stats.skipped, "skipped")
+    assert stats.batches >= 3  # bad records in several batches
+    assert stats.skipped == len(run.bad)
+    assert stats.dead_lettered == 0
+    assert_exactly_once(run.catalog, TABLE, range(400))
 
 
 def test_policy_dead_letter_commits_the_good_records_and_exactly_the_bad_ones_aside(
@@ -750,19 +759,13 @@ def test_policy_dead_letter_commits_the_good_records_and_exactly_the_bad_ones_as
     tmp_path: Path,
 ) -> None:
     run = bad_records_run(kafka_broker, catalog_properties, tmp_path, "dead_letter", 400)
-    catalog, bad = run.catalog, run.bad
-    with Pipeline(
-        config_from_dict(run.data), spark=spark, source_extra_options=SOURCE_OPTIONS
-    ) as p:
-        wait_until(
-            lambda: committed_rows(catalog) >= 400 and table_records(catalog, DEAD) >= len(bad),
-            2 * WAIT_S,  # first batches are slow on a loaded machine
-            "the 400 good records and every bad one dead-lettered",
-        )
-        assert p.stats.dead_lettered == len(bad)
-        assert p.stats.skipped == 0
-    assert_exactly_once(catalog, TABLE, range(400))
-    assert_dead_letters_exact(catalog, run.topic, bad, run.name)
+    stats = run_until_good_and_bad(
+        spark, run, 400, lambda _: table_records(run.catalog, DEAD), "dead-lettered"
+    )
+    assert stats.dead_lettered == len(run.bad)
+    assert stats.skipped == 0
+    assert_exactly_once(run.catalog, TABLE, range(400))
+    assert_dead_letters_exact(run.catalog, run.topic, run.bad, run.name)
 
 
 def test_dead_letters_survive_a_driver_crash_after_publish_without_duplicates(

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import REGISTRY
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.channel import ChannelRecord, WriterBatch
+from icefloe.channel import ChannelRecord, WriterBatch, WriterChannel
 from icefloe.commit.committer import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
 from icefloe.commit.quarantine import Quarantine
 from icefloe.config import CoordinationConfig
@@ -219,8 +219,7 @@ def test_idle_writer_answers_at_once_so_the_cycle_completes(
     assert {"busy", "idle", "never-published"} <= set(coord.known_writers())
     assert idle.answered >= 2
     assert never_published.answered >= 2
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
 
 
 def test_commit_timeout_gives_partial_commit_and_late_files_go_to_the_next(
@@ -234,13 +233,7 @@ def test_commit_timeout_gives_partial_commit_and_late_files_go_to_the_next(
     lead(coord)
 
     def publish_silent(seq: int) -> int:
-        b = source.batch("silent", seq)
-        events = [Event(group_id, DataWritten(t, tuple(fs)), ref, seq) for t, fs in b.files.items()]
-        events.append(Event(group_id, DataComplete(tuple(b.positions)), ref, seq))
-        assert silent.publish(WriterBatch(ref, seq, tuple(events)))
-        for t, ids in b.ids.items():
-            source.expected.setdefault(t, []).extend(ids)
-        return b.file_count
+        return publish_unanswered(source, silent, ref, group_id, seq)
 
     files = source.publish(answering, 0).file_count + publish_silent(0)
     wait_pending(coord, files)
@@ -297,8 +290,7 @@ def test_partial_table_failure_is_finished_later_without_duplicating_the_others(
     wait_pending(heir, source.publish(w, 1).file_count)
     second = heir.commit_now()
     assert not second.failed
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
     assert len(group_snapshots(make.catalog, healthy, group_id)) == 2
     assert len(group_snapshots(make.catalog, failing, group_id)) == 1
     assert make.backend.server.stored_position(group_id) == heir.read_position
@@ -421,8 +413,34 @@ def test_run_loop_commits_on_interval_and_hands_over_on_stop(
             s.set()
         for th in threads:
             th.join(30)
+    assert_every_table_exact(make, source)
+
+
+def assert_every_table_exact(make: _Factory, source: RowSource) -> None:
+    """Every table holds each row the source published to it exactly once."""
     for t in TABLES:
         assert_exactly_once(make.catalog, t, source.expected[t])
+
+
+def step_until_a_cycle(coord: Coordinator, failure: str, timeout: float = 30.0) -> None:
+    """Step ``coord`` until one of its steps runs a commit cycle (triggers, not commit_now)."""
+    deadline = time.monotonic() + timeout
+    while coord.step(0.1) is None:
+        assert time.monotonic() < deadline, failure
+
+
+def publish_unanswered(
+    source: RowSource, channel: WriterChannel, ref: WriterRef, group_id: str, seq: int
+) -> int:
+    """Publish batch ``seq`` of ``ref``'s rows on a bare writer channel (no responder, so
+    it never answers StartCommit), count its rows as expected; return its file count."""
+    b = source.batch(ref.writer_id, seq)
+    events = [Event(group_id, DataWritten(t, tuple(fs)), ref, seq) for t, fs in b.files.items()]
+    events.append(Event(group_id, DataComplete(tuple(b.positions)), ref, seq))
+    assert channel.publish(WriterBatch(ref, seq, tuple(events)))
+    for t, ids in b.ids.items():
+        source.expected.setdefault(t, []).extend(ids)
+    return b.file_count
 
 
 def drive_until_rows(catalog: SqlCatalog, source: RowSource, timeout: float = 30.0) -> None:
@@ -438,11 +456,8 @@ def test_size_trigger_starts_a_cycle_before_the_interval(make: _Factory, source:
     coord = make.coordinator(max_pending_files=len(TABLES))
     lead(coord)
     source.publish(w, 0)
-    deadline = time.monotonic() + 30
-    while coord.step(0.1) is None:
-        assert time.monotonic() < deadline, "no cycle started"
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    step_until_a_cycle(coord, "no cycle started")
+    assert_every_table_exact(make, source)
 
 
 def test_idle_pipeline_commits_its_first_files_at_once_then_keeps_the_interval(
@@ -455,24 +470,17 @@ def test_idle_pipeline_commits_its_first_files_at_once_then_keeps_the_interval(
     coord = make.coordinator(commit_when_idle=True)
     lead(coord)
     source.publish(w, 0)
-    deadline = time.monotonic() + 30
-    while coord.step(0.1) is None:
-        assert time.monotonic() < deadline, "the first files waited for the interval"
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    step_until_a_cycle(coord, "the first files waited for the interval")
+    assert_every_table_exact(make, source)
     source.publish(w, 1)
     drive(coord, lambda: len(coord.pending_files()) > 0, "the second batch")
     assert coord.step(0.1) is None, "a busy pipeline committed before its interval"
     assert not coord.commit_now().failed  # as the interval would
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
     assert not coord.commit_now().tables  # an empty cycle: idle again
     source.publish(w, 2)
-    deadline = time.monotonic() + 30
-    while coord.step(0.1) is None:
-        assert time.monotonic() < deadline, "files after a quiet spell waited for the interval"
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    step_until_a_cycle(coord, "files after a quiet spell waited for the interval")
+    assert_every_table_exact(make, source)
 
 
 def test_empty_cycle_makes_no_snapshot_but_stores_the_position(
@@ -635,8 +643,7 @@ def test_run_loop_survives_a_channel_error_and_starts_over(
         thread.join(30)
         coord.close()
     assert channel.failures == 0
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
 
 
 @pytest.mark.timeout(120)  # without bounded recovery, lead() never returns
@@ -668,8 +675,7 @@ def test_recovery_ends_under_steady_publishing(make: _Factory, source: RowSource
     finally:
         stop.set()
         thread.join(timeout=30)
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
 
 
 # --- issue 10 §2: one bad or obsolete control event never stops a table ------------------
@@ -718,8 +724,7 @@ def test_file_outside_the_table_is_quarantined_and_the_rest_committed(
     second = coord.commit_now()
     assert second.failed == {}
     assert second.quarantined == {}
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
 
 
 def test_files_of_a_dropped_and_recreated_table_are_quarantined(
@@ -750,8 +755,7 @@ def test_files_of_a_dropped_and_recreated_table_are_quarantined(
     assert sorted(e.file_path for e in entries) == sorted(f.path for f in old.files[table])
     assert {e.error_type for e in entries} == {"TableMismatchError"}
     assert {e.table_uuid for e in entries} == {old_uuid}
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
 
 
 def test_missing_table_backs_off_then_is_quarantined_and_the_others_keep_committing(
@@ -786,8 +790,7 @@ def test_missing_table_backs_off_then_is_quarantined_and_the_others_keep_committ
     source.tables = list(TABLES)
     wait_pending(coord, source.publish(w, 1).file_count)
     coord.commit_now()
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
 
 
 def test_failing_table_backs_off_instead_of_spinning_cycles(
@@ -853,8 +856,7 @@ def test_same_file_announced_by_another_writer_is_not_appended_again(
     result = coord.commit_now()
     assert result.failed == {}
     assert sum(r.data_files for r in result.tables) == 0
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
 
 
 # --- issue 10 §4 --------------------------------------------------------------------------
@@ -889,8 +891,7 @@ def test_commit_broadcasts_and_plugin_hook_run_before_store_position(
             coord.commit_now()
     finally:
         coord.close()
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
     assert sorted(e.table for e in recorder.events) == sorted(TABLES)
     told: list[str] = []
     deadline = time.monotonic() + 30
@@ -915,13 +916,8 @@ def test_vtts_needs_every_source_partition_covered_by_a_live_writer(
     timeout_s = 1.0
     coord = make.coordinator(commit_timeout_s=0.5, writer_timeout_s=timeout_s)
     lead(coord)
-    b = source.batch("dead", 0)
-    events = [Event(group_id, DataWritten(t, tuple(fs)), ref, 0) for t, fs in b.files.items()]
-    events.append(Event(group_id, DataComplete(tuple(b.positions)), ref, 0))
-    assert dead.publish(WriterBatch(ref, 0, tuple(events)))
-    for t, ids in b.ids.items():
-        source.expected.setdefault(t, []).extend(ids)
-    files = b.file_count + source.publish(live, 0).file_count
+    files = publish_unanswered(source, dead, ref, group_id, 0)
+    files += source.publish(live, 0).file_count
     wait_pending(coord, files)
     assert not coord.commit_now().complete  # 'dead' never answers
     time.sleep(timeout_s * 2)  # 'dead' is now past the writer timeout
@@ -930,8 +926,7 @@ def test_vtts_needs_every_source_partition_covered_by_a_live_writer(
     assert result.complete  # only live writers are waited for...
     assert result.valid_through_ms is None  # ...but dead's source partition is not covered
     assert "dead" not in coord.known_writers()  # and its state was dropped
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
 
 
 def test_recovery_and_reading_stop_at_max_pending_files(
@@ -953,8 +948,7 @@ def test_recovery_and_reading_stop_at_max_pending_files(
 
     drive(coord, done, "every batch committed")
     assert peak <= bound
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
 
 
 def test_stop_cutting_a_cycle_short_is_not_a_timeout_warning(
@@ -1017,6 +1011,5 @@ def test_rolled_back_table_waits_for_its_replay_and_the_replay_writer_is_not_wai
     done = coord.commit_now()
     assert done.complete
     assert not done.failed
-    for t in TABLES:
-        assert_exactly_once(make.catalog, t, source.expected[t])
+    assert_every_table_exact(make, source)
     assert IcebergCommitter(make.catalog, group_id).rollback("db.orders") is None
