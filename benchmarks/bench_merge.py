@@ -33,8 +33,9 @@ from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.transforms import BucketTransform
 
-from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies, TablePolicy
+from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.ops.maintenance import recommended_properties
 from icefloe.records.datafiles import write_data_files
 from icefloe.testing.fixtures import make_sqlite_catalog

@@ -28,8 +28,9 @@ from pathlib import Path
 
 from bench_coordinator import TABLE, Templates, dir_size
 
-from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.dedupe import WATERMARKS_KEY
+from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.ops.maintenance import recommended_properties
 from icefloe.testing.fixtures import create_rows_table, make_sqlite_catalog
 

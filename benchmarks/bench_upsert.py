@@ -39,7 +39,8 @@ from pyiceberg.table import Table
 from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.commit import rowdelta
-from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.events import DataFileMeta
 from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
 

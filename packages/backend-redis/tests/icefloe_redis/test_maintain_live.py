@@ -13,8 +13,10 @@ import os
 import time
 from pathlib import Path
 
-from icefloe.commit.committer import RETIRE_AT, IcebergCommitter, state_property
+from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.dedupe import RETIRED_KEY, WATERMARKS_KEY
+from icefloe.commit.retirement import RETIRE_AT
+from icefloe.commit.summary import state_property
 from icefloe.config import config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.commit.committer import IcebergCommitter, drained_property
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.summary import drained_property
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ChannelChangedError, ChannelResetError

@@ -24,22 +24,20 @@ from pyiceberg.table import Table, TableProperties
 from pyiceberg.transforms import DayTransform, IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType, TimestampType
 
-from icefloe.commit.committer import (
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.dedupe import POSITIONS_KEY, WATERMARKS_KEY, CommitBoundary
+from icefloe.commit.livefiles import LiveFiles
+from icefloe.commit.request import PendingFile, TableCommitRequest
+from icefloe.commit.summary import (
     COMMIT_ID_KEY,
     FENCING_TOKEN_KEY,
     GROUP_ID_KEY,
-    POSITIONS_KEY,
     SOURCE_OFFSETS_KEY,
     VALID_THROUGH_KEY,
-    WATERMARKS_KEY,
-    CommitState,
-    IcebergCommitter,
-    PendingFile,
-    TableCommitRequest,
+    RecordedCommit,
     fencing_token_property,
     state_property,
 )
-from icefloe.commit.dedupe import CommitBoundary
 from icefloe.errors import (
     CommitError,
     CommitHistoryLostError,
@@ -193,7 +191,7 @@ def test_commit_appends_files_and_records_summary(catalog: SqlCatalog, table: Ta
     assert props[fencing_token_property(GROUP)] == "3"
 
     state = IcebergCommitter(catalog, GROUP).state("db.events")
-    assert state == CommitState(
+    assert state == RecordedCommit(
         snapshot_id=result.snapshot_id,
         commit_id=req.commit_id,
         boundary=CommitBoundary({"0": 1, "1": 4}, {"w1": 4, "w2": 7}),
@@ -1057,13 +1055,13 @@ def test_commits_after_a_manifest_merge_do_not_decode_the_merged_manifest(
         },
     )
     decoded: list[str] = []
-    original = IcebergCommitter._decode_live
+    original = LiveFiles._decode_live
 
     def counted(table: Table, manifest: Any) -> frozenset[str]:
         decoded.append(manifest.manifest_path)
         return original(table, manifest)
 
-    monkeypatch.setattr(IcebergCommitter, "_decode_live", staticmethod(counted))
+    monkeypatch.setattr(LiveFiles, "_decode_live", staticmethod(counted))
     committer = IcebergCommitter(catalog, GROUP)
     first: list[DataFileMeta] = []
     for seq in range(12):

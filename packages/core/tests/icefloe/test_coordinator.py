@@ -24,8 +24,8 @@ from prometheus_client import REGISTRY
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import ChannelRecord, WriterBatch, WriterChannel
-from icefloe.commit.committer import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
 from icefloe.commit.quarantine import Quarantine
+from icefloe.commit.summary import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
 from icefloe.config import CoordinationConfig
 from icefloe.coordination.coordinator import (
     Coordinator,

@@ -11,14 +11,11 @@ import uuid
 
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.commit.committer import (
-    RETIRE_AT,
-    IcebergCommitter,
-    PendingFile,
-    TableCommitRequest,
-    state_property,
-)
+from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.dedupe import RETIRED_KEY, WATERMARKS_KEY, CommitBoundary, decode_retired
+from icefloe.commit.request import PendingFile, TableCommitRequest
+from icefloe.commit.retirement import RETIRE_AT
+from icefloe.commit.summary import state_property
 from icefloe.ops.maintenance import remove_orphan_files
 from icefloe.testing.fixtures import (
     assert_exactly_once,

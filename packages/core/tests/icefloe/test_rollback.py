@@ -13,7 +13,8 @@ from pyiceberg.catalog.sql import SqlCatalog
 from typer.testing import CliRunner
 
 from icefloe.cli.main import app
-from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.commit.rollback import (
     ReplayRange,
     Rollback,

@@ -28,14 +28,10 @@ from pyiceberg.transforms import IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.commit import rowdelta
-from icefloe.commit.committer import (
-    COMMIT_ID_KEY,
-    IcebergCommitter,
-    PendingFile,
-    TableCommitRequest,
-    TableCommitResult,
-)
+from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies, TablePolicy
+from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
+from icefloe.commit.summary import COMMIT_ID_KEY
 from icefloe.errors import RowDeltaNotSupportedError, RowDeltaTableError
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
-from icefloe.commit.committer import IcebergCommitter, state_property
+from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies, TablePolicy
+from icefloe.commit.summary import state_property
 from icefloe.config import config_from_dict
 from icefloe.coordination.coordinator import CoordinatorHooks, CoordinatorSettings
 from icefloe.coordination.resume import committed

@@ -74,7 +74,7 @@ def test_exit_after_commit_fires_after_the_nth_cycle_that_committed_a_table() ->
     """Cycles that committed nothing do not count; the exit comes after the Iceberg commits,
     inside the coordinator's own hook (before it stores the channel position)."""
     code = (
-        "from icefloe.commit.committer import TableCommitResult\n"
+        "from icefloe.commit.request import TableCommitResult\n"
         "from icefloe.coordination.coordinator import CycleResult\n"
         "from icefloe_spark.faults import coordinator_hooks\n"
         "def cycle(snapshot):\n"

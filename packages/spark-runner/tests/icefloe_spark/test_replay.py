@@ -14,7 +14,8 @@ import pyarrow as pa
 import pytest
 from pyiceberg.catalog import Catalog, load_catalog
 
-from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.commit.rollback import Rollback
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings

@@ -29,7 +29,8 @@ from pyiceberg.types import (
     TimestamptzType,
 )
 
-from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.config import ErrorsConfig, PipelineConfig, config_from_dict
 from icefloe.errors import RecordConversionError, RecordRouteError
 from icefloe.testing.fixtures import kafka_rows, make_sqlite_catalog

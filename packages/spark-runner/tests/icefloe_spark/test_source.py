@@ -32,7 +32,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from icefloe.commit.committer import IcebergCommitter, PendingFile, TableCommitRequest
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.config import config_from_dict
 from icefloe.errors import ConfigError
 from icefloe.testing.fixtures import (

@@ -36,7 +36,8 @@ SourceOffsets = Mapping[str, Mapping[int, int]]  # topic -> partition -> next of
 
 
 class Recorded(Protocol):
-    """What a snapshot of the pipeline records (``icefloe.commit.committer.CommitState`` is one)."""
+    """What a snapshot of the pipeline records (``icefloe.commit.summary.RecordedCommit`` is
+    one)."""
 
     @property
     def snapshot_id(self) -> int: ...

@@ -24,13 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from icefloe.channel import CoordinatorChannel
-from icefloe.commit.committer import (
-    IcebergCommitter,
-    PendingFile,
-    TableCommitRequest,
-    TableCommitResult,
-)
+from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import Quarantine, QuarantineEntry
+from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
@@ -49,7 +45,7 @@ log = logging.getLogger("icefloe.coordinator")
 
 
 @dataclass
-class _Trouble:
+class _TableBackoff:
     """A table's consecutive failures, and when to try it again."""
 
     failures: int
@@ -82,7 +78,7 @@ class CommitCycle:
         self._hooks = hooks
         self._plugins = plugins
         self._quarantine = quarantine
-        self._trouble: dict[str, _Trouble] = {}
+        self._trouble: dict[str, _TableBackoff] = {}
         self.quarantined_files = 0  # since this coordinator started (a metric)
         reader.backing_off = self.backing_off
         self.stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
@@ -259,7 +255,7 @@ class CommitCycle:
         """Count a table failure and set its backoff; quarantine its pending files once a
         permanent error repeated often enough. Returns how many files were quarantined."""
         s = self._settings
-        trouble = self._trouble.get(table) or _Trouble(0, 0.0)
+        trouble = self._trouble.get(table) or _TableBackoff(0, 0.0)
         trouble.failures += 1
         # a rolled-back table waits for its replay, which comes soon: no growing backoff
         waiting = isinstance(exc, RollbackPendingError)

@@ -25,9 +25,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from icefloe.channel import ChannelRecord, CoordinatorChannel
-from icefloe.commit.committer import IcebergCommitter, PendingFile
+from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.dedupe import CommitBoundary
 from icefloe.commit.quarantine import Quarantine
+from icefloe.commit.request import PendingFile
 from icefloe.commit.rollback import is_replay_writer
 from icefloe.coordination.settings import POLL_S, CoordinatorSettings
 from icefloe.coordination.writer import merge_positions

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from icefloe.commit.committer import TableCommitResult
 from icefloe.commit.policy import TablePolicies
 from icefloe.commit.quarantine import DEFAULT_QUARANTINE_TABLE
+from icefloe.commit.request import TableCommitResult
 from icefloe.config import CoordinationConfig, PipelineConfig
 
 POLL_S = 0.2  # longest single wait inside a cycle, so lease renewal keeps its pace

@@ -5,7 +5,7 @@ Why a separate step: positions number the events of one channel only, so a pipel
 moves to a new channel cannot tell from the tables which batches of the old one were never
 committed. The committer therefore refuses to commit through a new channel until the table
 names the old one as drained (``icefloe.channel-drained.<group>``, see
-:func:`icefloe.commit.committer.drained_property`), and only this procedure sets that mark after
+:func:`icefloe.commit.summary.drained_property`), and only this procedure sets that mark after
 proving the old channel has nothing left.
 
 The writers must be stopped first (``icefloe run`` ended): a batch published while the drain

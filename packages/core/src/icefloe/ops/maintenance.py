@@ -28,8 +28,9 @@ from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import ancestors_of
 
 from icefloe.channel import ChannelRecord, CoordinatorChannel
-from icefloe.commit.committer import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY, PendingFile
 from icefloe.commit.dedupe import RETIRED_KEY
+from icefloe.commit.request import PendingFile
+from icefloe.commit.summary import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY
 from icefloe.config import PipelineConfig
 from icefloe.errors import ConfigError
 from icefloe.events import DataWritten

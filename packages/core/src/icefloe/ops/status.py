@@ -23,7 +23,8 @@ from icefloe.channel import Backend, BackendStatus
 from icefloe.config import PipelineConfig
 
 if TYPE_CHECKING:  # the committer (and pyiceberg's writer side) loads only when needed
-    from icefloe.commit.committer import IcebergCommitter, PendingFile
+    from icefloe.commit.committer import IcebergCommitter
+    from icefloe.commit.request import PendingFile
 
 log = logging.getLogger("icefloe.status")
 

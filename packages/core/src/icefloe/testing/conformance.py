@@ -73,7 +73,8 @@ from icefloe.channel import (
     WriterBatch,
     WriterChannel,
 )
-from icefloe.commit.committer import IcebergCommitter, drained_property
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.summary import drained_property
 from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import EventDecodeError, NotLeaderError, WriterFencedError

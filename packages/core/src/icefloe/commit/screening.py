@@ -1,0 +1,207 @@
+"""The file rules: why a table can never take an announced file (another incarnation of the
+table, outside its location, an old partition spec, a delete file, a key file it cannot
+resolve, metadata it cannot describe, a small file already merged away). Each reason concerns
+one file alone, so the coordinator quarantines just that file and commits the rest."""
+
+from __future__ import annotations
+
+import posixpath
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from pyiceberg.table import Table
+
+from icefloe.commit import rowdelta
+from icefloe.commit.dedupe import CommitBoundary
+from icefloe.commit.policy import TablePolicy
+from icefloe.commit.request import PendingFile, table_name
+from icefloe.errors import (
+    DataFileMissingError,
+    FileOutsideTableError,
+    InvalidDataFileError,
+    PartitionSpecChangedError,
+    RefusedFileError,
+    RowDeltaNotSupportedError,
+    RowDeltaTableError,
+    TableMismatchError,
+)
+from icefloe.events import DataFileMeta, FileContent
+from icefloe.records.datafiles import DataFileBuilder
+
+# Table properties under which files may legitimately live outside the table location.
+_DATA_PATH_PROPERTIES = (
+    "write.data.path",
+    "write.object-storage.path",
+    "write.folder-storage.path",
+)
+# URI schemes that name the same storage.
+_SCHEME_ALIASES = {"": "file", "s3a": "s3", "s3n": "s3"}
+
+
+@dataclass(frozen=True)
+class Screening:
+    """A table's verdict on pending files before any commit: which can never be committed."""
+
+    accepted: tuple[PendingFile, ...]
+    refused: tuple[tuple[PendingFile, RefusedFileError], ...]
+
+
+def screen(
+    table: Table, files: Iterable[PendingFile], boundary: CommitBoundary, policy: TablePolicy
+) -> Screening:
+    """Sort ``files`` into those ``table`` may take and those it refuses for good. Files
+    ``boundary`` covers count as accepted (the commit drops them)."""
+    accepted: list[PendingFile] = []
+    refused: list[tuple[PendingFile, RefusedFileError]] = []
+    rules = _FileRules.of(table)
+    for f in files:
+        covered = boundary.covers(f)
+        error = None if covered else _refusal(table, f, rules)
+        if error is None and not covered and policy.merge_small_files:
+            error = _missing(table, f, policy.target_file_size_bytes)
+        if error is None:
+            accepted.append(f)
+        else:
+            refused.append((f, error))
+    return Screening(tuple(accepted), tuple(refused))
+
+
+def first_refusal(table: Table, files: Iterable[PendingFile]) -> RefusedFileError | None:
+    """Why ``table`` can never take the first of ``files`` it refuses, or None."""
+    rules = _FileRules.of(table)
+    for f in files:
+        error = _refusal(table, f, rules)
+        if error is not None:
+            return error
+    return None
+
+
+@dataclass(frozen=True)
+class _FileRules:
+    """What every file's check against one loaded table shares, prepared once: a commit
+    carries up to 100,000s of files, and per-file setup cost as much as the checks."""
+
+    roots: tuple[_Root, ...]
+    table_uuid: str
+    build: Callable[[DataFileMeta], object]
+
+    @classmethod
+    def of(cls, table: Table) -> _FileRules:
+        metadata = table.metadata
+        roots = [metadata.location] + [
+            metadata.properties[p] for p in _DATA_PATH_PROPERTIES if metadata.properties.get(p)
+        ]
+        return cls(
+            tuple(_split_root(r) for r in roots),
+            str(metadata.table_uuid),
+            DataFileBuilder(metadata).build,
+        )
+
+
+def _key_file_refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
+    """Why ``table`` cannot resolve the key file ``f``, or None."""
+    try:
+        fields = rowdelta.identifier_fields(table)
+    except RowDeltaTableError as e:
+        return RowDeltaTableError(f"{f.meta.path}: {e}")
+    expected = tuple(field.field_id for field in fields)
+    if tuple(sorted(f.meta.equality_ids or ())) != expected:
+        return RowDeltaTableError(
+            f"table '{table_name(table)}': key file {f.meta.path} names equality ids "
+            f"{list(f.meta.equality_ids or ())}, but the table's identifier fields are "
+            f"{list(expected)} (id_columns changed?); rewrite it with the current id columns"
+        )
+    return None
+
+
+def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileError | None:
+    """Why ``table`` can never take ``f``, or None. Each reason concerns this file alone."""
+    metadata = table.metadata
+    path = f.meta.path
+    key_file = f.is_key_file
+    if key_file:
+        error = _key_file_refusal(table, f)
+        if error is not None:
+            return error
+    elif f.meta.content != FileContent.DATA:
+        return RowDeltaNotSupportedError(
+            f"table '{table_name(table)}': {path} is a delete file ({f.meta.content}); icefloe "
+            "builds a row delta's position deletes itself from key files (equality-delete "
+            "content on the table's identifier fields), so writers announce data and key files "
+            "only"
+        )
+    if (
+        f.table_uuid is not None
+        and f.table_uuid != rules.table_uuid
+        and not _same_uuid(f.table_uuid, metadata.table_uuid)
+    ):
+        return TableMismatchError(
+            f"table '{table_name(table)}' has UUID {metadata.table_uuid}, but {path} was "
+            f"written for table UUID {f.table_uuid} (dropped and recreated?); refusing to "
+            "commit it"
+        )
+    if not any(_inside(path, root) for root in rules.roots):
+        return FileOutsideTableError(
+            f"table '{table_name(table)}': {path} lies outside the table location "
+            f"{metadata.location}; refusing to commit it"
+        )
+    if not key_file and f.meta.spec_id != metadata.default_spec_id:
+        # pyiceberg 0.12's fast append writes one manifest with the default spec
+        return PartitionSpecChangedError(
+            f"table '{table_name(table)}': {path} was written with partition spec "
+            f"{f.meta.spec_id}, but the table's default spec is now "
+            f"{metadata.default_spec_id}; rewrite the file under the current spec"
+        )
+    try:
+        rules.build(f.meta)
+    except (ValueError, KeyError, TypeError) as e:
+        return InvalidDataFileError(f"table '{table_name(table)}': cannot describe {path}: {e}")
+    return None
+
+
+def _missing(table: Table, f: PendingFile, target: int) -> RefusedFileError | None:
+    """Why a file a merge would read cannot be committed: it no longer exists (merged and
+    deleted by an earlier cycle, so the live-path check cannot see it in the table)."""
+    if f.meta.content != FileContent.DATA or f.meta.file_size_in_bytes >= target:
+        return None
+    if table.io.new_input(f.meta.path).exists():
+        return None
+    return DataFileMissingError(
+        f"table '{table_name(table)}': {f.meta.path} no longer exists. merge_small_files "
+        "deletes the files it merged once their commit landed, so this file was most likely "
+        "committed already (merged) and is announced again (under another writer id?); "
+        "otherwise it was lost. Refusing to commit a reference to a missing file"
+    )
+
+
+def _same_uuid(text: str, table_uuid: uuid.UUID) -> bool:
+    try:
+        return uuid.UUID(text) == table_uuid
+    except ValueError:
+        return False
+
+
+def _split(uri: str) -> tuple[str, str, str]:
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    return _SCHEME_ALIASES.get(scheme, scheme), parts.netloc, posixpath.normpath(parts.path)
+
+
+_Root = tuple[str, str, str, str]  # raw prefix, then scheme, netloc, path (ending in "/")
+
+
+def _split_root(root: str) -> _Root:
+    """``root`` prepared for :func:`_inside`."""
+    scheme, netloc, path = _split(root)
+    return root.rstrip("/") + "/", scheme, netloc, path.rstrip("/") + "/"
+
+
+def _inside(path: str, root: _Root) -> bool:
+    """Whether ``path`` lies under ``root``, normalising '..' so it cannot escape."""
+    raw = root[0]
+    if path.startswith(raw) and "/." not in path[len(raw) - 1 :] and "//" not in path[len(raw) :]:
+        return True  # the common case, decided without parsing: nothing to normalise
+    scheme, netloc, file_path = _split(path)
+    return (scheme, netloc) == root[1:3] and file_path.startswith(root[3])
