@@ -1,0 +1,119 @@
+"""Rules of how the coordinator reads: positions grow and a seek resumes exactly after a stored
+one, a zero timeout does not block, undecodable bytes stop ``poll``, and ``end_position`` is
+past everything read."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from icefloe.channel import Backend, ChannelRecord
+from icefloe.errors import EventDecodeError
+from icefloe.testing.rules.support import (
+    Channels,
+    SuiteBase,
+    assert_same_position,
+    event_ids,
+    make_batch,
+    position_after,
+    rule,
+)
+
+
+class ReadingRules(SuiteBase):
+    """Order and positions (one reader), Zero timeouts do not block, Bytes, End position."""
+
+    @rule("Order and positions")
+    def test_positions_grow_and_seek_resumes_exactly_after_stored_position(
+        self, backend: Backend, group_id: str, channels: Channels
+    ) -> None:
+        batches = self.publish_batches(backend, group_id, channels, 6)
+        coord, _ = self.leader(backend, channels, "c1")
+        assert coord.stored_position() is None, "a new pipeline has no stored position"
+        coord.seek(None)
+        recs = self.read_until(coord, group_id, self.has_events(event_ids(batches)))
+        cut = len(recs) // 2
+        pos = position_after(recs[:cut])
+        coord.store_position(pos)
+        assert_same_position(coord.stored_position(), pos)
+        coord.release()
+        coord2, _ = self.leader(backend, channels, "c2")
+        stored = coord2.stored_position()
+        assert_same_position(stored, pos)
+        assert stored is not None
+        coord2.seek(stored)
+        expected = [r for r in recs if not r.is_before(pos)]
+        again = self.read_until(
+            coord2, group_id, self.has_events({r.event.event_id for r in expected})
+        )
+        assert [r.event.event_id for r in again] == [r.event.event_id for r in expected]
+        assert [(r.partition, r.offset) for r in again] == [
+            (r.partition, r.offset) for r in expected
+        ]
+
+    @rule("Zero timeouts do not block")
+    def test_zero_timeout_polls_do_not_block(self, backend: Backend, channels: Channels) -> None:
+        """A zero timeout means "do not wait" (not "wait forever", as some clients read 0):
+        the writer client polls broadcasts this way while holding its publish lock."""
+        w, _ = self.writer(backend, channels, "w")
+        coord, _ = self.leader(backend, channels, "c")
+        coord.seek(None)
+        returned = threading.Event()
+
+        def polls() -> None:
+            w.poll_broadcasts(0.0)
+            coord.poll(0.0)
+            returned.set()
+
+        threading.Thread(target=polls, daemon=True).start()
+        assert returned.wait(self.read_timeout_s), "poll with timeout 0 did not return"
+
+    @rule("Bytes")
+    def test_poll_stops_at_undecodable_bytes(
+        self, backend: Backend, group_id: str, channels: Channels
+    ) -> None:
+        """A record that does not decode raises EventDecodeError from ``poll`` - on every poll,
+        at that record - and is never skipped: what follows it may be a DataWritten the
+        coordinator must not lose."""
+        w, ref = self.writer(backend, channels, "w")
+        before = make_batch(group_id, ref, 0)
+        after = make_batch(group_id, ref, 1)
+        assert w.publish(before) is True
+        backend.inject_undecodable(b"\x00\xffnot an icefloe event", "w")
+        assert w.publish(after) is True
+        coord, _ = self.leader(backend, channels, "c")
+        coord.seek(None)
+        got: list[ChannelRecord] = []
+        deadline = time.monotonic() + self.read_timeout_s
+        raised = 0
+        while raised < 2:
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    "poll never raised EventDecodeError for the injected bytes "
+                    f"(read {len(got)} records): it skips undecodable records"
+                )
+            try:
+                got.extend(r for r in coord.poll(0.2) if r.event.group_id == group_id)
+            except EventDecodeError:
+                raised += 1  # and again: the record is not consumed by raising
+            seen = {r.event.event_id for r in got}
+            assert not seen & event_ids([after]), "poll skipped the undecodable record"
+        assert event_ids([before]) <= {r.event.event_id for r in got}, (
+            "events before the undecodable record were not returned first"
+        )
+
+    @rule("End position")
+    def test_end_position_is_past_every_event_read(
+        self, backend: Backend, group_id: str, channels: Channels
+    ) -> None:
+        """``end_position`` is the reset detector's yardstick: positions a reader reaches
+        (and tables record) never lie beyond it."""
+        batches = self.publish_batches(backend, group_id, channels, 3)
+        coord, recs = self.read_from_start(backend, channels, group_id, event_ids(batches))
+        end = coord.end_position()
+        for partition, offset in position_after(recs).items():
+            assert end.get(partition, 0) >= offset, (
+                f"end {dict(end)} is behind {partition}@{offset}"
+            )
