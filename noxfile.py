@@ -48,7 +48,8 @@ def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests with only that package and its declared dependencies installed
     (so an undeclared import fails), or `e2e`: the cross-package tests in tests/."""
     if package == "e2e":
-        # pip: tests/test_third_party_plugin.py installs a plugin distribution with it
+        # pip: tests/test_third_party_plugin.py installs a plugin distribution with it;
+        # import-linter: tests/test_import_cycles.py runs tools/import_cycles.py (grimp)
         session.install(
             *ALL_WITH_TEST_EXTRAS,
             "./packages/spark-runner[demo]",
@@ -56,6 +57,7 @@ def tests(session: nox.Session, package: str) -> None:
             "psutil>=5.9",
             "ruff>=0.6",
             "mypy>=1.11",
+            "import-linter>=2.1",
         )
         session.run("pytest", "tests", *_pytest_args(session))
         return
@@ -67,10 +69,14 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole tree."""
-    session.install("ruff>=0.6")
+    """ruff check and ruff format --check over the whole tree; the import contracts
+    (import-linter, pyproject.toml's [tool.importlinter]) and no import cycle
+    (tools/import_cycles.py) over the five packages."""
+    session.install("ruff>=0.6", "import-linter>=2.1", *ALL_WITH_TEST_EXTRAS)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("lint-imports")
+    session.run("python", "tools/import_cycles.py")
 
 
 @nox.session

@@ -29,7 +29,6 @@ from pydantic import (
     model_validator,
 )
 
-from icefloe.commit.policy import DEFAULT_TARGET_FILE_SIZE
 from icefloe.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -40,6 +39,8 @@ _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 # no dots: the backend's section is the TOML table [coordination.<name>]
 BACKEND_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 TABLE_NAME_RE = r"^[^.\s]+(\.[^.\s]+)+$"
+# a table's target_file_size_bytes when it sets none (icefloe.commit.policy's default too)
+DEFAULT_TARGET_FILE_SIZE = 128 * 1024 * 1024
 # what each pattern means, for error messages (a regex is no help to a user)
 _PATTERN_HELP = {
     _NAME_RE: "use letters, digits, '.', '_' and '-', starting with a letter or digit",

@@ -3,6 +3,11 @@ tests can tell them apart without parsing messages."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 
 class IcefloeError(Exception):
     """Base of every error icefloe raises on purpose."""
@@ -224,6 +229,40 @@ class RecordConformError(RecordConversionError):
     required field)."""
 
     kind = "conform"
+
+
+class RecordPositions(Protocol):
+    """Where each row of a batch came from: what :func:`record_error` reads of a codec's
+    ``icefloe.hookspecs.DecodeContext`` (a protocol, so errors import no other module)."""
+
+    @property
+    def topics(self) -> pa.Array: ...
+
+    @property
+    def partitions(self) -> pa.Array: ...
+
+    @property
+    def offsets(self) -> pa.Array: ...
+
+
+def record_error(
+    context: RecordPositions | None,
+    row: int,
+    field: str | None,
+    problem: str,
+    error: type[RecordConversionError] = RecordDecodeError,
+) -> RecordConversionError:
+    """A RecordConversionError (by default a decode error, what codecs raise) for ``row`` of
+    the batch ``context`` describes."""
+    if context is None or row >= len(context.offsets):
+        return error("<batch>", -1, row, field, f"row {row}: {problem}")
+    return error(
+        str(context.topics[row].as_py()),
+        int(context.partitions[row].as_py()),
+        int(context.offsets[row].as_py()),
+        field,
+        problem,
+    )
 
 
 class RowDeltaNotSupportedError(RefusedFileError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import pluggy
 from pydantic import BaseModel
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
     from icefloe.channel import Backend
     from icefloe.config import PipelineConfig
-    from icefloe.ops.doctor import Check
 
 PROJECT = "icefloe"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -74,9 +73,38 @@ class RecordCodec(Protocol):
     def decode(self, values: pa.Array, schema: pa.Schema, context: DecodeContext) -> pa.Table:
         """Decode binary ``values`` into a table, one row per value (a null value: a row of
         nulls), with ``schema``'s columns typed as closely as the format allows; columns it
-        does not name may be kept. ``icefloe.records.converter.conform`` makes the exact table
-        schema (names, aliases, casts); errors name the record through ``context``."""
+        does not name may be kept. ``icefloe.records.conform.conform`` makes the exact table
+        schema (names, aliases, casts); errors name the record through ``context``
+        (:func:`icefloe.errors.record_error`)."""
         ...
+
+
+# Schema metadata a codec may read: the caller matches names case-insensitively, so a codec
+# that would drop fields not named in the schema should keep them instead.
+CASE_INSENSITIVE_KEY = b"icefloe.case-insensitive"
+# Schema metadata asking a codec to decode every field with the types it finds (no schema to
+# follow): what schema inference and evolution look at (icefloe.records.evolution).
+INFER_ALL_KEY = b"icefloe.infer-all"
+
+
+def failing_prefix_end(arr: pa.Array, fn: Callable[[pa.Array], Any]) -> int:
+    """The last index of the shortest prefix of ``arr`` that ``fn`` rejects (``arr`` as a whole
+    is known to fail), by a binary search over prefixes: O(log n) vectorised calls. That element
+    is not always at fault itself: it may only conflict with an earlier one. How a codec finds
+    the record to name when a whole batch fails."""
+    import pyarrow as pa  # here, not at the top: loading plugins needs no Arrow
+
+    rejected = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, OverflowError)
+    lo, hi = 1, len(arr)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            fn(arr.slice(0, mid))
+        except rejected:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo - 1
 
 
 @dataclass(frozen=True)
@@ -86,6 +114,20 @@ class CodecSpec:
     name: str
     factory: Callable[[dict[str, Any]], RecordCodec]
     description: str = ""
+
+
+Status = Literal["ok", "warn", "fail"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the `icefloe doctor` report, from core or a plugin's ``icefloe_doctor``.
+    ``fail``: ``run`` would fail; ``warn``: it would run with a weaker guarantee or a
+    surprise."""
+
+    name: str
+    status: Status
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -120,7 +162,7 @@ class IcefloeHookSpecs:
     @hookspec
     def icefloe_doctor(self, config: PipelineConfig) -> Sequence[Check]:
         """Checks `icefloe doctor` runs for this plugin's part of the pipeline (the Spark
-        runner: the Kafka source and its topics, Java). Return ``icefloe.ops.doctor.Check``s."""
+        runner: the Kafka source and its topics, Java), as :class:`Check`s."""
 
     @hookspec
     def icefloe_source_lag(self, config: PipelineConfig) -> Mapping[str, int | None]:

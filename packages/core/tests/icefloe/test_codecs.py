@@ -36,7 +36,8 @@ from icefloe.hookspecs import DecodeContext
 from icefloe.plugins.manager import new_plugins
 from icefloe.records.codecs.avro import AvroCodec
 from icefloe.records.codecs.json import JsonCodec
-from icefloe.records.converter import RecordConverter, TargetTable, conform, decode_hint
+from icefloe.records.conform import conform
+from icefloe.records.converter import RecordConverter, TargetTable, decode_hint
 
 UTC = dt.UTC
 

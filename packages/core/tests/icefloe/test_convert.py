@@ -1,4 +1,4 @@
-"""Best-fit conversion to an Iceberg schema (icefloe.records.converter.conform)."""
+"""Best-fit conversion to an Iceberg schema (icefloe.records.conform.conform)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from pyiceberg.types import (
 
 from icefloe.errors import RecordConversionError
 from icefloe.hookspecs import DecodeContext
-from icefloe.records.converter import conform, table_name_mapping
+from icefloe.records.conform import conform, table_name_mapping
 
 UTC = dt.UTC
 

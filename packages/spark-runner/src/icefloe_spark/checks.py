@@ -17,7 +17,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from icefloe.config import PipelineConfig
-from icefloe.ops.doctor import Check
+from icefloe.hookspecs import Check
 
 _SILENT = logging.getLogger("icefloe_spark.doctor.librdkafka")
 _SILENT.propagate = False

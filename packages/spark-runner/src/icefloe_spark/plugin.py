@@ -8,7 +8,7 @@ from icefloe.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from icefloe.config import PipelineConfig
-    from icefloe.ops.doctor import Check
+    from icefloe.hookspecs import Check
 
 
 @hookimpl

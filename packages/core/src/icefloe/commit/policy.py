@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from icefloe.config import DEFAULT_TARGET_FILE_SIZE
+
 if TYPE_CHECKING:
     from icefloe.config import PipelineConfig, TableCommitOptions
 
 MAIN_BRANCH = "main"
-DEFAULT_TARGET_FILE_SIZE = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)

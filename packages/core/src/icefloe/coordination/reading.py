@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from icefloe.channel import ChannelRecord, CoordinatorChannel
@@ -51,6 +51,32 @@ class WriterState:
 
 def now_ms() -> float:
     return time.time() * 1000.0
+
+
+def backlog(
+    channel: CoordinatorChannel,
+    group_id: str,
+    idle_polls: int = 3,
+    reached: dict[str, int] | None = None,
+) -> Iterator[ChannelRecord]:
+    """Every event of ``group_id`` the channel holds from its stored position on (read only:
+    no lease, nothing stored), until ``idle_polls`` polls in a row find nothing new.
+    ``reached``, when given, is filled with the read position got to (every group's events).
+    What the resume rules, ``icefloe maintain`` and ``icefloe status`` read: where a new leader
+    would resume."""
+    stored = channel.stored_position()
+    if reached is not None:
+        reached.update(stored or {})
+    channel.seek(stored)
+    empty = 0
+    while empty < idle_polls:
+        records = channel.poll(0.5)
+        empty = 0 if records else empty + 1
+        for rec in records:
+            if reached is not None:
+                reached[rec.partition] = max(reached.get(rec.partition, 0), rec.offset + 1)
+            if rec.event.group_id == group_id:
+                yield rec
 
 
 class EventReader:

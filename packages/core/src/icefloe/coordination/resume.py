@@ -39,9 +39,9 @@ from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.dedupe import max_merge
 from icefloe.commit.policy import TablePolicies
+from icefloe.coordination.reading import backlog
 from icefloe.errors import WriterRegressionError
 from icefloe.events import DataComplete, DataWritten
-from icefloe.ops.maintenance import backlog
 
 K = TypeVar("K")
 SourceOffsets = dict[str, dict[int, int]]  # topic -> partition -> next offset

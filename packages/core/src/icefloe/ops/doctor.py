@@ -12,24 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from icefloe.config import PipelineConfig
+from icefloe.hookspecs import Check as Check  # re-exported: plugins imported it from here
 
-Status = Literal["ok", "warn", "fail"]
 # client libraries that log every failed connection attempt: doctor reports the cause once
 _NOISY_LOGGERS = ("psycopg.pool", "icefloe_kafka", "icefloe_spark.kafka", "icefloe_redis", "redis")
-
-
-@dataclass(frozen=True)
-class Check:
-    """One line of the report. ``fail``: ``run`` would fail; ``warn``: it would run with a
-    weaker guarantee or a surprise."""
-
-    name: str
-    status: Status
-    detail: str
 
 
 def cause_of(exc: BaseException) -> str:

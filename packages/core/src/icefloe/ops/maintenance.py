@@ -27,11 +27,12 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import ancestors_of
 
-from icefloe.channel import ChannelRecord, CoordinatorChannel
+from icefloe.channel import CoordinatorChannel
 from icefloe.commit.dedupe import RETIRED_KEY
 from icefloe.commit.request import PendingFile
 from icefloe.commit.summary import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY
 from icefloe.config import PipelineConfig
+from icefloe.coordination.reading import backlog
 from icefloe.errors import ConfigError
 from icefloe.events import DataWritten
 
@@ -235,30 +236,6 @@ def announced(
         seq = -1 if event.batch_seq is None else event.batch_seq
         for f in payload.files:
             yield payload.table, PendingFile(f, writer, seq, rec.partition, rec.offset)
-
-
-def backlog(
-    channel: CoordinatorChannel,
-    group_id: str,
-    idle_polls: int = 3,
-    reached: dict[str, int] | None = None,
-) -> Iterator[ChannelRecord]:
-    """Every event of ``group_id`` the channel holds from its stored position on (read only:
-    no lease, nothing stored), until ``idle_polls`` polls in a row find nothing new.
-    ``reached``, when given, is filled with the read position got to (every group's events)."""
-    stored = channel.stored_position()
-    if reached is not None:
-        reached.update(stored or {})
-    channel.seek(stored)
-    empty = 0
-    while empty < idle_polls:
-        records = channel.poll(0.5)
-        empty = 0 if records else empty + 1
-        for rec in records:
-            if reached is not None:
-                reached[rec.partition] = max(reached.get(rec.partition, 0), rec.offset + 1)
-            if rec.event.group_id == group_id:
-                yield rec
 
 
 def announced_files(channel: CoordinatorChannel, group_id: str, idle_polls: int = 3) -> set[str]:

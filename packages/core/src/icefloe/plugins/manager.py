@@ -25,11 +25,10 @@ from icefloe.errors import (
     UnknownBackendError,
     UnknownCodecError,
 )
-from icefloe.hookspecs import PROJECT, BackendSpec, CodecSpec, TableCommitted
+from icefloe.hookspecs import PROJECT, BackendSpec, Check, CodecSpec, TableCommitted
 
 if TYPE_CHECKING:
     from icefloe.config import PipelineConfig
-    from icefloe.ops.doctor import Check
 
 log = logging.getLogger("icefloe.plugins")
 

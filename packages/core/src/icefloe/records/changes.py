@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.schema import Schema
 
-from icefloe.errors import RecordConformError
+from icefloe.errors import RecordConformError, record_error
 
 if TYPE_CHECKING:
     from icefloe.config import ChangeOptions
@@ -44,8 +44,6 @@ def key_arrow_schema(schema: Schema, id_columns: Sequence[str]) -> pa.Schema:
 
 
 def _error(context: DecodeContext | None, row: int, field: str, problem: str) -> Exception:
-    from icefloe.records.converter import record_error
-
     return record_error(context, row, field, problem, RecordConformError)
 
 

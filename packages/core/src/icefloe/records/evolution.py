@@ -40,7 +40,7 @@ from pyiceberg.types import (
     StructType,
 )
 
-from icefloe.records.converter import mapped_names
+from icefloe.records.conform import mapped_names
 
 log = logging.getLogger("icefloe.evolution")
 

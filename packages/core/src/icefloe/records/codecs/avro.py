@@ -27,9 +27,8 @@ from typing import Any
 import fastavro
 import pyarrow as pa
 
-from icefloe.errors import ConfigError
+from icefloe.errors import ConfigError, record_error
 from icefloe.hookspecs import DecodeContext
-from icefloe.records.converter import record_error
 
 _PRIMITIVES = {
     "null": pa.null(),

@@ -27,13 +27,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from icefloe.errors import ConfigError
-from icefloe.hookspecs import DecodeContext
-from icefloe.records.converter import (
+from icefloe.errors import ConfigError, record_error
+from icefloe.hookspecs import (
     CASE_INSENSITIVE_KEY,
     INFER_ALL_KEY,
+    DecodeContext,
     failing_prefix_end,
-    record_error,
 )
 
 _COLUMN = re.compile(r"Column\(/([^)/]*)")
