@@ -381,7 +381,7 @@ def test_resp3_connections_work(make_backend, batch_of, group_id, config):
 def test_more_concurrent_writers_than_pooled_connections_wait_instead_of_failing(make_backend):
     """Many writers in one process share the backend's client: with redis-py's default pool,
     more than 100 concurrent broadcast polls failed with MaxConnectionsError."""
-    from icefloe_redis.backend import POOL_MAX_CONNECTIONS
+    from icefloe_redis.connection import POOL_MAX_CONNECTIONS
 
     backend = make_backend()
     writers = [backend.writer(f"w{i}") for i in range(POOL_MAX_CONNECTIONS + 30)]
