@@ -17,8 +17,8 @@ from icefloe.errors import ChannelError, WriterFencedError
 from icefloe.events import DataComplete, DataWritten, Event, SourcePosition, WriterRef
 from icefloe.testing.conformance import fake_file, make_batch
 from icefloe_postgres import PostgresBackend, PostgresCoordinatorChannel
-from icefloe_postgres.backend import PostgresWriterChannel
 from icefloe_postgres.testing import BackendMaker
+from icefloe_postgres.writer_channel import PostgresWriterChannel
 
 
 def consecutive(offsets: list[int]) -> bool:
