@@ -14,9 +14,9 @@ from icefloe.errors import ChannelError, ConfigError
 from icefloe_kafka.broadcasts import BroadcastReader
 from icefloe_kafka.clients import KafkaClients, group_headers, record_key
 from icefloe_kafka.config import SECTION, KafkaBackendConfig
-from icefloe_kafka.coordinator import KafkaCoordinatorChannel
+from icefloe_kafka.coordinator_channel import KafkaCoordinatorChannel
 from icefloe_kafka.state import pipeline_state
-from icefloe_kafka.writer import KafkaWriterChannel
+from icefloe_kafka.writer_channel import KafkaWriterChannel
 
 log = logging.getLogger(__name__)
 

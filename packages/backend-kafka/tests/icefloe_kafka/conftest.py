@@ -40,7 +40,7 @@ def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedK
         broker.stop()
 
 
-def test_config(bootstrap_servers: str, **overrides: Any) -> KafkaBackendConfig:
+def backend_config_for(bootstrap_servers: str, **overrides: Any) -> KafkaBackendConfig:
     """Short timeouts for a 2-core machine shared with other test runs."""
     settings: dict[str, Any] = {
         "bootstrap_servers": bootstrap_servers,
@@ -53,12 +53,9 @@ def test_config(bootstrap_servers: str, **overrides: Any) -> KafkaBackendConfig:
     return KafkaBackendConfig.model_validate(settings)
 
 
-test_config.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
-
-
 @pytest.fixture
 def kafka_config(kafka_broker: EmbeddedKafkaBroker) -> KafkaBackendConfig:
-    return test_config(kafka_broker.bootstrap_servers)
+    return backend_config_for(kafka_broker.bootstrap_servers)
 
 
 @pytest.fixture
@@ -73,7 +70,7 @@ def make_backend(kafka_broker: EmbeddedKafkaBroker) -> Iterator[BackendMaker]:
 
     def make(group_id: str, lease_ttl_s: float = LEASE_TTL_S, **config: Any) -> KafkaBackend:
         backend = KafkaBackend(
-            test_config(kafka_broker.bootstrap_servers, **config), group_id, lease_ttl_s
+            backend_config_for(kafka_broker.bootstrap_servers, **config), group_id, lease_ttl_s
         )
         made.append(backend)
         return backend

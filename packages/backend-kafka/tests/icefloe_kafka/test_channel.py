@@ -25,7 +25,7 @@ from icefloe.events import (
     encode_event,
 )
 from icefloe_kafka.clients import GROUP_HEADER, record_key
-from icefloe_kafka.coordinator import KafkaCoordinatorChannel
+from icefloe_kafka.coordinator_channel import KafkaCoordinatorChannel
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 from .conftest import CONTROL_PARTITIONS, LEASE_TTL_S, BackendMaker

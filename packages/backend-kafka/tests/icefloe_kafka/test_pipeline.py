@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,49 +61,66 @@ def catalog(catalog_dir: Path) -> SqlCatalog:
     return make_sqlite_catalog(catalog_dir)
 
 
-@pytest.fixture
-def clients() -> Iterator[list[WriterClient | Coordinator]]:
-    """Writer clients and coordinators closed at teardown (fenced ones may fail to)."""
-    made: list[WriterClient | Coordinator] = []
-    yield made
-    for c in reversed(made):
-        # a fenced writer or deposed coordinator may fail to close: nothing left to release
-        with contextlib.suppress(Exception):
-            c.close()
-
-
 def step_settings() -> CoordinatorSettings:
     """Cycles only when a test calls commit_now."""
     return CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=20.0)
 
 
-def coordinator(
-    backend: KafkaBackend,
-    catalog: SqlCatalog,
-    made: list[WriterClient | Coordinator],
-    name: str,
-    settings: CoordinatorSettings | None = None,
-    plugins: Any = None,
-) -> Coordinator:
-    c = Coordinator(
-        backend.group_id,
-        backend.coordinator(name),
-        catalog,
-        settings or step_settings(),
-        coordinator_id=name,
-        plugins=plugins or new_plugins(autoload=False),
-    )
-    made.append(c)
-    return c
+@dataclass
+class Pipe:
+    """A test's pipeline: its backend, the catalog and the rows published to it, and the
+    writer clients and coordinators opened on it (closed at teardown)."""
+
+    backend: KafkaBackend
+    catalog: SqlCatalog
+    catalog_dir: Path
+    source: RowSource
+    made: list[WriterClient | Coordinator] = field(default_factory=list)
+
+    @property
+    def group_id(self) -> str:
+        return self.backend.group_id
+
+    def writer(self, writer_id: str) -> WriterClient:
+        w = WriterClient(self.backend.writer(writer_id), self.group_id, writer_id)
+        w.start()
+        self.made.append(w)
+        return w
+
+    def coordinator(self, name: str, **options: Any) -> Coordinator:
+        """A coordinator on the pipe's catalog that cycles only when the test calls commit_now
+        and has no plugins; ``options`` (``catalog``, ``settings``, ``plugins``) change that."""
+        chosen: dict[str, Any] = {"catalog": self.catalog, "settings": step_settings(), **options}
+        if "plugins" not in chosen:
+            chosen["plugins"] = new_plugins(autoload=False)
+        c = Coordinator(
+            self.group_id, self.backend.coordinator(name), coordinator_id=name, **chosen
+        )
+        self.made.append(c)
+        return c
+
+    def assert_each_row_once(self, snapshots: int | None = None) -> None:
+        """Every published row is in its table once (and each table has ``snapshots``
+        snapshots of this pipeline, when given)."""
+        for t in TABLES:
+            if snapshots is not None:
+                assert len(group_snapshots(self.catalog, t, self.group_id)) == snapshots
+            assert_exactly_once(self.catalog, t, self.source.expected[t])
+
+    def close(self) -> None:
+        for c in reversed(self.made):
+            # a fenced writer or deposed coordinator may fail to close: nothing left to release
+            with contextlib.suppress(Exception):
+                c.close()
 
 
-def writer(
-    backend: KafkaBackend, made: list[WriterClient | Coordinator], writer_id: str
-) -> WriterClient:
-    w = WriterClient(backend.writer(writer_id), backend.group_id, writer_id)
-    w.start()
-    made.append(w)
-    return w
+@pytest.fixture
+def pipe(
+    make_backend: BackendMaker, group_id: str, catalog: SqlCatalog, catalog_dir: Path
+) -> Iterator[Pipe]:
+    p = Pipe(make_backend(group_id), catalog, catalog_dir, RowSource.create(catalog, TABLES))
+    yield p
+    p.close()
 
 
 def wait_for(what: str, done: Any, deadline_s: float = DEADLINE_S) -> None:
@@ -123,29 +141,21 @@ class CommitRecorder:
         self.events.append(event)
 
 
-def test_writers_and_a_running_coordinator_commit_every_row_once(
-    make_backend: BackendMaker,
-    group_id: str,
-    catalog: SqlCatalog,
-    catalog_dir: Path,
-    clients: list[WriterClient | Coordinator],
-) -> None:
+def test_writers_and_a_running_coordinator_commit_every_row_once(pipe: Pipe) -> None:
     """Three writers publish four rounds of batches while the coordinator runs its own loop in
     a thread with a short commit interval: every row lands once, every round needs a cycle of
     its own, and no cycle makes more than one snapshot per table."""
-    backend = make_backend(group_id)
-    source = RowSource.create(catalog, TABLES)
-    writers = [writer(backend, clients, f"w{i}") for i in range(3)]
+    source, catalog = pipe.source, pipe.catalog
+    writers = [pipe.writer(f"w{i}") for i in range(3)]
     recorder = CommitRecorder()
     plugins = new_plugins(autoload=False)
     plugins.pm.register(recorder)
-    coord = coordinator(
-        backend,
-        make_sqlite_catalog(catalog_dir),  # its own catalog object: it runs in another thread
-        clients,
+    coord = pipe.coordinator(
         "c1",
-        CoordinatorSettings(commit_interval_s=0.5, commit_timeout_s=10.0),
-        plugins,
+        settings=CoordinatorSettings(commit_interval_s=0.5, commit_timeout_s=10.0),
+        plugins=plugins,
+        # its own catalog object: it runs in another thread
+        catalog=make_sqlite_catalog(pipe.catalog_dir),
     )
     stop = threading.Event()
     runner = threading.Thread(target=coord.run, args=(stop,), daemon=True)
@@ -164,7 +174,7 @@ def test_writers_and_a_running_coordinator_commit_every_row_once(
     for t in TABLES:
         assert_exactly_once(catalog, t, source.expected[t])
         assert len(source.expected[t]) == 3 * 4 * source.rows_per_table
-        snaps = group_snapshots(catalog, t, group_id)
+        snaps = group_snapshots(catalog, t, pipe.group_id)
         assert len(snaps) >= 4
         commit_ids = [
             s.summary.additional_properties["icefloe.commit-id"] for s in snaps if s.summary
@@ -175,45 +185,37 @@ def test_writers_and_a_running_coordinator_commit_every_row_once(
         assert sum(e.records for e in reported) == len(source.expected[t])
 
 
-def test_zombie_writer_cannot_get_a_batch_committed(
-    make_backend: BackendMaker,
-    group_id: str,
-    catalog: SqlCatalog,
-    clients: list[WriterClient | Coordinator],
-) -> None:
-    backend = make_backend(group_id)
-    source = RowSource.create(catalog, TABLES)
-    old = writer(backend, clients, "w")
+def test_zombie_writer_cannot_get_a_batch_committed(pipe: Pipe) -> None:
+    source = pipe.source
+    old = pipe.writer("w")
     files = source.publish(old, 0).file_count
-    new = writer(backend, clients, "w")  # same identity, newer instance: fences `old`
+    new = pipe.writer("w")  # same identity, newer instance: fences `old`
     assert (new.epoch or 0) > (old.epoch or 0)
     stale = source.batch("w", 1)  # written by the zombie, never to be committed
     with pytest.raises(WriterFencedError):
         old.publish(1, stale.files, stale.positions)
     files += source.publish(new, 1).file_count
-    coord = coordinator(backend, catalog, clients, "c1")
+    coord = pipe.coordinator("c1")
     lead(coord, DEADLINE_S)
     wait_pending(coord, files, DEADLINE_S)
     result = coord.commit_now()
     assert not result.failed
     with pytest.raises(WriterFencedError):  # still fenced after the commit
         old.publish(2, stale.files, stale.positions)
+    pipe.assert_each_row_once(snapshots=1)
     for t in TABLES:
-        assert_exactly_once(catalog, t, source.expected[t])
-        assert not set(stale.ids[t]) & set(table_ids(catalog, t))
-        assert len(group_snapshots(catalog, t, group_id)) == 1
+        assert not set(stale.ids[t]) & set(table_ids(pipe.catalog, t))
 
 
-def child_spec(
-    backend: KafkaBackend, catalog_dir: Path, mode: str, name: str, pending_files: int
-) -> str:
+def child_spec(pipe: Pipe, mode: str, name: str, pending_files: int) -> str:
+    backend = pipe.backend
     return json.dumps(
         {
             "kafka": backend.config.model_dump(mode="json"),
             "group_id": backend.group_id,
             "lease_ttl_s": backend.lease_ttl_s,
             "catalog_name": "icefloe_test",
-            "catalog": sqlite_catalog_properties(catalog_dir),
+            "catalog": sqlite_catalog_properties(pipe.catalog_dir),
             "mode": mode,
             "name": name,
             "pending_files": pending_files,
@@ -230,59 +232,38 @@ def start_child(spec: str) -> subprocess.Popen[str]:
     )
 
 
-def test_killed_coordinator_process_is_replaced_without_loss_or_duplicates(
-    make_backend: BackendMaker,
-    group_id: str,
-    catalog: SqlCatalog,
-    catalog_dir: Path,
-    clients: list[WriterClient | Coordinator],
-) -> None:
-    backend = make_backend(group_id)
-    source = RowSource.create(catalog, TABLES)
-    writers = [writer(backend, clients, f"w{i}") for i in range(2)]
+def test_killed_coordinator_process_is_replaced_without_loss_or_duplicates(pipe: Pipe) -> None:
+    source = pipe.source
+    writers = [pipe.writer(f"w{i}") for i in range(2)]
     files = sum(source.publish(w, seq).file_count for seq in range(2) for w in writers)
-    child = start_child(child_spec(backend, catalog_dir, "crash", "doomed", files))
+    child = start_child(child_spec(pipe, "crash", "doomed", files))
     try:
         assert child.wait(90) == -signal.SIGKILL, "the doomed coordinator did not die"
     finally:
         child.kill()
     # the rows are in the tables, the channel position was never stored
-    for t in TABLES:
-        assert_exactly_once(catalog, t, source.expected[t])
-    heir = coordinator(backend, catalog, clients, "heir")
+    pipe.assert_each_row_once()
+    heir = pipe.coordinator("heir")
     lead(heir, DEADLINE_S)
     result = heir.commit_now()
     assert not result.failed
     assert all(r.snapshot_id is None for r in result.tables), "re-committed a table"
-    for t in TABLES:
-        assert len(group_snapshots(catalog, t, group_id)) == 1
-        assert_exactly_once(catalog, t, source.expected[t])
+    pipe.assert_each_row_once(snapshots=1)
     files = sum(source.publish(w, 2).file_count for w in writers)
     wait_pending(heir, files, DEADLINE_S)
     assert not heir.commit_now().failed
-    for t in TABLES:
-        assert len(group_snapshots(catalog, t, group_id)) == 2
-        assert_exactly_once(catalog, t, source.expected[t])
+    pipe.assert_each_row_once(snapshots=2)
 
 
-def test_paused_coordinator_process_is_refused_after_a_takeover(
-    make_backend: BackendMaker,
-    group_id: str,
-    catalog: SqlCatalog,
-    catalog_dir: Path,
-    clients: list[WriterClient | Coordinator],
-) -> None:
-    backend = make_backend(group_id)
-    source = RowSource.create(catalog, TABLES)
-    w = writer(backend, clients, "w")
-    files = source.publish(w, 0).file_count
-    child = start_child(child_spec(backend, catalog_dir, "zombie", "zombie", files))
+def test_paused_coordinator_process_is_refused_after_a_takeover(pipe: Pipe) -> None:
+    files = pipe.source.publish(pipe.writer("w"), 0).file_count
+    child = start_child(child_spec(pipe, "zombie", "zombie", files))
     try:
         assert child.stdout is not None
         assert child.stdin is not None
         assert child.stdout.readline().strip() == "READY"
         child.send_signal(signal.SIGSTOP)  # the leader freezes holding pending files
-        heir = coordinator(backend, catalog, clients, "heir")
+        heir = pipe.coordinator("heir")
         lead(heir, DEADLINE_S)
         wait_pending(heir, files, DEADLINE_S)
         assert not heir.commit_now().failed
@@ -292,9 +273,7 @@ def test_paused_coordinator_process_is_refused_after_a_takeover(
         assert child.wait(60) == 3, "the paused leader committed after the takeover"
     finally:
         child.kill()
-    for t in TABLES:
-        assert len(group_snapshots(catalog, t, group_id)) == 1
-        assert_exactly_once(catalog, t, source.expected[t])
+    pipe.assert_each_row_once(snapshots=1)
 
 
 # --------------------------------------------------------------------------- aborted records
@@ -366,18 +345,13 @@ def test_embedded_broker_shows_aborted_records_to_read_committed_readers(
 
 
 def test_replay_after_an_aborted_transaction_commits_each_row_once(
-    make_backend: BackendMaker,
-    kafka_broker: EmbeddedKafkaBroker,
-    group_id: str,
-    catalog: SqlCatalog,
-    clients: list[WriterClient | Coordinator],
+    pipe: Pipe, kafka_broker: EmbeddedKafkaBroker
 ) -> None:
     """A writer dies inside the transaction of batch 1 after producing its DataWritten; the
     restarted writer replays batch 1 (new files, same rows). Whether or not the broker shows
     the aborted copy, every row is committed once."""
-    backend = make_backend(group_id)
-    source = RowSource.create(catalog, TABLES)
-    first = writer(backend, clients, "w")
+    backend, source, group_id = pipe.backend, pipe.source, pipe.group_id
+    first = pipe.writer("w")
     batch0 = source.publish(first, 0)
     files = batch0.file_count
     ref = WriterRef("w", first.epoch or 0)
@@ -388,7 +362,7 @@ def test_replay_after_an_aborted_transaction_commits_each_row_once(
     events.append(Event(group_id, DataComplete(tuple(doomed.positions)), ref, 1))
     first.close()
     crash_inside_a_transaction(backend, events)
-    restarted = writer(backend, clients, "w")  # aborts the dead transaction
+    restarted = pipe.writer("w")  # aborts the dead transaction
     replay = source.batch("w", 1, ids=doomed.ids)  # the same rows in new files
     restarted.publish(1, replay.files, replay.positions)
     source.published[("w", 1)] = replay.ids
@@ -397,14 +371,12 @@ def test_replay_after_an_aborted_transaction_commits_each_row_once(
     files += replay.file_count
 
     exposed = {e.event_id for e in events} & committed_event_ids(kafka_broker, backend)
-    coord = coordinator(backend, catalog, clients, "c1")
+    coord = pipe.coordinator("c1")
     lead(coord, DEADLINE_S)
     wait_pending(coord, files, DEADLINE_S)
     result = coord.commit_now()
     assert not result.failed
-    for t in TABLES:
-        assert_exactly_once(catalog, t, source.expected[t])  # the main assertion
-        assert len(group_snapshots(catalog, t, group_id)) == 1
+    pipe.assert_each_row_once(snapshots=1)  # the main assertion
     if exposed:
         # the gap was exercised: the coordinator read both copies of batch 1 and kept one
         assert exposed == {e.event_id for e in events}

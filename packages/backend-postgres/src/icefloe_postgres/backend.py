@@ -1,9 +1,39 @@
-"""The PostgreSQL backend object: runs the migrations, registers the pipeline, hands out writer
-and coordinator ends and checks the server's setup (``icefloe doctor``).
+"""The PostgreSQL backend: event log, writer fencing, leader lease, wake-ups. The backend object
+runs the migrations, registers the pipeline, hands out writer and coordinator ends and checks
+the server's setup (``icefloe doctor``); the ends live in :mod:`~icefloe_postgres.writer_channel`,
+:mod:`~icefloe_postgres.coordinator_channel` and :mod:`~icefloe_postgres.lease`, and share a
+:class:`~icefloe_postgres.database.ChannelContext`.
 
-The design is described in :mod:`icefloe_postgres.shared` and ``docs/backends/postgres.md``;
-the ends live in :mod:`~icefloe_postgres.writer`, :mod:`~icefloe_postgres.coordinator` and
-:mod:`~icefloe_postgres.lease`.
+Design (see ``docs/backends/postgres.md`` for the long form):
+
+* **Ordered log without gaps in visibility.** A sequence is not committed in order, so a
+  reader could skip an event whose transaction took a lower id but committed later. Every
+  append therefore takes the row lock of its pipeline's ``groups`` row and assigns offsets from
+  that row's counter inside the publishing transaction. The lock is held until commit, so
+  commit order equals offset order, and no event ever appears below an offset the coordinator
+  has already read past. The channel has one partition, ``"0"``.
+* **Publish is one transaction**: the writer's epoch is checked (``FOR SHARE`` on its
+  ``writers`` row, so a concurrent ``open()`` waits for it and then fences), the batch key
+  (group, writer, batch_seq) is inserted under a primary key (a replay adds nothing and
+  returns False), the events are appended, the batch's source positions are upserted (offsets
+  stored with the data they describe, as KIP-892 argues) and a NOTIFY is queued.
+* **Leadership is a lease row** (group, holder, instance, token, expires_at) judged by the
+  database clock only, so clock skew between hosts does not matter. Taking over an expired or
+  released lease increments ``token``; it never decreases. ``store_position`` and
+  ``broadcast`` verify the token inside their own transaction (the row is locked), so a
+  fenced leader gets :class:`NotLeaderError` and writes nothing. A dead leader's lease expires
+  after ``lease_ttl_s``; sooner, a contender sees that the session of the holder's LISTEN
+  connection (pid and start time, kept in the lease row) no longer exists in
+  ``pg_stat_activity`` and takes over at once. ``release()`` hands over at once too and
+  NOTIFYs waiting contenders.
+* **Wake-ups** use LISTEN/NOTIFY on a dedicated connection per coordinator end and one
+  connection shared by all writers of a backend (:class:`SharedListener`); the NOTIFY is
+  sent by the publishing transaction, so it is delivered exactly when the rows are visible.
+  Polling every ``poll_interval_s`` is the fallback.
+* **Failures**: every operation runs on a pooled connection and is retried on connection
+  errors for up to ``retry_timeout_s``. Retrying is safe because every write is idempotent:
+  publish by batch key, respond and broadcast by event id, positions by upsert, acquire by
+  the instance id stored in the lease row.
 """
 
 from __future__ import annotations
@@ -16,13 +46,12 @@ import psycopg
 from icefloe.channel import Backend, BackendStatus
 from icefloe.errors import ChannelError
 from icefloe_postgres.config import PostgresConfig
-from icefloe_postgres.coordinator import PostgresCoordinatorChannel
+from icefloe_postgres.coordinator_channel import PostgresCoordinatorChannel
+from icefloe_postgres.database import ChannelContext, Conn, Database, notify
 from icefloe_postgres.listener import channel_name
 from icefloe_postgres.migrations import latest_version, migrate, schema_version
-from icefloe_postgres.shared import Conn, Database, Queries, notify
-from icefloe_postgres.writer import PostgresWriterChannel
-
-__all__ = ["PostgresBackend", "PostgresCoordinatorChannel", "PostgresWriterChannel"]
+from icefloe_postgres.queries import Queries
+from icefloe_postgres.writer_channel import PostgresWriterChannel
 
 
 class PostgresBackend(Backend):
@@ -47,6 +76,15 @@ class PostgresBackend(Backend):
         self.events_channel = channel_name("events", self.schema, group_id)
         self.broadcasts_channel = channel_name("bcast", self.schema, group_id)
         self.lease_channel = channel_name("lease", self.schema, group_id)
+        self.context = ChannelContext(
+            config,
+            group_id,
+            self.db,
+            self.q,
+            self.events_channel,
+            self.broadcasts_channel,
+            self.lease_channel,
+        )
         self._channels: weakref.WeakSet[PostgresWriterChannel | PostgresCoordinatorChannel] = (
             weakref.WeakSet()
         )
@@ -61,12 +99,12 @@ class PostgresBackend(Backend):
             raise
 
     def writer(self, writer_id: str) -> PostgresWriterChannel:
-        ch = PostgresWriterChannel(self, writer_id)
+        ch = PostgresWriterChannel(self.context, writer_id)
         self._channels.add(ch)
         return ch
 
     def coordinator(self, coordinator_id: str) -> PostgresCoordinatorChannel:
-        ch = PostgresCoordinatorChannel(self, coordinator_id)
+        ch = PostgresCoordinatorChannel(self.context, coordinator_id, self.lease_ttl_s)
         self._channels.add(ch)
         return ch
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import psycopg
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -12,6 +13,13 @@ from icefloe.errors import ConfigError
 
 SECTION = "coordination.postgres"
 DEFAULT_DSN_ENV = "ICEFLOE_POSTGRES_DSN"
+
+
+def _seconds(default: float, description: str, *, zero_allowed: bool = False) -> Any:
+    """A duration setting: more than 0 s, or with ``zero_allowed`` at least 0 s."""
+    if zero_allowed:
+        return Field(default=default, ge=0, description=description)
+    return Field(default=default, gt=0, description=description)
 
 
 class PostgresConfig(BaseModel):
@@ -42,31 +50,22 @@ class PostgresConfig(BaseModel):
     pool_max_size: int = Field(default=4, ge=1)
     pool_timeout_s: float = Field(default=10.0, gt=0)
     connect_timeout_s: int = Field(default=5, ge=1)
-    retry_timeout_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="how long an operation keeps retrying after connection loss",
+    retry_timeout_s: float = _seconds(
+        30.0, "how long an operation keeps retrying after connection loss"
     )
-    retention_s: float = Field(
-        default=3600.0,
-        ge=0,
-        description="minimum age of a committed event before prune() deletes it",
+    retention_s: float = _seconds(
+        3600.0, "minimum age of a committed event before prune() deletes it", zero_allowed=True
     )
-    broadcast_retention_s: float = Field(
-        default=600.0,
-        ge=0,
-        description="minimum age of a coordinator broadcast before prune() deletes it",
+    broadcast_retention_s: float = _seconds(
+        600.0,
+        "minimum age of a coordinator broadcast before prune() deletes it",
+        zero_allowed=True,
     )
-    poll_interval_s: float = Field(
-        default=1.0,
-        gt=0,
-        description="fallback polling interval when no LISTEN/NOTIFY wake-up arrives",
+    poll_interval_s: float = _seconds(
+        1.0, "fallback polling interval when no LISTEN/NOTIFY wake-up arrives"
     )
-    transaction_timeout_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="idle-in-transaction limit: a paused client cannot hold the append lock"
-        " for longer",
+    transaction_timeout_s: float = _seconds(
+        60.0, "idle-in-transaction limit: a paused client cannot hold the append lock for longer"
     )
     application_name: str = Field(default="icefloe", max_length=63)
 

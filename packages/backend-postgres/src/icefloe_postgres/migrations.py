@@ -37,6 +37,19 @@ class Migration:
         return [sql.SQL(stmt).format(s=ident) for stmt in self.statements]
 
 
+#: the tables the migrations create (besides ``schema_migrations``): the ones the queries use
+TABLES = (
+    "groups",
+    "writers",
+    "batches",
+    "events",
+    "source_positions",
+    "leases",
+    "broadcasts",
+    "positions",
+    "channel_identity",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,

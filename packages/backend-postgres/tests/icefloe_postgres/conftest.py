@@ -10,8 +10,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.abc import Query
 
-from icefloe_postgres import PostgresBackend
+from icefloe.events import WriterRef
+from icefloe_postgres import PostgresBackend, PostgresCoordinatorChannel, PostgresWriterChannel
 from icefloe_postgres.testing import BackendMaker, PrivatePostgres, drop_schema, make_test_config
 
 DSN = os.environ.get(
@@ -21,6 +23,28 @@ DSN = os.environ.get(
 
 def new_schema_name() -> str:
     return f"icefloe_test_{uuid.uuid4().hex[:10]}"
+
+
+def open_writer(
+    backend: PostgresBackend, writer_id: str = "w"
+) -> tuple[PostgresWriterChannel, WriterRef]:
+    """An opened writer end and the reference its events carry."""
+    writer = backend.writer(writer_id)
+    return writer, WriterRef(writer_id, writer.open())
+
+
+def counted(backend: PostgresBackend, query: Query, *params: Any) -> int:
+    """What a ``SELECT count(...)`` returns, run on the backend's pool."""
+    row = backend.db.run("count", lambda c: c.execute(query, params).fetchone())
+    assert row is not None
+    return int(row[0])
+
+
+def reader(backend: PostgresBackend, coordinator_id: str = "c") -> PostgresCoordinatorChannel:
+    """A coordinator end that reads the log from its start."""
+    coord = backend.coordinator(coordinator_id)
+    coord.seek(None)
+    return coord
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
-from icefloe.config import config_from_dict, redacted_dict
+from icefloe.config import PipelineConfig, config_from_dict, redacted_dict
 from icefloe.errors import ChannelError, ConfigError
 from icefloe.plugins.backends import open_backend
 from icefloe.plugins.manager import new_plugins
@@ -15,6 +16,12 @@ from icefloe_postgres.config import describe_dsn
 from icefloe_postgres.testing import BackendMaker
 
 SECRET = "s3cr3t-pw"
+
+
+def pipeline(name: str, **coordination: Any) -> PipelineConfig:
+    """A pipeline of one topic and one table, with this ``coordination`` section."""
+    base = {"name": name, "source": {"topics": ["t"]}, "tables": [{"name": "ns.t"}]}
+    return config_from_dict({**base, "coordination": coordination})
 
 
 def test_dsn_from_the_named_environment_variable() -> None:
@@ -81,17 +88,11 @@ def test_registered_through_the_entry_point_and_opened_from_pipeline_config(
     plugins = new_plugins(autoload=True)
     spec = plugins.backend("postgres")
     assert spec.config_model is PostgresConfig
-    config = config_from_dict(
-        {
-            "name": "cfg-pipeline",
-            "source": {"topics": ["t"]},
-            "tables": [{"name": "ns.t"}],
-            "coordination": {
-                "backend": "postgres",
-                "lease_ttl_s": 3.0,
-                "postgres": {"dsn": pg_dsn, "schema": session_schema, "pool_min_size": 0},
-            },
-        }
+    config = pipeline(
+        "cfg-pipeline",
+        backend="postgres",
+        lease_ttl_s=3.0,
+        postgres={"dsn": pg_dsn, "schema": session_schema, "pool_min_size": 0},
     )
     backend = open_backend(config, plugins)
     try:
@@ -106,14 +107,7 @@ def test_registered_through_the_entry_point_and_opened_from_pipeline_config(
 def test_unknown_key_is_a_config_error_naming_it(pg_dsn: str) -> None:
     from icefloe.plugins.backends import backend_config
 
-    config = config_from_dict(
-        {
-            "name": "p",
-            "source": {"topics": ["t"]},
-            "tables": [{"name": "ns.t"}],
-            "coordination": {"backend": "postgres", "postgres": {"dns": pg_dsn}},
-        }
-    )
+    config = pipeline("p", backend="postgres", postgres={"dns": pg_dsn})
     with pytest.raises(ConfigError) as err:
         backend_config(config, new_plugins(autoload=True))
     assert err.value.key == "coordination.postgres.dns"

@@ -10,6 +10,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from icefloe_postgres import migrations
 from icefloe_postgres.migrations import (
     MIGRATIONS,
     Migration,
@@ -20,18 +21,7 @@ from icefloe_postgres.migrations import (
 )
 from icefloe_postgres.testing import BackendMaker, drop_schema
 
-TABLES = {
-    "schema_migrations",
-    "groups",
-    "writers",
-    "batches",
-    "events",
-    "source_positions",
-    "leases",
-    "broadcasts",
-    "positions",
-    "channel_identity",
-}
+TABLES = {"schema_migrations", *migrations.TABLES}
 
 
 def tables_in(dsn: str, schema: str) -> set[str]:

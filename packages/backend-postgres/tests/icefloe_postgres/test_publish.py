@@ -17,8 +17,10 @@ from icefloe.errors import ChannelError, WriterFencedError
 from icefloe.events import DataComplete, DataWritten, Event, SourcePosition, WriterRef
 from icefloe.testing.conformance import fake_file, make_batch
 from icefloe_postgres import PostgresBackend, PostgresCoordinatorChannel
-from icefloe_postgres.backend import PostgresWriterChannel
 from icefloe_postgres.testing import BackendMaker
+from icefloe_postgres.writer_channel import PostgresWriterChannel
+
+from .conftest import counted, open_writer, reader
 
 
 def consecutive(offsets: list[int]) -> bool:
@@ -39,17 +41,8 @@ def read_all(coord: PostgresCoordinatorChannel, want: int, timeout: float = 20.0
 def count_rows(backend: PostgresBackend, table: str) -> int:
     from psycopg import sql
 
-    row = backend.db.run(
-        "count",
-        lambda c: c.execute(
-            sql.SQL("SELECT count(*) FROM {} WHERE group_id = %s").format(
-                sql.Identifier(backend.schema, table)
-            ),
-            (backend.group_id,),
-        ).fetchone(),
-    )
-    assert row is not None
-    return int(row[0])
+    query = sql.SQL("SELECT count(*) FROM {} WHERE group_id = %s")
+    return counted(backend, query.format(sql.Identifier(backend.schema, table)), backend.group_id)
 
 
 def test_open_fences_older_instance_and_nothing_of_it_is_appended(
@@ -81,8 +74,7 @@ def test_replayed_batch_key_is_a_no_op_and_positions_are_stored_with_it(
     make_backend: BackendMaker,
 ) -> None:
     b = make_backend()
-    w = b.writer("w")
-    ref = WriterRef("w", w.open())
+    w, ref = open_writer(b)
     batch = make_batch(b.group_id, ref, 3)
     assert w.publish(batch) is True
     assert w.source_positions() == batch.source_positions
@@ -108,8 +100,7 @@ def test_failed_publish_is_all_or_nothing(make_backend: BackendMaker) -> None:
     """An event id that already exists makes the insert fail late in the transaction: neither
     the batch key, nor its source positions, nor any offset survive."""
     b = make_backend()
-    w = b.writer("w")
-    ref = WriterRef("w", w.open())
+    w, ref = open_writer(b)
     first = make_batch(b.group_id, ref, 1)
     assert w.publish(first) is True
     clash = WriterBatch(
@@ -127,8 +118,7 @@ def test_failed_publish_is_all_or_nothing(make_backend: BackendMaker) -> None:
     assert w.source_positions() == first.source_positions
     good = make_batch(b.group_id, ref, 2)
     assert w.publish(good) is True
-    coord = b.coordinator("c")
-    coord.seek(None)
+    coord = reader(b)
     recs = read_all(coord, len(first.events) + len(good.events))
     assert consecutive([r.offset for r in recs]), "offsets must have no holes"
     assert [r.event.event_id for r in recs] == [e.event_id for e in (*first.events, *good.events)]
@@ -140,8 +130,7 @@ def test_retry_after_an_ambiguous_commit_reports_success_and_adds_nothing(
     """The commit reaches the server but the client sees the connection fail: the retry must
     find the batch already there, say it was published, and not append it twice."""
     b = make_backend()
-    w = b.writer("w")
-    ref = WriterRef("w", w.open())
+    w, ref = open_writer(b)
     real_run = b.db.run
     lost_acks = {"publish": 1}
 
@@ -187,15 +176,11 @@ def _pause_after_offsets(
 
 
 def _waiting_on_lock(backend: PostgresBackend, application_name: str) -> bool:
-    row = backend.db.run(
-        "locks",
-        lambda c: c.execute(
-            "SELECT count(*) FROM pg_stat_activity"
-            " WHERE application_name = %s AND wait_event_type = 'Lock'",
-            (application_name,),
-        ).fetchone(),
+    query = (
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE application_name = %s AND wait_event_type = 'Lock'"
     )
-    return bool(row and row[0])
+    return counted(backend, query, application_name) > 0
 
 
 def test_no_event_becomes_visible_below_a_position_already_read(
@@ -208,8 +193,7 @@ def test_no_event_becomes_visible_below_a_position_already_read(
     b = make_backend(application_name=app)
     wa, wb = b.writer("a"), b.writer("b")
     ra, rb = WriterRef("a", wa.open()), WriterRef("b", wb.open())
-    coord = b.coordinator("c")
-    coord.seek(None)
+    coord = reader(b)
     assert coord.poll(0) == []
     took, go = _pause_after_offsets(monkeypatch, "a")
     batch_a, batch_b = make_batch(b.group_id, ra, 1), make_batch(b.group_id, rb, 1)
@@ -269,8 +253,7 @@ def test_concurrent_publishers_with_a_concurrent_reader_lose_nothing(
     threads = [threading.Thread(target=publish, args=w) for w in writers]
     for t in threads:
         t.start()
-    coord = b.coordinator("c")
-    coord.seek(None)
+    coord = reader(b)
     start.wait()
     got: list[ChannelRecord] = []
     while any(t.is_alive() for t in threads):
@@ -305,8 +288,7 @@ def test_a_foreign_row_in_the_log_stops_the_reader_instead_of_being_skipped(
     from icefloe.errors import EventDecodeError
 
     b = make_backend()
-    w = b.writer("w")
-    ref = WriterRef("w", w.open())
+    w, ref = open_writer(b)
     batch = make_batch(b.group_id, ref, 1)
     assert w.publish(batch) is True
 
@@ -323,8 +305,7 @@ def test_a_foreign_row_in_the_log_stops_the_reader_instead_of_being_skipped(
             )
 
     b.db.run("garbage", insert_garbage)
-    coord = b.coordinator("c")
-    coord.seek(None)
+    coord = reader(b)
     recs = coord.poll(5)
     assert [r.event.event_id for r in recs] == [e.event_id for e in batch.events]
     for _ in range(2):  # it stays stuck there

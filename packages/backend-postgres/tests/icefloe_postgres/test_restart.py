@@ -23,8 +23,8 @@ from icefloe.testing.fixtures import (
 )
 from icefloe.testing.harness import Batch, RowSource, lead
 from icefloe_postgres import PostgresBackend
-from icefloe_postgres.backend import PostgresWriterChannel
 from icefloe_postgres.testing import PrivatePostgres, make_test_config
+from icefloe_postgres.writer_channel import PostgresWriterChannel
 
 TABLES = ("ns.orders", "ns.clicks")
 WRITERS = ("writer-0", "writer-1")

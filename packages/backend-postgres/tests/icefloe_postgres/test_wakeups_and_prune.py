@@ -4,16 +4,21 @@ and pruning of committed events."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 
-from icefloe.events import CommitComplete, Event, StartCommit, WriterRef
+from icefloe.events import CommitComplete, Event, StartCommit
 from icefloe.testing.conformance import make_batch
 from icefloe.wakeups import Flag
 from icefloe_postgres import PostgresBackend
 from icefloe_postgres.listener import Listener
 from icefloe_postgres.testing import BackendMaker
+
+from .conftest import counted, open_writer, reader
+
+T = TypeVar("T")
 
 
 def spy_waits(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -44,16 +49,23 @@ def spy_writer_waits(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return results
 
 
+def waited_while(delay_s: float, action: Callable[[], object], wait: Callable[[], T]) -> T:
+    """What ``wait()`` returns while ``action`` runs on a timer ``delay_s`` into the wait."""
+    timer = threading.Timer(delay_s, action)
+    timer.start()
+    try:
+        return wait()
+    finally:
+        timer.join()
+
+
 def terminate_sessions(backend: PostgresBackend, application_name: str) -> int:
-    row = backend.db.run(
-        "terminate",
-        lambda c: c.execute(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-            " WHERE application_name = %s AND pid <> pg_backend_pid()",
-            (application_name,),
-        ).fetchone(),
+    return counted(
+        backend,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+        " WHERE application_name = %s AND pid <> pg_backend_pid()",
+        application_name,
     )
-    return int(row[0]) if row else 0
 
 
 def test_poll_is_woken_by_the_publishing_transactions_notify(
@@ -61,16 +73,11 @@ def test_poll_is_woken_by_the_publishing_transactions_notify(
 ) -> None:
     # fallback polling slower than the poll timeout: only a NOTIFY can end a wait early
     b = make_backend(poll_interval_s=600)
-    w = b.writer("w")
-    ref = WriterRef("w", w.open())
-    coord = b.coordinator("c")
-    coord.seek(None)
+    w, ref = open_writer(b)
+    coord = reader(b)
     waits = spy_waits(monkeypatch)
     batch = make_batch(b.group_id, ref, 1)
-    timer = threading.Timer(0.3, w.publish, args=(batch,))
-    timer.start()
-    recs = coord.poll(60)
-    timer.join()
+    recs = waited_while(0.3, lambda: w.publish(batch), lambda: coord.poll(60))
     assert [r.event.event_id for r in recs] == [e.event_id for e in batch.events]
     assert waits == [True], "the poll was not woken by NOTIFY"
 
@@ -86,10 +93,7 @@ def test_broadcast_wakes_writers_and_they_see_only_later_broadcasts(
     w.open()
     waits = spy_writer_waits(monkeypatch)
     later = Event(b.group_id, CommitComplete("after-open", 42))
-    timer = threading.Timer(0.3, coord.broadcast, args=(later,))
-    timer.start()
-    got = w.poll_broadcasts(60)
-    timer.join()
+    got = waited_while(0.3, lambda: coord.broadcast(later), lambda: w.poll_broadcasts(60))
     assert [e.event_id for e in got] == [later.event_id]
     assert waits == [True]
 
@@ -97,10 +101,8 @@ def test_broadcast_wakes_writers_and_they_see_only_later_broadcasts(
 def test_poll_survives_its_listen_connection_being_killed(make_backend: BackendMaker) -> None:
     app = "icefloe-listen-kill"
     b = make_backend(application_name=app, poll_interval_s=0.2)
-    w = b.writer("w")
-    ref = WriterRef("w", w.open())
-    coord = b.coordinator("c")
-    coord.seek(None)
+    w, ref = open_writer(b)
+    coord = reader(b)
     assert coord.poll(0) == []
     assert terminate_sessions(b, app) >= 1
     batch = make_batch(b.group_id, ref, 1)
@@ -109,10 +111,7 @@ def test_poll_survives_its_listen_connection_being_killed(make_backend: BackendM
     assert [r.event.event_id for r in recs] == [e.event_id for e in batch.events]
     # and wake-ups work again on the new connection
     nxt = make_batch(b.group_id, ref, 2)
-    timer = threading.Timer(0.2, w.publish, args=(nxt,))
-    timer.start()
-    recs = coord.poll(20)
-    timer.join()
+    recs = waited_while(0.2, lambda: w.publish(nxt), lambda: coord.poll(20))
     assert [r.event.event_id for r in recs] == [e.event_id for e in nxt.events]
 
 
@@ -121,11 +120,9 @@ def test_operations_survive_every_pooled_connection_being_killed(
 ) -> None:
     app = "icefloe-pool-kill"
     b = make_backend(application_name=app, pool_min_size=2)
-    w = b.writer("w")
-    ref = WriterRef("w", w.open())
-    coord = b.coordinator("c")
+    w, ref = open_writer(b)
+    coord = reader(b)
     assert coord.acquire(0) is not None
-    coord.seek(None)
     published = []
     for seq in range(4):
         terminate_sessions(b, app)
@@ -146,14 +143,12 @@ def test_prune_drops_committed_events_and_old_batch_keys_but_keeps_the_newest(
     make_backend: BackendMaker,
 ) -> None:
     b = make_backend()
-    w = b.writer("w")
-    ref = WriterRef("w", w.open())
+    w, ref = open_writer(b)
     batches = [make_batch(b.group_id, ref, seq) for seq in range(4)]
     for batch in batches:
         assert w.publish(batch) is True
-    coord = b.coordinator("c")
+    coord = reader(b)
     assert coord.acquire(0) is not None
-    coord.seek(None)
     base = coord.poll(5)[0].offset  # offsets start from the clock
     coord.store_position({"0": base + 8})
     assert coord.prune({"0": base + 5}) == 5
@@ -168,8 +163,7 @@ def test_prune_drops_committed_events_and_old_batch_keys_but_keeps_the_newest(
 
 def test_prune_respects_retention(make_backend: BackendMaker) -> None:
     b = make_backend(retention_s=3600)
-    w = b.writer("w")
-    ref = WriterRef("w", w.open())
+    w, ref = open_writer(b)
     batch = make_batch(b.group_id, ref, 1)
     assert w.publish(batch) is True
     coord = b.coordinator("c")

@@ -1,12 +1,9 @@
 """Redis coordination backend for icefloe."""
 
-from icefloe_redis.backend import (
-    RedisBackend,
-    RedisCoordinatorChannel,
-    RedisStateLostError,
-    RedisWriterChannel,
-)
+from icefloe_redis.backend import RedisBackend
 from icefloe_redis.config import RedisConfig
+from icefloe_redis.coordinator_channel import RedisCoordinatorChannel
+from icefloe_redis.writer_channel import RedisStateLostError, RedisWriterChannel
 
 __all__ = [
     "RedisBackend",

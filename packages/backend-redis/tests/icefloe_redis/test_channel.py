@@ -14,7 +14,7 @@ from redis.crc import key_slot
 from icefloe.channel import WriterBatch
 from icefloe.errors import ChannelError, EventDecodeError, NotLeaderError, WriterFencedError
 from icefloe.events import CommitComplete, Event, StartCommit, WriterRef
-from icefloe_redis import RedisBackend
+from icefloe_redis import RedisBackend, RedisCoordinatorChannel
 
 MakeBatch = Callable[..., WriterBatch]
 
@@ -157,10 +157,13 @@ def test_a_batch_is_never_visible_in_part(make_backend, batch_of, group_id):
     assert polls_with_data > 1
 
 
+def rivals(backend: RedisBackend) -> tuple[RedisCoordinatorChannel, RedisCoordinatorChannel]:
+    """Coordinators ``a`` and ``b`` of one pipeline, contending for its lease."""
+    return backend.coordinator("a"), backend.coordinator("b")
+
+
 def test_lease_is_exclusive_and_tokens_only_grow(make_backend):
-    backend = make_backend(lease_ttl_s=0.5)
-    a = backend.coordinator("a")
-    b = backend.coordinator("b")
+    a, b = rivals(make_backend(lease_ttl_s=0.5))
     lease_a = a.acquire(1.0)
     assert lease_a is not None
     assert lease_a.holder == "a"
@@ -179,8 +182,7 @@ def test_lease_is_exclusive_and_tokens_only_grow(make_backend):
 
 def test_stale_leader_cannot_store_or_broadcast(make_backend):
     backend = make_backend(lease_ttl_s=0.3)
-    a = backend.coordinator("a")
-    b = backend.coordinator("b")
+    a, b = rivals(backend)
     a.acquire(1.0)
     a.store_position({"0": 5})
     lease_b = b.acquire(5.0)
@@ -197,9 +199,7 @@ def test_stale_leader_cannot_store_or_broadcast(make_backend):
 
 
 def test_release_hands_over_at_once(make_backend):
-    backend = make_backend(lease_ttl_s=30.0)
-    a = backend.coordinator("a")
-    b = backend.coordinator("b")
+    a, b = rivals(make_backend(lease_ttl_s=30.0))
     lease_a = a.acquire(1.0)
     assert lease_a is not None
     a.release()
@@ -381,7 +381,7 @@ def test_resp3_connections_work(make_backend, batch_of, group_id, config):
 def test_more_concurrent_writers_than_pooled_connections_wait_instead_of_failing(make_backend):
     """Many writers in one process share the backend's client: with redis-py's default pool,
     more than 100 concurrent broadcast polls failed with MaxConnectionsError."""
-    from icefloe_redis.backend import POOL_MAX_CONNECTIONS
+    from icefloe_redis.connection import POOL_MAX_CONNECTIONS
 
     backend = make_backend()
     writers = [backend.writer(f"w{i}") for i in range(POOL_MAX_CONNECTIONS + 30)]

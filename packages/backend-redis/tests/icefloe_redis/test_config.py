@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from icefloe.config import config_from_dict, redacted_dict
+from icefloe.config import PipelineConfig, config_from_dict, redacted_dict
 from icefloe.errors import ChannelError, ConfigError
 from icefloe.plugins.backends import backend_config, open_backend
 from icefloe.plugins.manager import new_plugins
@@ -16,6 +17,12 @@ from icefloe_redis import RedisBackend, RedisConfig
 from icefloe_redis.config import mask_url
 
 PASSWORD = "s3cret-pa55"
+
+
+def pipeline(name: str, **coordination: Any) -> PipelineConfig:
+    """A pipeline of one topic and one table, with this ``coordination`` section."""
+    base = {"name": name, "source": {"topics": ["t"]}, "tables": [{"name": "ns.t"}]}
+    return config_from_dict({**base, "coordination": coordination})
 
 
 def test_defaults_and_client_options():
@@ -87,19 +94,13 @@ def test_registered_through_the_entry_point_and_opened_from_pipeline_config(redi
     plugins = new_plugins(autoload=True)
     spec = plugins.backend("redis")
     assert spec.config_model is RedisConfig
-    pipeline = config_from_dict(
-        {
-            "name": "entry-point-test",
-            "source": {"topics": ["t"]},
-            "tables": [{"name": "ns.t"}],
-            "coordination": {
-                "backend": "redis",
-                "lease_ttl_s": 3.5,
-                "redis": {"url": redis_url, "key_prefix": "icefloe-ep-test"},
-            },
-        }
+    config = pipeline(
+        "entry-point-test",
+        backend="redis",
+        lease_ttl_s=3.5,
+        redis={"url": redis_url, "key_prefix": "icefloe-ep-test"},
     )
-    backend = open_backend(pipeline, plugins)
+    backend = open_backend(config, plugins)
     try:
         assert isinstance(backend, RedisBackend)
         assert backend.group_id == "entry-point-test"
@@ -111,13 +112,6 @@ def test_registered_through_the_entry_point_and_opened_from_pipeline_config(redi
 
 
 def test_bad_backend_section_is_a_config_error_naming_the_key():
-    pipeline = config_from_dict(
-        {
-            "name": "p",
-            "source": {"topics": ["t"]},
-            "tables": [{"name": "ns.t"}],
-            "coordination": {"backend": "redis", "redis": {"max_block_s": -1}},
-        }
-    )
+    config = pipeline("p", backend="redis", redis={"max_block_s": -1})
     with pytest.raises(ConfigError, match=r"coordination\.redis\.max_block_s"):
-        backend_config(pipeline, new_plugins(autoload=True))
+        backend_config(config, new_plugins(autoload=True))

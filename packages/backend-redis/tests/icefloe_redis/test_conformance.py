@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from icefloe.testing.conformance import BackendConformance, BackendFactory
-from icefloe_redis import RedisBackend, RedisConfig
+
+from .conftest import MakeBackend
 
 
 class TestRedisConformance(BackendConformance):
     @pytest.fixture
-    def backend_factory(self, config: RedisConfig) -> Iterator[BackendFactory]:
-        made: list[RedisBackend] = []
-
-        def factory(group_id: str, lease_ttl_s: float) -> RedisBackend:
-            backend = RedisBackend(config, group_id, lease_ttl_s)
-            made.append(backend)
-            return backend
-
-        yield factory
-        for b in made:
-            b.close()
+    def backend_factory(self, make_backend: MakeBackend) -> BackendFactory:
+        """``make_backend(group_id, lease_ttl_s)``: on this session's key prefix, closed at
+        teardown."""
+        return make_backend

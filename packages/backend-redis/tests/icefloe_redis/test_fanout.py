@@ -14,7 +14,7 @@ from icefloe.coordination.writer import WriterClient
 from icefloe.testing.fixtures import make_sqlite_catalog
 from icefloe.testing.harness import fan_out_cycle
 from icefloe_redis import RedisBackend, RedisConfig
-from icefloe_redis.backend import FALLBACK_READS
+from icefloe_redis.broadcasts import FALLBACK_READS
 
 from .conftest import MakeBackend, PrivateRedis
 

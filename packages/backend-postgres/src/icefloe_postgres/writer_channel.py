@@ -6,17 +6,13 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from icefloe.channel import WriterBatch, WriterChannel
 from icefloe.errors import ChannelError, EventDecodeError, WriterFencedError
 from icefloe.events import Event, SourcePosition, decode_event, encode_event
-from icefloe_postgres.shared import Conn, notify
+from icefloe_postgres.database import ChannelContext, Conn, notify
 
-if TYPE_CHECKING:
-    from icefloe_postgres.backend import PostgresBackend
-
-log = logging.getLogger(__name__)
+log = logging.getLogger("icefloe_postgres.writer")
 
 
 class _ReplayError(Exception):
@@ -26,31 +22,33 @@ class _ReplayError(Exception):
 class PostgresWriterChannel(WriterChannel):
     """A writer instance's end: fenced by epoch, publishes in one transaction."""
 
-    def __init__(self, backend: PostgresBackend, writer_id: str) -> None:
-        self._b = backend
+    def __init__(self, context: ChannelContext, writer_id: str) -> None:
+        self._ctx = context
         self.writer_id = writer_id
         self.epoch: int | None = None
         self._broadcast_seq = 0
-        self._listener = backend.db.shared_listener(backend.broadcasts_channel)
+        self._listener = context.db.shared_listener(context.broadcasts_channel)
         self._woken = self._listener.subscribe()
 
     def open(self) -> int:
-        b = self._b
+        ctx = self._ctx
 
         def register(conn: Conn) -> tuple[int, int]:
             with conn.transaction():
-                row = conn.execute(b.q.open_writer, (b.group_id, self.writer_id)).fetchone()
-                head = conn.execute(b.q.broadcast_head, (b.group_id,)).fetchone()
+                row = conn.execute(ctx.q.open_writer, (ctx.group_id, self.writer_id)).fetchone()
+                head = conn.execute(ctx.q.broadcast_head, (ctx.group_id,)).fetchone()
             assert row is not None
             return int(row[0]), int(head[0]) if head else 0
 
         # Listen first so that no broadcast committed after open() can be missed.
         self._listener.ensure()
-        self.epoch, self._broadcast_seq = b.db.run("writer open", register)
+        self.epoch, self._broadcast_seq = ctx.db.run("writer open", register)
         return self.epoch
 
     def _check_epoch(self, conn: Conn, epoch: int) -> None:
-        row = conn.execute(self._b.q.writer_epoch, (self._b.group_id, self.writer_id)).fetchone()
+        row = conn.execute(
+            self._ctx.q.writer_epoch, (self._ctx.group_id, self.writer_id)
+        ).fetchone()
         if row is None:
             raise ChannelError(f"writer '{self.writer_id}' was never opened; call open() first")
         current = int(row[0])
@@ -71,17 +69,19 @@ class PostgresWriterChannel(WriterChannel):
         batch_seq: int | None,
     ) -> int:
         """Take the pipeline's append lock, assign offsets and insert; returns the first."""
-        q = self._b.q
-        row = conn.execute(q.take_offsets, (len(events), self._b.group_id, len(events))).fetchone()
+        q = self._ctx.q
+        row = conn.execute(
+            q.take_offsets, (len(events), self._ctx.group_id, len(events))
+        ).fetchone()
         if row is None:
             raise ChannelError(
-                f"pipeline '{self._b.group_id}' is not registered in schema '{self._b.schema}'"
+                f"pipeline '{self._ctx.group_id}' is not registered in schema '{self._ctx.schema}'"
             )
         first = int(row[0])
         conn.execute(
             q.insert_events,
             {
-                "g": self._b.group_id,
+                "g": self._ctx.group_id,
                 "first": first,
                 "w": self.writer_id,
                 "epoch": epoch,
@@ -95,9 +95,9 @@ class PostgresWriterChannel(WriterChannel):
 
     def _validate(self, events: Sequence[Event]) -> None:
         for e in events:
-            if e.group_id != self._b.group_id:
+            if e.group_id != self._ctx.group_id:
                 raise ValueError(
-                    f"event for pipeline '{e.group_id}' sent on pipeline '{self._b.group_id}'"
+                    f"event for pipeline '{e.group_id}' sent on pipeline '{self._ctx.group_id}'"
                 )
             if e.writer is not None and e.writer.writer_id != self.writer_id:
                 raise ValueError(
@@ -120,10 +120,10 @@ class PostgresWriterChannel(WriterChannel):
         if not batch.events:
             raise ValueError("a writer batch has at least one event")
         self._validate(batch.events)
-        b = self._b
-        q = b.q
+        ctx = self._ctx
+        q = ctx.q
         epoch = batch.writer.epoch
-        key = (b.group_id, self.writer_id, batch.batch_seq)
+        key = (ctx.group_id, self.writer_id, batch.batch_seq)
         # last position per source partition (the upsert may touch a row only once)
         sources = {(p.topic, p.partition): p for p in batch.source_positions}
         # tells a retry of this very call (after an ambiguous commit) from a replay
@@ -146,7 +146,7 @@ class PostgresWriterChannel(WriterChannel):
                         conn.execute(
                             q.upsert_sources,
                             {
-                                "g": b.group_id,
+                                "g": ctx.group_id,
                                 "w": self.writer_id,
                                 "seq": batch.batch_seq,
                                 "topics": [t for t, _ in sources],
@@ -155,28 +155,28 @@ class PostgresWriterChannel(WriterChannel):
                                 "tss": [s.max_timestamp_ms for s in sources.values()],
                             },
                         )
-                    notify(conn, b.events_channel)
+                    notify(conn, ctx.events_channel)
                 return True
             except _ReplayError:
                 return False
 
-        return b.db.run("publish", tx)
+        return ctx.db.run("publish", tx)
 
     def respond(self, event: Event) -> None:
         self._validate([event])
-        b = self._b
+        ctx = self._ctx
         epoch = self._epoch_for([event])
 
         def tx(conn: Conn) -> None:
             with conn.transaction():
                 self._check_epoch(conn, epoch)
                 # a retry after an ambiguous commit must not append the event twice
-                if conn.execute(b.q.event_exists, (b.group_id, event.event_id)).fetchone():
+                if conn.execute(ctx.q.event_exists, (ctx.group_id, event.event_id)).fetchone():
                     return
                 self._append(conn, [event], epoch, event.batch_seq)
-                notify(conn, b.events_channel)
+                notify(conn, ctx.events_channel)
 
-        b.db.run("respond", tx)
+        ctx.db.run("respond", tx)
 
     def poll_broadcasts(self, timeout: float) -> list[Event]:
         """Query the broadcasts only when the shared listener was notified since the last
@@ -188,15 +188,15 @@ class PostgresWriterChannel(WriterChannel):
             self._read_broadcasts,
             self._listener.ensure,
             timeout,
-            self._b.config.poll_interval_s,
+            self._ctx.config.poll_interval_s,
         )
 
     def _read_broadcasts(self) -> list[Event]:
-        b = self._b
-        rows = b.db.run(
+        ctx = self._ctx
+        rows = ctx.db.run(
             "read broadcasts",
             lambda c: c.execute(
-                b.q.read_broadcasts, (b.group_id, self._broadcast_seq, 1000)
+                ctx.q.read_broadcasts, (ctx.group_id, self._broadcast_seq, 1000)
             ).fetchall(),
         )
         events: list[Event] = []
@@ -212,10 +212,10 @@ class PostgresWriterChannel(WriterChannel):
     def source_positions(self) -> tuple[SourcePosition, ...]:
         """The source positions stored with this writer's newest published batch: where a
         restarted writer resumes (they were committed in the same transaction as its files)."""
-        b = self._b
-        rows = b.db.run(
+        ctx = self._ctx
+        rows = ctx.db.run(
             "read source positions",
-            lambda c: c.execute(b.q.source_positions, (b.group_id, self.writer_id)).fetchall(),
+            lambda c: c.execute(ctx.q.source_positions, (ctx.group_id, self.writer_id)).fetchall(),
         )
         return tuple(SourcePosition(t, int(p), int(o), ts) for t, p, o, ts in rows)
 

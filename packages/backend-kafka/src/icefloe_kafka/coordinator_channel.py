@@ -71,7 +71,7 @@ from icefloe_kafka.state import (
     produce_state,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("icefloe_kafka.coordinator")
 
 _BATCH_TAIL_S = 5.0  # longest wait for the rest of a batch a consume ended inside
 

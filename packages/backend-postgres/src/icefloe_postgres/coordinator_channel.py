@@ -3,23 +3,36 @@ and pruning; leadership comes from :class:`~icefloe_postgres.lease.LeaseHolder`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from icefloe.channel import ChannelPosition, ChannelRecord, CoordinatorChannel
-from icefloe.errors import ChannelResetError, NotLeaderError
-from icefloe.events import Event, encode_event
+from icefloe.errors import ChannelResetError, EventDecodeError, NotLeaderError
+from icefloe.events import Event, decode_event, encode_event
+from icefloe_postgres.database import ChannelContext, Conn, notify, wait_for_rows
 from icefloe_postgres.lease import LeaseHolder
-from icefloe_postgres.shared import PARTITION, Conn, decode_events, notify, wait_for_rows
 
-if TYPE_CHECKING:
-    from icefloe_postgres.backend import PostgresBackend
+PARTITION = "0"
+
+
+def decode_events(rows: Sequence[tuple[int, bytes]]) -> list[tuple[int, Event]]:
+    """Decode rows in order. A row that is not an icefloe event raises only when it comes
+    first; otherwise the events before it are returned and the next read raises."""
+    out: list[tuple[int, Event]] = []
+    for offset, payload in rows:
+        try:
+            out.append((offset, decode_event(payload)))
+        except EventDecodeError as exc:
+            if out:
+                break
+            raise EventDecodeError(f"event at offset {offset}: {exc}") from exc
+    return out
 
 
 class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
     """The coordinator's end: lease row with a growing token, ordered reads, broadcasts."""
 
-    def __init__(self, backend: PostgresBackend, coordinator_id: str) -> None:
-        super().__init__(backend, coordinator_id)
+    def __init__(self, context: ChannelContext, coordinator_id: str, lease_ttl_s: float) -> None:
+        super().__init__(context, coordinator_id, lease_ttl_s)
         self._next = 0
 
     # ------------------------------------------------------------------ reading
@@ -29,13 +42,13 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
         self._next = 0 if position is None else int(position.get(PARTITION, 0))
 
     def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:
-        b = self._b
+        ctx = self._ctx
 
         def fetch() -> list[ChannelRecord]:
-            rows = b.db.run(
+            rows = ctx.db.run(
                 "read events",
                 lambda c: c.execute(
-                    b.q.read_events, (b.group_id, self._next, max(1, max_records))
+                    ctx.q.read_events, (ctx.group_id, self._next, max(1, max_records))
                 ).fetchall(),
             )
             # never skip a bad row: a skipped DataWritten would be silent data loss (the
@@ -46,7 +59,7 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
             return [ChannelRecord(PARTITION, off, e) for off, e in good]
 
         return wait_for_rows(
-            fetch, self._listener, [b.events_channel], timeout, b.config.poll_interval_s
+            fetch, self._listener, [ctx.events_channel], timeout, ctx.config.poll_interval_s
         )
 
     def position(self) -> ChannelPosition:
@@ -56,30 +69,30 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
     # ------------------------------------------------------------------ writing
 
     def broadcast(self, event: Event) -> None:
-        b = self._b
-        token = self._token()
         payload = encode_event(event)
+        ctx = self._ctx
+        token = self._token()
 
         def tx(conn: Conn) -> None:
             with conn.transaction():
                 # a retry after an ambiguous commit must not send the event twice
-                if conn.execute(b.q.broadcast_exists, (b.group_id, event.event_id)).fetchone():
+                if conn.execute(ctx.q.broadcast_exists, (ctx.group_id, event.event_id)).fetchone():
                     return
-                row = conn.execute(b.q.take_broadcast_seq, (b.group_id, token)).fetchone()
+                row = conn.execute(ctx.q.take_broadcast_seq, (ctx.group_id, token)).fetchone()
                 if row is None:
                     raise NotLeaderError(
                         f"coordinator '{self.coordinator_id}' with token {token} is fenced"
                     )
                 conn.execute(
-                    b.q.insert_broadcast,
-                    (b.group_id, int(row[0]), event.event_id, event.type.value, token, payload),
+                    ctx.q.insert_broadcast,
+                    (ctx.group_id, int(row[0]), event.event_id, event.type.value, token, payload),
                 )
-                notify(conn, b.broadcasts_channel)
+                notify(conn, ctx.broadcasts_channel)
 
-        b.db.run("broadcast", tx)
+        ctx.db.run("broadcast", tx)
 
     def store_position(self, position: ChannelPosition) -> None:
-        b = self._b
+        ctx = self._ctx
         token = self._token()
         parts = sorted(position)
 
@@ -87,58 +100,58 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
             with conn.transaction():
                 self._check_token(conn, token)
                 conn.execute(
-                    b.q.upsert_position,
+                    ctx.q.upsert_position,
                     {
-                        "g": b.group_id,
+                        "g": ctx.group_id,
                         "token": token,
                         "parts": parts,
                         "offs": [int(position[p]) for p in parts],
                     },
                 )
 
-        b.db.run("store position", tx)
+        ctx.db.run("store position", tx)
 
     def stored_position(self) -> ChannelPosition | None:
-        b = self._b
-        rows = b.db.run(
+        ctx = self._ctx
+        rows = ctx.db.run(
             "read position",
-            lambda c: c.execute(b.q.read_positions, (b.group_id,)).fetchall(),
+            lambda c: c.execute(ctx.q.read_positions, (ctx.group_id,)).fetchall(),
         )
         return {str(p): int(o) for p, o in rows} if rows else None
 
     def prune(self, before: ChannelPosition) -> int:
-        b = self._b
+        ctx = self._ctx
         upto = int(before.get(PARTITION, 0))
         if upto <= 0:
             return 0
-        cfg = b.config
+        cfg = ctx.config
 
         def tx(conn: Conn) -> int:
             with conn.transaction():
-                cur = conn.execute(b.q.prune_events, (b.group_id, upto, cfg.retention_s))
+                cur = conn.execute(ctx.q.prune_events, (ctx.group_id, upto, cfg.retention_s))
                 dropped = cur.rowcount
-                conn.execute(b.q.prune_batches, (b.group_id, upto, cfg.retention_s))
-                conn.execute(b.q.prune_broadcasts, (b.group_id, cfg.broadcast_retention_s))
+                conn.execute(ctx.q.prune_batches, (ctx.group_id, upto, cfg.retention_s))
+                conn.execute(ctx.q.prune_broadcasts, (ctx.group_id, cfg.broadcast_retention_s))
             return max(0, dropped)
 
-        return b.db.run("prune", tx)
+        return ctx.db.run("prune", tx)
 
     def channel_id(self) -> str:
         """The schema's identity row (created by migration 3 with the schema)."""
-        b = self._b
-        row = b.db.run("read channel id", lambda c: c.execute(b.q.channel_id).fetchone())
+        ctx = self._ctx
+        row = ctx.db.run("read channel id", lambda c: c.execute(ctx.q.channel_id).fetchone())
         if row is None:
             raise ChannelResetError(
-                f"schema '{b.schema}' has lost its channel_identity row; it was tampered with "
+                f"schema '{ctx.schema}' has lost its channel_identity row; it was tampered with "
                 "or partly restored. Recreate the schema (drop it; icefloe recreates it) and "
                 "see docs/operations.md (channel reset)"
             )
         return f"postgres:{row[0]}"
 
     def end_position(self) -> ChannelPosition:
-        b = self._b
-        row = b.db.run(
-            "read end offset", lambda c: c.execute(b.q.end_offset, (b.group_id,)).fetchone()
+        ctx = self._ctx
+        row = ctx.db.run(
+            "read end offset", lambda c: c.execute(ctx.q.end_offset, (ctx.group_id,)).fetchone()
         )
         return {PARTITION: 0 if row is None else int(row[0])}
 

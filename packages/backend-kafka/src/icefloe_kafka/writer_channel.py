@@ -46,7 +46,7 @@ from icefloe_kafka.state import (
     produce_state,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("icefloe_kafka.writer")
 
 # Room for the key, headers and record framing next to the value (librdkafka checks the whole
 # message against message.max.bytes).
