@@ -49,7 +49,7 @@ def watch(
     containers, files) progress is logged: a line per table commit and one a minute.
     """
     from icefloe_spark.cli.progress import Monitor, ProgressLog, QueryProgress, render
-    from icefloe_spark.kafka.source import probe_mode
+    from icefloe_spark.kafka.options import probe_mode
 
     assert pipeline.query is not None
     assert pipeline.catalog is not None
@@ -171,7 +171,7 @@ def run(
     configure_logging(level, log_format)
     cfg = load_config(config)
     extra = parse_options(source_option or [])
-    from icefloe_spark.kafka.source import check_reader_options
+    from icefloe_spark.kafka.options import check_reader_options
 
     check_reader_options(extra, "--source-option")
     # the JVM is the longest step before the first batch: launch it before importing the rest
