@@ -61,7 +61,7 @@ from icefloe.records.converter import RecordConverter, TargetTable
 from icefloe.records.datafiles import write_data_files
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
-from icefloe_spark.kafka.source import to_record_batch
+from icefloe_spark.kafka.reading import to_record_batch
 from icefloe_spark.pipeline import Pipeline, build_session
 from icefloe_spark.runtime.standalone import standalone_cluster
 

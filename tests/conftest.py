@@ -6,8 +6,6 @@ Servers the tests need must be there: a missing one fails the test loudly, never
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,19 +37,7 @@ def catalog_properties(tmp_path: Path) -> dict[str, str]:
 def spark() -> Iterator[Any]:
     """One local Spark session for every test that runs a query in-process. ``local[2,2]``:
     two cores and two attempts per task (local mode ignores spark.task.maxFailures)."""
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    from icefloe_spark.testing import local_spark
 
-    from icefloe_spark.runtime import jvm
-
-    conf = {
-        "spark.master": "local[2,2]",
-        "spark.app.name": "icefloe-tests",
-        "spark.ui.enabled": "false",
-        "spark.sql.shuffle.partitions": "2",
-    }
-    # as icefloe launches it: Python workers import PySpark with bytecode caches, class data
-    session = jvm.session(conf)
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
+    with local_spark("local[2,2]") as session:
+        yield session

@@ -559,7 +559,7 @@ def test_hand_wired_sink_publishes_from_the_commit_worker(
     writer client; a coordinator runs beside it."""
     from icefloe.plugins.backends import open_backend
     from icefloe.plugins.manager import get_plugins
-    from icefloe_spark.kafka.source import source_options
+    from icefloe_spark.kafka.options import source_options
     from icefloe_spark.pipeline import CoordinatorThread, register
 
     topic = new_topic(kafka_broker)

@@ -35,12 +35,8 @@ from icefloe.plugins.backends import open_backend
 from icefloe.plugins.manager import Plugins, get_plugins
 from icefloe.records.codecs.options import self_contained
 from icefloe_spark import faults
-from icefloe_spark.kafka.source import (
-    RANGES_SOURCE_NAME,
-    SOURCE_NAME,
-    register_sources,
-    source_options,
-)
+from icefloe_spark.kafka.options import source_options
+from icefloe_spark.kafka.source import RANGES_SOURCE_NAME, SOURCE_NAME, register_sources
 from icefloe_spark.replay import RollbackWatcher
 from icefloe_spark.runtime import jvm, sparklog
 from icefloe_spark.sink.datasource import (

@@ -25,7 +25,7 @@ def icefloe_source_lag(config: PipelineConfig) -> dict[str, int | None]:
     from pyiceberg.catalog import load_catalog
 
     from icefloe_spark.cli.progress import Monitor
-    from icefloe_spark.kafka.source import probe_mode, source_options
+    from icefloe_spark.kafka.options import probe_mode, source_options
 
     catalog = load_catalog(config.catalog.name, **config.catalog.properties)
     probe = probe_mode(source_options(config)) != "false"

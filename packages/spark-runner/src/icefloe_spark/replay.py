@@ -2,7 +2,7 @@
 
 The driver checks its tables every ``spark.rollback_check_interval_s``. For a table rolled back
 below what the pipeline committed, it reads the lost source range again with the ``ranges``
-path's own reader (:func:`icefloe_spark.kafka.source.read_range`), converts and routes the records
+path's own reader (:func:`icefloe_spark.kafka.reading.read_range`), converts and routes the records
 as a write task does but keeps only that table's rows (:func:`icefloe_spark.sink.task.write_task`
 with ``only``), and publishes the files as one writer batch under the rollback's replay writer
 id. The coordinator then commits them, with the table's waiting live files, in one snapshot.
@@ -28,15 +28,9 @@ from icefloe.config import ErrorsConfig, PipelineConfig
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import RollbackNotReplayableError
 from icefloe.events import DataFileMeta
-from icefloe_spark.kafka.source import (
-    EARLIEST,
-    KafkaInputPartition,
-    KafkaStreamReader,
-    SourceOptions,
-    _flat,
-    _parse_offsets_json,
-    read_range,
-)
+from icefloe_spark.kafka.options import EARLIEST, SourceOptions, parse_offsets_json
+from icefloe_spark.kafka.planning import KafkaInputPartition, KafkaOffsetPlanner, flat_offsets
+from icefloe_spark.kafka.reading import read_range
 from icefloe_spark.sink.tables import TableResolver
 from icefloe_spark.sink.task import write_task
 
@@ -56,14 +50,14 @@ def beginnings(options: SourceOptions, rollback: Rollback) -> dict[tuple[str, in
     start = options.starting_offsets
     if not missing or start in ("latest", "table", "timestamp"):
         return {}
-    reader = KafkaStreamReader(options)
+    reader = KafkaOffsetPlanner(options)
     try:
         earliest, _ = reader.bounds(missing)
     finally:
         reader.stop()
     if start == "earliest":
         return earliest
-    given = _flat(_parse_offsets_json(start))
+    given = flat_offsets(parse_offsets_json(start))
     out: dict[tuple[str, int], int] = {}
     for tp in missing:
         offset = given.get(tp, EARLIEST)

@@ -11,8 +11,6 @@ local SparkSession (one per test process: it takes ~10-30 s to start), topics an
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -24,7 +22,7 @@ from pyspark.sql import SparkSession
 
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark.kafka.source import register_sources
-from icefloe_spark.runtime import jvm
+from icefloe_spark.testing import local_spark
 
 _log = logging.getLogger("tests.kafka")
 
@@ -39,23 +37,14 @@ def kafka_broker() -> Iterator[EmbeddedKafkaBroker]:
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     """One local SparkSession per test process; Python workers run this interpreter."""
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     conf = {
-        "spark.master": "local[2]",
-        "spark.app.name": "icefloe-tests",
-        "spark.sql.shuffle.partitions": "2",
         "spark.default.parallelism": "2",
-        "spark.ui.enabled": "false",
         "spark.sql.streaming.stopTimeout": "30s",
         "spark.driver.memory": "1g",
     }
-    # as icefloe launches it: Python workers import PySpark with bytecode caches, class data
-    session = jvm.session(conf)
-    session.sparkContext.setLogLevel("ERROR")
-    register_sources(session)
-    yield session
-    session.stop()
+    with local_spark("local[2]", conf) as session:
+        register_sources(session)
+        yield session
 
 
 @pytest.fixture

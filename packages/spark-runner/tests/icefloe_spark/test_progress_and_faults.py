@@ -129,7 +129,7 @@ def test_source_options_from_the_command_line() -> None:
 
 def test_reader_options_from_the_config_are_applied_last() -> None:
     from icefloe.config import config_from_dict
-    from icefloe_spark.kafka.source import source_options
+    from icefloe_spark.kafka.options import source_options
 
     config = config_from_dict(
         {

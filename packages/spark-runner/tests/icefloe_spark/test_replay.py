@@ -30,12 +30,9 @@ from icefloe.testing.fixtures import (
 from icefloe.testing.harness import lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
-from icefloe_spark.kafka.source import (
-    KafkaInputPartition,
-    SourceOptions,
-    read_range,
-    source_options,
-)
+from icefloe_spark.kafka.options import SourceOptions, source_options
+from icefloe_spark.kafka.planning import KafkaInputPartition
+from icefloe_spark.kafka.reading import read_range
 from icefloe_spark.replay import RollbackWatcher, replay
 from icefloe_spark.sink.tables import TableResolver
 from icefloe_spark.sink.task import write_task

@@ -11,7 +11,7 @@ import pytest
 
 from icefloe.errors import ConfigError
 from icefloe_spark.cli.commands import explain_failure
-from icefloe_spark.kafka.source import check_reader_options
+from icefloe_spark.kafka.options import check_reader_options
 from icefloe_spark.runtime import sparklog
 from icefloe_spark.runtime.signals import StopSignals
 

@@ -14,7 +14,7 @@ import pytest
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.errors import ConfigError, TableMismatchError
 from icefloe.events import DataFileMeta, SourcePosition
-from icefloe_spark.kafka.source import RANGE_ARROW_SCHEMA
+from icefloe_spark.kafka.planning import RANGE_ARROW_SCHEMA
 from icefloe_spark.sink.datasource import (
     OPT_SOURCE,
     IcefloeCommitMessage,

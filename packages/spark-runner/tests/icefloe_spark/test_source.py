@@ -42,21 +42,17 @@ from icefloe.testing.fixtures import (
     sqlite_catalog_properties,
     write_rows,
 )
-from icefloe_spark.kafka.source import (
-    KAFKA_ARROW_SCHEMA,
-    ConsumerPool,
+from icefloe_spark.kafka.options import SourceOptions, probe_mode
+from icefloe_spark.kafka.options import source_options as source_options_of
+from icefloe_spark.kafka.planning import (
     DataLossError,
     KafkaInputPartition,
-    KafkaRangeReader,
-    KafkaStreamReader,
-    SourceOptions,
     pack_ranges,
-    probe_mode,
-    read_range,
     split_limit,
     table_source_offsets,
 )
-from icefloe_spark.kafka.source import source_options as source_options_of
+from icefloe_spark.kafka.reading import KAFKA_ARROW_SCHEMA, ConsumerPool, read_range
+from icefloe_spark.kafka.source import KafkaRangeReader, KafkaStreamReader
 
 Row = dict[str, Any]
 
@@ -651,7 +647,7 @@ def test_pooled_consumer_reads_each_next_range_exactly(
 
     def read(partition: int, start: int, end: int) -> list[bytes]:
         part = KafkaInputPartition(topic, partition, start, end)
-        with patch("icefloe_spark.kafka.source.CONSUMERS", pool):
+        with patch("icefloe_spark.kafka.reading.CONSUMERS", pool):
             batches = list(read_range(opts, part, batch_size=7))
         ((idle,),) = pool._idle.values()  # the one consumer, back in the pool
         seen.append(id(idle))
@@ -682,7 +678,7 @@ def test_warm_consumer_reads_a_range_ending_at_a_transaction_marker(
     producer.commit_transaction(30)
     opts = SourceOptions.parse(source_options(topic))
     pool = ConsumerPool()
-    with patch("icefloe_spark.kafka.source.CONSUMERS", pool):
+    with patch("icefloe_spark.kafka.reading.CONSUMERS", pool):
         list(read_range(opts, KafkaInputPartition(warm, 0, 0, 3)))
         got = list(read_range(opts, KafkaInputPartition(topic, 0, 0, 6)))  # 5 records, a marker
     assert [o for b in got for o in b.column("offset").to_pylist()] == [0, 1, 2, 3, 4]

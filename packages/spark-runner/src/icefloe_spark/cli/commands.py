@@ -7,20 +7,17 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.live import Live
-from rich.text import Text
 
 from icefloe.cli.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve_level
 from icefloe.cli.logs import configure as configure_logging
 from icefloe.config import load_config
 from icefloe.errors import ConfigError
 from icefloe.metrics import MetricsPortOption, start_metrics
+from icefloe_spark.cli.console import console, end_jvm, print_error, watch
 from icefloe_spark.runtime import sparklog
 from icefloe_spark.runtime.signals import stop_on_signals
 
@@ -28,92 +25,6 @@ if TYPE_CHECKING:
     from icefloe_spark.pipeline import Pipeline
 
 log = logging.getLogger("icefloe_spark.cli")
-console = Console(stderr=True)
-REFRESH_S = 1.0
-TABLE_REFRESH_S = 2.0
-TICK_S = 0.2
-
-
-def watch(
-    pipeline: Pipeline,
-    stop: threading.Event,
-    *,
-    live: bool = True,
-    until: Callable[[], bool] | None = None,
-    past_end: bool = False,
-) -> None:
-    """Show progress until ``stop`` is set, the query ends (unless ``past_end``: then only
-    ``until`` ends it), or ``until()`` turns true.
-
-    The live view refreshes in place, so it only runs on a terminal; without one (systemd,
-    containers, files) progress is logged: a line per table commit and one a minute.
-    """
-    from icefloe_spark.cli.progress import Monitor, ProgressLog, QueryProgress, render
-    from icefloe_spark.kafka.source import probe_mode
-
-    assert pipeline.query is not None
-    assert pipeline.catalog is not None
-    reader = {**pipeline.config.source.reader_options, **pipeline.source_extra_options}
-    monitor = Monitor(pipeline.config, pipeline.catalog, probe_end=probe_mode(reader) != "false")
-    tables = monitor.tables()
-    progress_log = ProgressLog(pipeline.config.name)
-    progress_log.tables(tables, pipeline.stats)
-    last_tables = last_view = 0.0
-    # a commit of this writer's batches is reported as soon as the writer hears of it (its
-    # CommitComplete), not at the next poll of the tables
-    seen_committed = pipeline.publisher.committed_through if pipeline.publisher else None
-    live = live and console.is_terminal
-
-    def view() -> Any:
-        assert pipeline.query is not None
-        return render(
-            pipeline.config.name,
-            QueryProgress.from_spark(
-                pipeline.query.lastProgress,
-                pipeline.stats.last_batch_records if pipeline.reads_ranges else None,
-            ),
-            pipeline.stats,
-            tables,
-            coordinator_state(pipeline),
-        )
-
-    display: AbstractContextManager[Any] = (
-        Live(view(), console=console, refresh_per_second=2) if live else nullcontext()
-    )
-    try:
-        with display:
-            while not stop.wait(TICK_S):
-                committed = pipeline.publisher.committed_through if pipeline.publisher else None
-                now = time.monotonic()
-                if committed == seen_committed and now - last_view < REFRESH_S:
-                    continue
-                last_view = now
-                if not pipeline.query.isActive and not past_end:
-                    break
-                if pipeline.coordinator is not None and pipeline.coordinator.fatal is not None:
-                    break  # nothing would be committed any more: stop (run exits with it)
-                if committed != seen_committed or now - last_tables >= TABLE_REFRESH_S:
-                    seen_committed = committed
-                    tables = monitor.tables()
-                    last_tables = now
-                    progress_log.tables(tables, pipeline.stats)
-                if isinstance(display, Live):
-                    display.update(view())
-                if until is not None and until():
-                    break
-    finally:
-        monitor.close()
-        if live:
-            console.print()  # the live view leaves the cursor at the end of its last line
-
-
-def coordinator_state(pipeline: Pipeline) -> str:
-    if pipeline.coordinator is None:
-        return "standalone"
-    state = "running" if pipeline.coordinator.alive else "stopped"
-    if pipeline.coordinator.last_error:
-        state += f" (last error: {pipeline.coordinator.last_error})"
-    return state
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:
@@ -171,7 +82,7 @@ def run(
     configure_logging(level, log_format)
     cfg = load_config(config)
     extra = parse_options(source_option or [])
-    from icefloe_spark.kafka.source import check_reader_options
+    from icefloe_spark.kafka.options import check_reader_options
 
     check_reader_options(extra, "--source-option")
     # the JVM is the longest step before the first batch: launch it before importing the rest
@@ -219,21 +130,11 @@ def run(
         raise fatal  # icefloe's CLI prints it ("error: ...", naming the recovery), exit 2
     if failure is not None:
         first, fix, trace = explain_failure(str(failure))
-        _error(f"the streaming query failed: {first}. Fix: {fix}")
+        print_error(f"the streaming query failed: {first}. Fix: {fix}")
         if level <= logging.DEBUG:
             console.print(trace, markup=False, highlight=False)
         raise typer.Exit(1)
     console.print("stopped cleanly")
-
-
-def end_jvm() -> None:
-    """End the JVM if it writes class data for later starts, and keep that (once per
-    machine and Spark: about 10 s)."""
-    from icefloe_spark.runtime import jvm
-
-    if jvm.writes_class_data():
-        console.print("keeping Spark's class data for faster starts (once) ...")
-        jvm.end()
 
 
 def caught_up(pipeline: Pipeline) -> Callable[[], bool]:
@@ -286,10 +187,6 @@ def explain_failure(text: str) -> tuple[str, str, str]:
         "its checkpoint; run with -v for Spark's full trace"
     )
     return first[:500], fix, text
-
-
-def _error(message: str) -> None:
-    console.print(Text.assemble(("error: ", "red"), message), soft_wrap=True)
 
 
 def demo(

@@ -34,7 +34,7 @@ from rich.table import Table as RichTable
 
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
-from icefloe_spark.cli.commands import console, end_jvm, watch
+from icefloe_spark.cli.console import console, end_jvm, watch
 from icefloe_spark.kafka.admin import create_topic, produce
 from icefloe_spark.pipeline import Pipeline
 from icefloe_spark.runtime import jvm

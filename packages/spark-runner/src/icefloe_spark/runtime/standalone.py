@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from icefloe_kafka.embedded import free_port
 from icefloe_spark.runtime import sparkhome
 
 #: enough for three JVMs to start on a loaded 2-core machine
@@ -103,7 +103,7 @@ def standalone_cluster(
     spark_class = str(home / "bin" / "spark-class")
     workdir.mkdir(parents=True, exist_ok=True)
     env = _env(home, workdir / "logs", python)
-    port, ui_port = free_port(), free_port()
+    port, ui_port = _free_port(), _free_port()
     master_url = f"spark://127.0.0.1:{port}"
     ui_url = f"http://127.0.0.1:{ui_port}"
     procs: list[subprocess.Popen[bytes]] = []
@@ -138,12 +138,19 @@ def standalone_cluster(
                 "org.apache.spark.deploy.worker.Worker",
                 master_url,
                 *("--host", "127.0.0.1", "--cores", str(cores), "--memory", memory),
-                *("--webui-port", str(free_port()), "--work-dir", str(work)),
+                *("--webui-port", str(_free_port()), "--work-dir", str(work)),
             )
         _wait_alive(procs, outs, ui_url, workers, start_timeout_s)
         yield StandaloneCluster(master_url, ui_url, worker_dirs, tuple(p.pid for p in procs))
     finally:
         _kill(procs)
+
+
+def _free_port() -> int:
+    """A port of 127.0.0.1 that no one listened on a moment ago: Spark's daemons take a port
+    number to bind themselves, not a bound socket."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        return int(server.getsockname()[1])
 
 
 def _wait_alive(

@@ -37,7 +37,9 @@ from icefloe.errors import ConfigError, TableMismatchError
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.records.codecs.options import self_contained
 from icefloe_spark import faults
-from icefloe_spark.kafka.source import RANGE_ARROW_SCHEMA, SourceOptions, read_ranges
+from icefloe_spark.kafka.options import SourceOptions
+from icefloe_spark.kafka.planning import RANGE_ARROW_SCHEMA
+from icefloe_spark.kafka.reading import read_ranges
 from icefloe_spark.runtime import workergc
 from icefloe_spark.sink.publish import (
     BatchPublisher,
