@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from icefloe.config import PipelineConfig, config_from_dict
-from icefloe_spark.cli.commands import commands as cli
+from icefloe_spark.cli import commands as cli
 from icefloe_spark.cli.progress import TableProgress
 from icefloe_spark.runtime import jvm
 from icefloe_spark.sink.publish import PublishStats
