@@ -17,8 +17,6 @@ registered here too when a configuration does not list them (this repository's d
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 TIERS = {
@@ -61,9 +59,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def tier_of(item: pytest.Item) -> str:
     """The tier ``item`` belongs to (see the module docstring for the order of the rules)."""
     config = item.config
-    root = Path(config.rootpath)
     used = set(getattr(item, "fixturenames", ()))  # the closure: indirect uses count too
-    if any(item.path.is_relative_to(root / p) for p in config.getini("tier_e2e_paths")):
+    if any(item.path.is_relative_to(config.rootpath / p) for p in config.getini("tier_e2e_paths")):
         found = "e2e"
     elif used & set(config.getini("tier_spark_fixtures")):
         found = "spark"
