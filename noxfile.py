@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["lint", "typecheck", "docs", "tests"]
@@ -44,6 +45,16 @@ def _pytest_args(session: nox.Session) -> list[str]:
     return ["-p", "no:cacheprovider", "-rfEs", "--durations=15", *parallel, *session.posargs]
 
 
+def _install_cached(session: nox.Session, *packages: str) -> None:
+    """Install from uv's cache alone when it holds everything (2 s), else from the index. Online,
+    uv builds PySpark's sdist again whenever the index answers its revalidation "modified", as
+    the one here does: 40 s more for a session meant to be quick."""
+    try:
+        session.install("--offline", *packages)
+    except CommandFailed:
+        session.install(*packages)
+
+
 @nox.session
 @nox.parametrize("package", [*LOCAL_DEPS, "e2e"])
 def tests(session: nox.Session, package: str) -> None:
@@ -71,7 +82,7 @@ def tests(session: nox.Session, package: str) -> None:
 def quick(session: nox.Session) -> None:
     """The fast gate, no server needed: ruff, then every package's unit tier (`pytest -m unit`:
     no server, no JVM) in one virtualenv with all five packages. `.ci/run` runs it first."""
-    session.install(*ALL_WITH_TEST_EXTRAS, "ruff>=0.6")
+    _install_cached(session, *ALL_WITH_TEST_EXTRAS, "ruff>=0.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     packages = [f"packages/{d}/tests" for d in LOCAL_DEPS]
@@ -142,7 +153,9 @@ BENCH_SMOKE = {
 def bench_smoke(session: nox.Session) -> None:
     """Every benchmark once on a tiny load (not run by default), so none rots: the figures mean
     nothing, a failure does. Needs Java; the broker is embedded, no other server is used."""
-    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "orjson", "psutil>=5.9")
+    _install_cached(
+        session, *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "orjson", "psutil>=5.9"
+    )
     scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
     if unlisted := sorted(set(scripts) - set(BENCH_SMOKE)):
         session.error(f"no smoke load for {unlisted}: add one to BENCH_SMOKE in noxfile.py")
