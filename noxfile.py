@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["lint", "typecheck", "docs", "tests"]
@@ -31,15 +32,27 @@ IMPORT_NAMES = {
 ALL_WITH_TEST_EXTRAS = [f"./packages/{d}[test]" for d in LOCAL_DEPS]
 
 
-# Most tests wait (process and JVM start-up, commit intervals, servers), so several run at
-# once even on two cores (pytest-xdist; every test has its own topic, table, pipeline name and
-# session fixtures per worker). ICEFLOE_TEST_WORKERS=1 runs them one by one.
-WORKERS = os.environ.get("ICEFLOE_TEST_WORKERS", "4")
+# One pytest-xdist worker per core (every test has its own topic, table, pipeline name and
+# session fixtures per worker): more workers than cores starve the tests that hold wall-clock
+# leases (four on two cores made them flaky). ICEFLOE_TEST_WORKERS=1 runs them one by one.
+WORKERS = os.environ.get("ICEFLOE_TEST_WORKERS", str(os.cpu_count() or 1))
+# mypy over what is not shipped: the tests keep a relaxed profile (root pyproject.toml)
+TYPED_TESTS = [*[f"packages/{d}/tests" for d in LOCAL_DEPS], "tests", "benchmarks"]
 
 
 def _pytest_args(session: nox.Session) -> list[str]:
     parallel = [] if WORKERS in ("0", "1") else ["-n", WORKERS, "--dist", "worksteal"]
     return ["-p", "no:cacheprovider", "-rfEs", "--durations=15", *parallel, *session.posargs]
+
+
+def _install_cached(session: nox.Session, *packages: str) -> None:
+    """Install from uv's cache alone when it holds everything (2 s), else from the index. Online,
+    uv builds PySpark's sdist again whenever the index answers its revalidation "modified", as
+    the one here does: 40 s more for a session meant to be quick."""
+    try:
+        session.install("--offline", *packages)
+    except CommandFailed:
+        session.install(*packages)
 
 
 @nox.session
@@ -68,6 +81,17 @@ def tests(session: nox.Session, package: str) -> None:
 
 
 @nox.session
+def quick(session: nox.Session) -> None:
+    """The fast gate, no server needed: ruff, then every package's unit tier (`pytest -m unit`:
+    no server, no JVM) in one virtualenv with all five packages. `.ci/run` runs it first."""
+    _install_cached(session, *ALL_WITH_TEST_EXTRAS, "ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    packages = [f"packages/{d}/tests" for d in LOCAL_DEPS]
+    session.run("pytest", "-m", "unit", *packages, *_pytest_args(session))
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree; the import contracts
     (import-linter, pyproject.toml's [tool.importlinter]) and no import cycle
@@ -81,9 +105,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy (strict) over every package's sources."""
-    session.install("mypy>=1.11", *ALL_WITH_TEST_EXTRAS)
+    """mypy (strict) over every package's sources, then over the tests and benchmarks."""
+    session.install("mypy>=1.11", *ALL_WITH_TEST_EXTRAS, "psutil>=5.9")
     session.run("mypy", *[f"packages/{d}/src/{IMPORT_NAMES[d]}" for d in LOCAL_DEPS])
+    session.run("mypy", *TYPED_TESTS)
 
 
 @nox.session
@@ -118,6 +143,33 @@ def bench_soak(session: nox.Session) -> None:
     `icefloe run` held at full speed, e.g. `nox -s bench-soak -- --minutes 10`."""
     session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
     session.run("python", "benchmarks/bench_soak.py", *session.posargs)
+
+
+# every script in benchmarks/ with its smallest load: what `bench-smoke` runs
+BENCH_SMOKE = {
+    "bench_coordinator.py": "--backend kafka --writers 2 --files 4 --cycles 2 --processes 1",
+    "bench_e2e.py": "--records 2000 --warmup 200 --partitions 2 --write 1000",
+    "bench_merge.py": "--tasks 2 --partitions 2 --records 200 --cycles 1",
+    "bench_soak.py": "--minutes 0.75 --every 3 --window 0.25 --lag 2000 --partitions 2",
+    "bench_startup.py": "--repeats 1",
+    "bench_summary.py": "--writer-ids 8 --live 4 --commits 3",
+    "bench_upsert.py": "--rows 2000 --files 2 --updates 100",
+    "tansu_stuck_transactions.py": "--producers 2 --rounds 1 --threads 2",
+}
+
+
+@nox.session(name="bench-smoke", default=False)
+def bench_smoke(session: nox.Session) -> None:
+    """Every benchmark once on a tiny load (not run by default), so none rots: the figures mean
+    nothing, a failure does. Needs Java; the broker is embedded, no other server is used."""
+    _install_cached(
+        session, *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "orjson", "psutil>=5.9"
+    )
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+    if unlisted := sorted(set(scripts) - set(BENCH_SMOKE)):
+        session.error(f"no smoke load for {unlisted}: add one to BENCH_SMOKE in noxfile.py")
+    for script in scripts:
+        session.run("python", f"benchmarks/{script}", *BENCH_SMOKE[script].split())
 
 
 @nox.session(default=False)

@@ -321,7 +321,7 @@ def measure_idle(workers: list[Any], replies: Any, seconds: float) -> float:
     def cpu() -> float:
         for _, commands, _ in workers:
             commands.put(("cpu",))
-        return sum(replies.get(timeout=60)[1] for _ in workers)
+        return float(sum(replies.get(timeout=60)[1] for _ in workers))
 
     before, started = cpu(), time.perf_counter()
     time.sleep(seconds)

@@ -89,6 +89,7 @@ def replay_writers(catalog: Catalog, table: str, group: str) -> set[str]:
     """Replay writer ids any of the table's snapshots of ``group`` recorded."""
     out: set[str] = set()
     for snap in group_snapshots(catalog, table, group):
+        assert snap.summary is not None
         marks = json.loads(snap.summary.additional_properties["icefloe.writer-watermarks"])
         out |= {w for w in marks if w.startswith(REPLAY_PREFIX)}
     return out
@@ -148,6 +149,7 @@ def test_rolled_back_table_gets_its_rows_again_exactly_once_and_no_other_table_c
 
         def recorded(table: str) -> Any:
             newest = group_snapshots(catalog, table, group)[-1]
+            assert newest.summary is not None
             return json.loads(newest.summary.additional_properties["icefloe.source-offsets"])
 
         wait_until(lambda: recorded(A) == ends == recorded(B), WAIT_S, "the topic's end")
@@ -162,5 +164,6 @@ def test_rolled_back_table_gets_its_rows_again_exactly_once_and_no_other_table_c
     added = sum(
         int(s.summary.additional_properties.get("added-records", "0"))
         for s in group_snapshots(catalog, B, group)
+        if s.summary
     )
     assert added == len(keys_of(B, 600))

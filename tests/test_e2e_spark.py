@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,7 @@ def test_every_record_lands_exactly_once(
     assert_exactly_once(catalog, TABLE, range(1000))
     snapshots = group_snapshots(catalog, TABLE, name)
     assert snapshots, "no snapshot carries the pipeline's group id"
+    assert snapshots[-1].summary is not None
     recorded = json.loads(snapshots[-1].summary.additional_properties["icefloe.source-offsets"])
     ends = end_offsets(bootstrap, topic)
     assert recorded == {topic: {str(p): o for p, o in ends.items()}}
@@ -209,7 +210,7 @@ def test_each_data_path_commits_every_record_once_with_partitions_split_over_tas
         assert p.query is not None
         progress = [r for r in p.query.recentProgress if r["numInputRows"]]
         assert p.stats.records == 300
-    input_rows = sum(r["numInputRows"] for r in progress)
+    input_rows: int = sum(r["numInputRows"] for r in progress)
     if data_path == "ranges":  # ranges of at most 40 offsets: no record crossed the JVM
         assert input_rows == sum(-(-n // 40) for n in batch_sizes(progress))
     else:
@@ -217,7 +218,7 @@ def test_each_data_path_commits_every_record_once_with_partitions_split_over_tas
     assert_exactly_once(catalog, TABLE, range(300))
 
 
-def batch_sizes(progress: list[dict[str, Any]]) -> list[int]:
+def batch_sizes(progress: Sequence[Mapping[str, Any]]) -> list[int]:
     """Offsets each batch spanned (its one partition's end minus start)."""
     out = []
     for report in progress:
@@ -440,6 +441,7 @@ def writer_watermark(catalog: Catalog, group_id: str, writer_id: str) -> int | N
     snapshots = group_snapshots(catalog, TABLE, group_id)
     if not snapshots:
         return None
+    assert snapshots[-1].summary is not None
     marks = json.loads(snapshots[-1].summary.additional_properties["icefloe.writer-watermarks"])
     return marks.get(writer_id)
 
@@ -887,6 +889,7 @@ def test_backend_swap_kafka_postgres_redis_by_the_documented_procedure(
     channels = {
         s.summary.additional_properties.get("icefloe.channel-id", "")
         for s in group_snapshots(catalog, TABLE, name)
+        if s.summary
     }
     assert {c.split(":")[0] for c in channels} == {"kafka", "postgres", "redis"}, channels
 
@@ -994,9 +997,9 @@ def test_regex_routes_rename_map_and_name_mapping_end_to_end(
     )
     aliases = NameMapping(
         [
-            MappedField(field_id=1, names=["id"]),
-            MappedField(field_id=2, names=["user_name", "userName"]),
-            MappedField(field_id=3, names=["kind"]),
+            MappedField(field_id=1, names=["id"]),  # type: ignore[call-arg]  # by name
+            MappedField(field_id=2, names=["user_name", "userName"]),  # type: ignore[call-arg]
+            MappedField(field_id=3, names=["kind"]),  # type: ignore[call-arg]
         ]
     )
     catalog.create_table(

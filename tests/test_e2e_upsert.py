@@ -15,6 +15,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,7 @@ def test_upsert_and_cdc_tables_hold_exactly_the_final_state(
             produced += batch
             send(bootstrap, topic, batch)
             want = {UPSERTS: expected(produced, "u"), CHANGES: expected(produced, "c")}
-            wait_until(lambda w=want: matches(catalog, w), WAIT_S, f"changes up to {first + 130}")
+            wait_until(partial(matches, catalog, want), WAIT_S, f"changes up to {first + 130}")
             assert_state(catalog, want)
     assert len(want[CHANGES]) < KEYS  # some keys end deleted
     tasks = catalog.load_table(CHANGES).scan().plan_files()

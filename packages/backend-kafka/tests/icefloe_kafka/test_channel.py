@@ -66,9 +66,9 @@ def test_pipelines_share_one_topic_and_each_writer_keeps_one_partition(
     groups = [f"share-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     backends = {g: make_backend(g) for g in groups}
     published: dict[str, list[str]] = {}
-    for g, b in backends.items():
+    for g, backend in backends.items():
         for i in range(2):
-            w = b.writer(f"w{i}")
+            w = backend.writer(f"w{i}")
             ref = WriterRef(f"w{i}", w.open())
             for seq in range(2):
                 one = batch(g, ref, seq)
@@ -194,7 +194,7 @@ def test_foreign_garbage_is_skipped_but_a_corrupt_event_of_the_pipeline_stops_re
     good = [Event(group_id, DataComplete((), None), ref, i) for i in range(3)]
     p = raw_producer(kafka_broker)
     key = record_key(group_id, "w")
-    own = [(GROUP_HEADER, group_id.encode())]
+    own: list[tuple[str, str | bytes | None]] = [(GROUP_HEADER, group_id.encode())]
     p.produce(topic, encode_event(good[0]), key, partition=0, headers=own)
     p.produce(topic, b"not an event", key, partition=0)  # no header: not icefloe's
     p.produce(topic, b"IFgarbage", key, partition=0, headers=[(GROUP_HEADER, b"other")])
@@ -271,7 +271,7 @@ def test_writers_skip_other_writers_batches_without_decoding_them(
     import icefloe_kafka.broadcasts as broadcasts_module
 
     decoded: list[bytes] = []
-    real_decode = broadcasts_module.decode_event
+    real_decode = broadcasts_module.decode_event  # type: ignore[attr-defined]  # as it uses it
 
     def counting_decode(data: bytes) -> Event:
         decoded.append(data)

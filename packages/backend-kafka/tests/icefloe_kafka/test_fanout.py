@@ -102,7 +102,8 @@ def test_the_channel_end_lies_past_every_answer_sent_at_once(
         past = [(r.partition, r.offset) for r in recs if r.offset >= end.get(r.partition, 0)]
         assert not past, f"records at or past the reported end {end}: {past}"
     finally:
-        for ch in (*writers, coordinator):
+        channels: list[WriterChannel | CoordinatorChannel] = [*writers, coordinator]
+        for ch in channels:
             ch.close()
 
 
@@ -171,7 +172,9 @@ def test_a_shared_consumer_serves_every_writer_and_outlives_a_closed_one(
         for w in (*writers[1:], late):
             broadcasts_until(w, {second.event_id})
     finally:
-        for ch in (*writers, *([late] if late else []), coordinator):
+        channels: list[WriterChannel | CoordinatorChannel] = [*writers, *([late] if late else [])]
+        channels.append(coordinator)
+        for ch in channels:
             ch.close()
 
 

@@ -8,7 +8,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from icefloe.testing.cli import failed_check, run_icefloe, write_config
+
+pytestmark = pytest.mark.integration  # `icefloe doctor` runs every plugin's checks: servers, Java
 
 
 def _closed_port() -> int:

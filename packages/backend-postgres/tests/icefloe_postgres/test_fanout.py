@@ -11,8 +11,7 @@ import psycopg
 
 from icefloe.testing.fixtures import make_sqlite_catalog
 from icefloe.testing.harness import fan_out_cycle
-
-from .conftest import BackendMaker
+from icefloe_postgres.testing import BackendMaker
 
 WRITERS = 256  # above PostgreSQL's default max_connections (100)
 

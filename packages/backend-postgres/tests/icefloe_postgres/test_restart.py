@@ -132,11 +132,11 @@ def test_server_restart_mid_run_neither_loses_nor_duplicates_rows(
             c.close()
         backend.close()
     assert errors == []
-    for t in TABLES:
-        assert_exactly_once(catalog, t, expected[t])
-        snaps = group_snapshots(catalog, t, group)
+    for table in TABLES:
+        assert_exactly_once(catalog, table, expected[table])
+        snaps = group_snapshots(catalog, table, group)
         commit_ids = [
             s.summary.additional_properties["icefloe.commit-id"] for s in snaps if s.summary
         ]
-        assert len(commit_ids) == len(set(commit_ids)), f"{t}: two snapshots in one cycle"
+        assert len(commit_ids) == len(set(commit_ids)), f"{table}: two snapshots in one cycle"
         assert len(snaps) >= 2, "the run spanned several cycles"

@@ -123,7 +123,7 @@ def test_operations_survive_every_pooled_connection_being_killed(
     w, ref = open_writer(b)
     coord = reader(b)
     assert coord.acquire(0) is not None
-    published = []
+    published: list[str] = []
     for seq in range(4):
         terminate_sessions(b, app)
         batch = make_batch(b.group_id, ref, seq)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import pytest
+
 from icefloe.testing.cli import failed_check, write_config
+
+pytestmark = pytest.mark.integration  # `icefloe doctor` runs every plugin's checks: servers, Java
 
 
 def test_doctor_with_redis_down_fails(tmp_path: Path) -> None:

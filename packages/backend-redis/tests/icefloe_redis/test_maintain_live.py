@@ -46,7 +46,7 @@ def _age_everything(location: str, seconds: float) -> None:
             os.utime(path, (stamp, stamp))
 
 
-def _coordinator(backend, catalog, name: str) -> Coordinator:  # type: ignore[no-untyped-def]
+def _coordinator(backend, catalog, name: str) -> Coordinator:
     settings = CoordinatorSettings(
         commit_interval_s=3600.0, commit_timeout_s=20.0, writer_timeout_s=1.0
     )

@@ -6,6 +6,7 @@ import datetime as dt
 import io
 import json
 import uuid
+from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ def ctx(n: int, first: int = 0) -> DecodeContext:
     )
 
 
-def raw(values: list[bytes | None]) -> pa.Array:
+def raw(values: Sequence[bytes | None]) -> pa.Array:
     return pa.array(values, pa.binary())
 
 

@@ -152,7 +152,7 @@ def test_written_files_round_trip_through_an_event_and_commit(table: Table) -> N
         assert list(f.split_offsets or []) == list(m.split_offsets or [])
         # partition values come back typed by the spec (decimal as Decimal, day as int)
         assert [f.partition[i] for i in range(4)] == [
-            None if p.value is None else Decimal(p.value) if p.name == "amount" else p.value
+            None if p.value is None else Decimal(p.value) if p.name == "amount" else p.value  # type: ignore[arg-type]
             for p in m.partition
         ]
 

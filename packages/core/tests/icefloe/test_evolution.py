@@ -158,7 +158,10 @@ def test_incompatible_values_change_nothing_and_are_reported() -> None:
 
 def test_aliases_and_letter_case_find_existing_columns() -> None:
     mapping = NameMapping(
-        [MappedField(field_id=3, names=["name", "fullName"]), MappedField(field_id=1, names=["id"])]
+        [
+            MappedField(field_id=3, names=["name", "fullName"]),  # type: ignore[call-arg]
+            MappedField(field_id=1, names=["id"]),  # type: ignore[call-arg]
+        ]
     )
     records = {"id": 1, "fullName": "a", "user": {"age": 1}}
     assert not plan(records, name_mapping=mapping)
@@ -200,7 +203,7 @@ def test_concurrent_writers_each_add_their_column_once(catalog: Catalog) -> None
     catalog.create_table("db.t", schema=TABLE)
     stale = [catalog.load_table("db.t") for _ in range(4)]
     barrier = threading.Barrier(len(stale))
-    records = [{"a": 1}, {"b": "x"}, {"a": 2, "c": 1.5}, {"b": "y"}]
+    records: list[dict[str, Any]] = [{"a": 1}, {"b": "x"}, {"a": 2, "c": 1.5}, {"b": "y"}]
 
     def run(i: int) -> None:
         barrier.wait()
@@ -220,7 +223,7 @@ def test_concurrent_writers_each_add_their_column_once(catalog: Catalog) -> None
 def test_the_tables_name_mapping_follows_new_columns(catalog: Catalog) -> None:
     mapping = NameMapping(
         [
-            MappedField(field_id=i, names=[n])
+            MappedField(field_id=i, names=[n])  # type: ignore[call-arg]  # by name, not alias
             for i, n in ((1, "id"), (2, "score"), (3, "name"), (4, "user"), (6, "total"))
         ]
     )
@@ -251,7 +254,7 @@ def test_route_regex_matches_whole_values() -> None:
         TableConfig(name="db.o", route_field="k", route_regex=r"order\..*"),
         TableConfig(name="db.r", route_field="k", route_values=["refund"], route_regex="x.*"),
     ]
-    masks = route_masks(data, tables)
+    masks: dict[str, Any] = route_masks(data, tables)
     assert masks["db.o"].to_pylist() == [True, False, False, False, False]
     assert masks["db.r"].to_pylist() == [False, False, True, False, True]
 
@@ -283,7 +286,8 @@ def test_dynamic_tables_are_named_by_the_route_field() -> None:
     )
     assert dynamic_values(data, dynamic) == {"ev.click": ["Click", "click"]}
     entry = dynamic.table_config("ev.click", ["Click", "click"])
-    assert route_masks(data, [entry])["ev.click"].to_pylist() == [True, True, False, False, False]
+    masks: dict[str, Any] = route_masks(data, [entry])
+    assert masks["ev.click"].to_pylist() == [True, True, False, False, False]
 
 
 def test_a_pipeline_needs_some_table() -> None:

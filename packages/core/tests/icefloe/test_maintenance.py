@@ -144,11 +144,12 @@ def test_maintain_keeps_what_dedupe_and_uncommitted_batches_need(
     )
     try:
         lead(coordinator)
-        ours = []
+        ours: list[int] = []
         for seq in range(3):
             batch = source.publish(writer, seq)
             wait_pending(coordinator, batch.file_count)
             [result] = coordinator.commit_now().tables
+            assert result.snapshot_id is not None
             ours.append(result.snapshot_id)
         foreign = []
         for rows in ([900], [901]):  # another tool appends on top of the pipeline's snapshots

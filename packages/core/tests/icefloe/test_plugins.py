@@ -42,7 +42,7 @@ class NoOptions(BaseModel):
 
 
 def _spec(name: str, factory: Any = None) -> BackendSpec:
-    return BackendSpec(name, NoOptions, factory or (lambda c, ctx: None), f"{name} backend")
+    return BackendSpec(name, NoOptions, factory or (lambda c, ctx: None), f"{name} backend")  # type: ignore[arg-type]
 
 
 class TwoBackends:

@@ -189,12 +189,14 @@ def test_position_delete_file_is_spec_valid(catalog: SqlCatalog, table: Table) -
     assert content(catalog) == [(i, "v0") for i in (0, 1, 3, 5, 6, 8, 9)]
     # the manifest list and the manifest, read with fastavro (not pyiceberg's reader)
     with open(head.manifest_list.removeprefix("file://"), "rb") as stream:
-        listed = {m["manifest_path"]: m for m in fastavro.reader(stream)}
+        manifests_listed: list[Any] = list(fastavro.reader(stream))
+        listed = {m["manifest_path"]: m for m in manifests_listed}
     assert listed[manifests[0].manifest_path]["content"] == 1  # deletes
     with open(manifests[0].manifest_path.removeprefix("file://"), "rb") as stream:
         reader = fastavro.reader(stream)
         assert reader.metadata["content"] == "deletes"
-        [raw] = list(reader)
+        records: list[Any] = list(reader)
+        [raw] = records
     assert raw["data_file"]["content"] == 1  # position deletes
     assert raw["data_file"]["file_path"] == delete_file.file_path
     assert raw["data_file"]["record_count"] == 3

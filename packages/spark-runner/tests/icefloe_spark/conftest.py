@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import KafkaException, Producer
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]  # stubs
 from pyspark.sql import SparkSession
 
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
@@ -50,7 +50,8 @@ def spark() -> Iterator[SparkSession]:
 @pytest.fixture
 def new_topic(kafka_broker: EmbeddedKafkaBroker) -> Callable[..., str]:
     """``new_topic(partitions=2, name=None)`` creates a topic and returns its name."""
-    admin = AdminClient({"bootstrap.servers": kafka_broker.bootstrap_servers, "logger": _log})
+    conf: dict[str, Any] = {"bootstrap.servers": kafka_broker.bootstrap_servers, "logger": _log}
+    admin = AdminClient(conf)
 
     def create(partitions: int = 2, name: str | None = None) -> str:
         topic = name or f"t-{uuid.uuid4().hex[:12]}"

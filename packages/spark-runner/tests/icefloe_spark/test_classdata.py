@@ -17,6 +17,7 @@ import pytest
 
 from icefloe_spark.runtime import classdata, jvm, sparkhome
 
+# a test that runs a JVM (`java -version` or Spark) is in the spark tier, not unit
 needs_java = pytest.mark.skipif(classdata.java_binary() is None, reason="no java")
 
 
@@ -111,6 +112,7 @@ SPARK_PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.spark
 def test_spark_s_python_processes_import_pyspark_from_the_package_not_the_zip(
     tmp_path: Path,
 ) -> None:
@@ -175,6 +177,7 @@ def dump(java: Path, into: Path) -> None:
     subprocess.run([str(java), *options, "-version"], capture_output=True, check=True)
 
 
+@pytest.mark.spark
 @needs_java
 def test_a_written_archive_is_checked_and_kept_under_its_size(tmp_path: Path) -> None:
     spark_home = fake_pyspark(tmp_path)
@@ -196,6 +199,7 @@ def test_a_written_archive_is_checked_and_kept_under_its_size(tmp_path: Path) ->
     assert "-XX:SharedArchiveFile=" in again.java_options()
 
 
+@pytest.mark.spark
 @needs_java
 @pytest.mark.parametrize("damage", ["truncated", "corrupted"])
 def test_a_damaged_written_archive_is_not_kept(
@@ -225,6 +229,7 @@ def test_a_damaged_written_archive_is_not_kept(
     assert list(workdir.iterdir()) == []
 
 
+@pytest.mark.spark
 @needs_java
 def test_the_first_writer_kept_wins(tmp_path: Path) -> None:
     spark_home = fake_pyspark(tmp_path)

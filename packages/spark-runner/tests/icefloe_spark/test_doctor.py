@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from confluent_kafka.admin import AdminClient
 from pyiceberg.catalog import load_catalog
 from pyiceberg.schema import Schema
@@ -17,6 +18,8 @@ from pyiceberg.types import LongType, NestedField
 
 from icefloe.testing.cli import failed_check, run_icefloe, write_config
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
+
+pytestmark = pytest.mark.integration  # `icefloe doctor` runs every plugin's checks: servers, Java
 
 
 def _catalog(tmp_path: Path) -> dict[str, str]:

@@ -234,8 +234,8 @@ def test_an_incompatible_value_goes_to_the_error_policy(catalog: Catalog) -> Non
 def test_rename_map_and_the_tables_name_mapping(catalog: Catalog) -> None:
     mapping = NameMapping(
         [
-            MappedField(field_id=1, names=["id"]),
-            MappedField(field_id=2, names=["user_name", "userName"]),
+            MappedField(field_id=1, names=["id"]),  # type: ignore[call-arg]  # by name
+            MappedField(field_id=2, names=["user_name", "userName"]),  # type: ignore[call-arg]
         ]
     )
     catalog.create_table(

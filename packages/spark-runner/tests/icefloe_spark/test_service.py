@@ -26,6 +26,8 @@ from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
+pytestmark = pytest.mark.spark  # `icefloe run` subprocesses start their own JVM
+
 DEADLINE_S = 300.0
 
 

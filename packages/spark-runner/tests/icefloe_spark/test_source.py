@@ -8,7 +8,7 @@ import json
 import pickle
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from unittest.mock import patch
@@ -16,7 +16,7 @@ from unittest.mock import patch
 import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
-from confluent_kafka.admin import OffsetSpec
+from confluent_kafka.admin import OffsetSpec  # type: ignore[attr-defined]  # stubs
 from hypothesis import given
 from hypothesis import strategies as st
 from pyspark.sql import SparkSession
@@ -507,7 +507,7 @@ def test_latest_offset_limits_and_new_partitions(
     assert reader.getDefaultReadLimit() == ReadAllAvailable()
     # a partition missing from the start offsets is recorded at its earliest offset first
     assert reader.latestOffset({topic: {"0": 10}}, ReadAllAvailable()) == {topic: {"0": 10, "1": 0}}
-    parts = reader.partitions({topic: {"0": 4, "1": 2}}, {topic: {"0": 10, "1": 2}})
+    parts: Sequence[Any] = reader.partitions({topic: {"0": 4, "1": 2}}, {topic: {"0": 10, "1": 2}})
     assert [(p.topic, p.partition, p.start, p.end) for p in parts] == [(topic, 0, 4, 10)]
     # the reader goes to executors pickled, without its driver-side clients
     clone = pickle.loads(pickle.dumps(reader))

@@ -10,6 +10,8 @@ import pytest
 
 from icefloe_spark.runtime.standalone import ClusterStartError, standalone_cluster
 
+pytestmark = pytest.mark.spark  # the master is a JVM, started without a fixture
+
 
 def test_a_worker_that_cannot_start_raises_with_its_output_and_leaves_no_process(
     tmp_path: Path,
