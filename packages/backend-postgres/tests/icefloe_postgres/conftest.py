@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.abc import Query
+from psycopg import sql
 
 from icefloe.events import WriterRef
 from icefloe_postgres import PostgresBackend, PostgresCoordinatorChannel, PostgresWriterChannel
@@ -33,7 +33,7 @@ def open_writer(
     return writer, WriterRef(writer_id, writer.open())
 
 
-def counted(backend: PostgresBackend, query: Query, *params: Any) -> int:
+def counted(backend: PostgresBackend, query: str | sql.SQL | sql.Composed, *params: Any) -> int:
     """What a ``SELECT count(...)`` returns, run on the backend's pool."""
     row = backend.db.run("count", lambda c: c.execute(query, params).fetchone())
     assert row is not None
