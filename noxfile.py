@@ -62,7 +62,7 @@ def tests(session: nox.Session, package: str) -> None:
     (so an undeclared import fails), or `e2e`: the cross-package tests in tests/."""
     if package == "e2e":
         # pip: tests/test_third_party_plugin.py installs a plugin distribution with it;
-        # import-linter: tests/test_import_cycles.py runs tools/import_cycles.py (grimp)
+        # import-linter: tests/test_import_cycles.py runs tools/import_cycles.py (grimp, networkx)
         session.install(
             *ALL_WITH_TEST_EXTRAS,
             "./packages/spark-runner[demo]",
@@ -71,6 +71,7 @@ def tests(session: nox.Session, package: str) -> None:
             "ruff>=0.6",
             "mypy>=1.11",
             "import-linter>=2.1",
+            "networkx>=3",
         )
         session.run("pytest", "tests", *_pytest_args(session))
         return
@@ -96,7 +97,7 @@ def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree; the import contracts
     (import-linter, pyproject.toml's [tool.importlinter]) and no import cycle
     (tools/import_cycles.py) over the five packages."""
-    session.install("ruff>=0.6", "import-linter>=2.1", *ALL_WITH_TEST_EXTRAS)
+    session.install("ruff>=0.6", "import-linter>=2.1", "networkx>=3", *ALL_WITH_TEST_EXTRAS)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports")

@@ -16,52 +16,22 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import grimp
+import networkx
 
 PACKAGES = ("icefloe", "icefloe_kafka", "icefloe_postgres", "icefloe_redis", "icefloe_spark")
 
 
 def strongly_connected(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:
-    """The components of more than one module, or of one that imports itself (Tarjan's
-    algorithm, iterative: no recursion limit to meet)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    on_stack: set[str] = set()
-    stack: list[str] = []
-    out: list[list[str]] = []
-    for root in sorted(edges):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(edges[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(edges.get(child, ())))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[node])
-            if low[node] == index[node]:
-                component: list[str] = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1 or node in edges.get(node, ()):
-                    out.append(sorted(component))
-    return sorted(out)
+    """The components of more than one module, or of one that imports itself, each sorted
+    (networkx's strongly connected components of the import graph)."""
+    graph = networkx.DiGraph([(a, b) for a, targets in edges.items() for b in targets])
+    graph.add_nodes_from(edges)
+    self_importing = set(networkx.nodes_with_selfloops(graph))
+    return sorted(
+        sorted(component)
+        for component in networkx.strongly_connected_components(graph)
+        if len(component) > 1 or component & self_importing
+    )
 
 
 def import_cycles(*packages: str) -> tuple[list[list[str]], dict[str, set[str]], Any]:
