@@ -280,15 +280,16 @@ def maintain(
     orphans_older_than_s: float = 3 * 86_400.0,
     dry_run: bool = False,
 ) -> list[str]:
-    """``icefloe maintain``: expire snapshots, then delete orphan files, in the pipeline's
-    tables (or ``tables``); returns one line per table and step for the operator."""
+    """``icefloe maintain``: expire snapshots, then delete orphan files, in every table the
+    pipeline commits to (:func:`icefloe.ops.tables.pipeline_tables`) or in ``tables``;
+    returns one line per table and step for the operator."""
     import time
 
     from pyiceberg.catalog import load_catalog
 
+    from icefloe.ops.tables import pipeline_tables
     from icefloe.plugins.backends import open_backend
 
-    names = list(tables) or [t.name for t in config.tables]
     now_ms = int(time.time() * 1000)
     backend = open_backend(config)
     try:
@@ -303,6 +304,7 @@ def maintain(
     # after the channel: the coordinator records a refused file before it stores a position
     # past its batch, so every file is in one of the two sets (fails rather than guess)
     quarantined = Quarantine(catalog, config.coordination.quarantine_table).all_paths()
+    names = list(tables) or pipeline_tables(catalog, config)
     verb = "would " if dry_run else ""
     lines: list[str] = []
     for name in names:
