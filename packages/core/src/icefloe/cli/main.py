@@ -246,9 +246,10 @@ def drain_command(
         float, typer.Option("--timeout", help="Give up after this many seconds.")
     ] = 600.0,
 ) -> None:
-    """Commit everything the configured channel still holds, then mark the pipeline's tables
-    as drained of it, so the pipeline may continue on another backend. Stop the pipeline
-    (`icefloe run`) first. Exits 0 once drained."""
+    """Commit everything the configured channel still holds, then mark every table the
+    pipeline commits to ([[tables]], the dead-letter table, dynamic tables) as drained of it,
+    so the pipeline may continue on another backend. Stop the pipeline (`icefloe run`)
+    first. Exits 0 once drained."""
     import logging
     import os
     import socket
@@ -258,6 +259,7 @@ def drain_command(
     from icefloe.commit.committer import IcebergCommitter
     from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
     from icefloe.ops.drain import drain
+    from icefloe.ops.tables import pipeline_tables
 
     cfg = load_config(config)
     logging.basicConfig(
@@ -278,7 +280,7 @@ def drain_command(
             result = drain(
                 coordinator,
                 IcebergCommitter.for_pipeline(catalog, cfg),
-                [t.name for t in cfg.tables],
+                lambda: pipeline_tables(catalog, cfg),
                 timeout_s=timeout_s,
             )
         finally:

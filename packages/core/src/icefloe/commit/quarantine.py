@@ -103,6 +103,15 @@ class Quarantine:
         scan = t.scan(row_filter=_filter(group_id, table_name), selected_fields=("file_path",))
         return set(scan.to_arrow().column("file_path").to_pylist())
 
+    def all_paths(self) -> set[str]:
+        """Paths of every quarantined file, of every pipeline and table: files that
+        ``icefloe maintain`` must never delete as orphans (the entry promises them back)."""
+        t = self._table(create=False)
+        if t is None:
+            return set()
+        scan = t.scan(selected_fields=("file_path",))
+        return set(scan.to_arrow().column("file_path").to_pylist())
+
     def add(self, entries: Sequence[QuarantineEntry]) -> list[QuarantineEntry]:
         """Record ``entries`` (one append), skipping files already recorded; returns the new."""
         if not entries:

@@ -9,9 +9,10 @@ merge append, which merges manifests only when ``commit.manifest-merge.enabled``
 
 ``icefloe maintain`` expires old snapshots and deletes orphan files, safely next to a running
 pipeline: it never expires the snapshots the committer's dedupe rule reads
-(:func:`dedupe_snapshots`), and never deletes a file that is young or that a published, not
+(:func:`dedupe_snapshots`), and never deletes a file that is young, that a published, not
 yet committed batch announces (:func:`announced_files`, read from the channel's stored
-position, which is where the coordinator itself resumes).
+position, which is where the coordinator itself resumes), or that the quarantine names (its
+entry promises the rows back with ``add_files``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pyiceberg.table.snapshots import ancestors_of
 
 from icefloe.channel import CoordinatorChannel
 from icefloe.commit.dedupe import RETIRED_KEY
+from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile
 from icefloe.commit.summary import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY
 from icefloe.config import PipelineConfig
@@ -94,6 +96,7 @@ class OrphanResult:
 
     deleted: tuple[str, ...]
     kept_pending: tuple[str, ...]  # unreferenced, old enough, but announced by a writer
+    kept_quarantined: tuple[str, ...] = ()  # unreferenced, old enough, but quarantined
 
 
 def icefloe_groups(metadata: TableMetadata) -> set[str]:
@@ -189,19 +192,27 @@ def referenced_files(table: Table) -> set[str]:
 
 
 def remove_orphan_files(
-    table: Table, older_than_ms: int, pending: Iterable[str] = (), dry_run: bool = False
+    table: Table,
+    older_than_ms: int,
+    pending: Iterable[str] = (),
+    dry_run: bool = False,
+    quarantined: Iterable[str] = (),
 ) -> OrphanResult:
     """Delete files under the table location that no metadata references, that are older than
-    ``older_than_ms`` (epoch ms: a file being written or committed right now is young), and
-    that no published, not yet committed batch announces (``pending``: their paths)."""
+    ``older_than_ms`` (epoch ms: a file being written or committed right now is young), that
+    no published, not yet committed batch announces (``pending``: their paths), and that no
+    quarantine entry names (``quarantined``: no snapshot and, once the channel moved past
+    them, no batch names those files either; only the entry keeps them recoverable)."""
     import pyarrow.fs as pafs
 
     referenced = referenced_files(table)
     announced = {_file_key(p) for p in pending}
+    refused = {_file_key(p) for p in quarantined}
     fs, base = pafs.FileSystem.from_uri(table.location())
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
     deleted: list[str] = []
     spared: list[str] = []
+    kept: list[str] = []
     for info in infos:
         if info.type != pafs.FileType.File or info.path in referenced:
             continue
@@ -211,10 +222,13 @@ def remove_orphan_files(
         if info.path in announced:
             spared.append(info.path)
             continue
+        if info.path in refused:
+            kept.append(info.path)
+            continue
         if not dry_run:
             fs.delete_file(info.path)
         deleted.append(info.path)
-    return OrphanResult(tuple(sorted(deleted)), tuple(sorted(spared)))
+    return OrphanResult(tuple(sorted(deleted)), tuple(sorted(spared)), tuple(sorted(kept)))
 
 
 def announced(
@@ -266,15 +280,16 @@ def maintain(
     orphans_older_than_s: float = 3 * 86_400.0,
     dry_run: bool = False,
 ) -> list[str]:
-    """``icefloe maintain``: expire snapshots, then delete orphan files, in the pipeline's
-    tables (or ``tables``); returns one line per table and step for the operator."""
+    """``icefloe maintain``: expire snapshots, then delete orphan files, in every table the
+    pipeline commits to (:func:`icefloe.ops.tables.pipeline_tables`) or in ``tables``;
+    returns one line per table and step for the operator."""
     import time
 
     from pyiceberg.catalog import load_catalog
 
+    from icefloe.ops.tables import pipeline_tables
     from icefloe.plugins.backends import open_backend
 
-    names = list(tables) or [t.name for t in config.tables]
     now_ms = int(time.time() * 1000)
     backend = open_backend(config)
     try:
@@ -286,6 +301,10 @@ def maintain(
     finally:
         backend.close()
     catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+    # after the channel: the coordinator records a refused file before it stores a position
+    # past its batch, so every file is in one of the two sets (fails rather than guess)
+    quarantined = Quarantine(catalog, config.coordination.quarantine_table).all_paths()
+    names = list(tables) or pipeline_tables(catalog, config)
     verb = "would " if dry_run else ""
     lines: list[str] = []
     for name in names:
@@ -299,10 +318,11 @@ def maintain(
         )
         table = catalog.load_table(name)
         orphans = remove_orphan_files(
-            table, now_ms - int(orphans_older_than_s * 1000), pending, dry_run
+            table, now_ms - int(orphans_older_than_s * 1000), pending, dry_run, quarantined
         )
         lines.append(
             f"{name}: {verb}delete {len(orphans.deleted)} orphan file(s); kept "
-            f"{len(orphans.kept_pending)} announced by uncommitted batches"
+            f"{len(orphans.kept_pending)} announced by uncommitted batches, "
+            f"{len(orphans.kept_quarantined)} quarantined"
         )
     return lines

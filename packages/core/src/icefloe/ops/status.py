@@ -1,7 +1,9 @@
 """``icefloe status``: the pipeline's state from the backend and the catalog, without Spark and
 without taking part (nothing is joined, fenced or renewed).
 
-Per table: the last icefloe commit (time, rows it added, total rows, snapshot), source lag
+Per table the pipeline commits to (``[[tables]]``, the dead-letter table, dynamic tables:
+:func:`icefloe.ops.tables.pipeline_tables`, with the tables batches on the channel name): the
+last icefloe commit (time, rows it added, total rows, snapshot), source lag
 (from plugins that know the source, through the ``icefloe_source_lag`` hook), quarantined
 files and dead-lettered records. A table is **stuck** when the source holds records the table
 has not committed and no commit came for longer than a few commit cycles: the exit status
@@ -237,6 +239,7 @@ def collect(config: PipelineConfig) -> PipelineStatus:
     from pyiceberg.catalog import load_catalog
 
     from icefloe.ops.doctor import cause_of, quiet_clients
+    from icefloe.ops.tables import pipeline_tables
     from icefloe.plugins.backends import open_backend
     from icefloe.plugins.manager import get_plugins
 
@@ -264,14 +267,15 @@ def collect(config: PipelineConfig) -> PipelineStatus:
         lags = plugins.source_lag(config)
     catalog = load_catalog(config.catalog.name, **config.catalog.properties)
     now_ms = time.time() * 1000
+    seen = () if announced is None else announced[1]
     tables = [
         _with_pending(
-            table_status(catalog, config, t.name, lags.get(t.name), now_ms),
+            table_status(catalog, config, name, lags.get(name), now_ms),
             catalog,
             config,
             announced,
         )
-        for t in config.tables
+        for name in pipeline_tables(catalog, config, seen)
     ]
     return PipelineStatus(
         config.name,
