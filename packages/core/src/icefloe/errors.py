@@ -278,6 +278,12 @@ class PartitionSpecChangedError(RefusedFileError):
     """A data file was written with a partition spec that is no longer the table's default."""
 
 
+class KeyedBatchRefusedError(RefusedFileError):
+    """A file of an upsert/CDC writer batch the table would take by itself, refused because
+    another file of the same batch is: a keyed batch's keys and row images are committed
+    together or not at all (one half alone loses or duplicates keys)."""
+
+
 class CommitHistoryLostError(PermanentTableError):
     """The group committed to the table before, but its snapshots were expired from the
     branch's history, so what is already committed can no longer be told."""

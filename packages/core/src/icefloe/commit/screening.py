@@ -1,7 +1,14 @@
 """The file rules: why a table can never take an announced file (another incarnation of the
 table, outside its location, an old partition spec, a delete file, a key file it cannot
 resolve, metadata it cannot describe, a small file already merged away). Each reason concerns
-one file alone, so the coordinator quarantines just that file and commits the rest."""
+one file alone, so the coordinator quarantines just that file and commits the rest.
+
+One exception: the files of a *keyed batch* (one writer batch of an upsert/CDC table, that is
+the files of one ``(writer_id, batch_seq)`` for one table, with at least one key file) are
+accepted or refused together (:func:`screen`). Its key file deletes the rows its data files
+replace: keys applied without the new images lose the keys, images committed without the keys
+duplicate them. A writer publishes one DataWritten per table and batch, so these files share
+one channel offset too, and the dedupe rule covers all of them or none."""
 
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from icefloe.errors import (
     DataFileMissingError,
     FileOutsideTableError,
     InvalidDataFileError,
+    KeyedBatchRefusedError,
     PartitionSpecChangedError,
     RefusedFileError,
     RowDeltaNotSupportedError,
@@ -52,20 +60,51 @@ def screen(
     table: Table, files: Iterable[PendingFile], boundary: CommitBoundary, policy: TablePolicy
 ) -> Screening:
     """Sort ``files`` into those ``table`` may take and those it refuses for good. Files
-    ``boundary`` covers count as accepted (the commit drops them)."""
-    accepted: list[PendingFile] = []
-    refused: list[tuple[PendingFile, RefusedFileError]] = []
+    ``boundary`` covers count as accepted (the commit drops them). A keyed batch is refused
+    whole when any of its files is (see the module docstring)."""
     rules = _FileRules.of(table)
+    verdicts: list[tuple[PendingFile, RefusedFileError | None]] = []
     for f in files:
         covered = boundary.covers(f)
         error = None if covered else _refusal(table, f, rules)
         if error is None and not covered and policy.merge_small_files:
             error = _missing(table, f, policy.target_file_size_bytes)
+        verdicts.append((f, error))
+    sunk = _sunk_keyed_batches(verdicts)
+    accepted: list[PendingFile] = []
+    refused: list[tuple[PendingFile, RefusedFileError]] = []
+    for f, error in verdicts:
+        cause = sunk.get(batch_of(f)) if error is None else None
+        if cause is not None:
+            error = KeyedBatchRefusedError(
+                f"table '{table_name(table)}': {f.meta.path} is refused with the rest of its "
+                f"keyed batch (writer {f.writer_id} batch {f.batch_seq}), because "
+                f"{cause[0].meta.path} is: {cause[1]}. A keyed batch is committed whole or not "
+                "at all; recover the batch's files together (see docs/upsert.md)"
+            )
         if error is None:
             accepted.append(f)
         else:
             refused.append((f, error))
     return Screening(tuple(accepted), tuple(refused))
+
+
+def batch_of(f: PendingFile) -> tuple[str, int]:
+    """The writer batch ``f`` was announced in: per table, one DataWritten of one
+    ``(writer_id, batch_seq)`` (a replay under the same key is dropped before it gets here)."""
+    return f.writer_id, f.batch_seq
+
+
+def _sunk_keyed_batches(
+    verdicts: Iterable[tuple[PendingFile, RefusedFileError | None]],
+) -> dict[tuple[str, int], tuple[PendingFile, RefusedFileError]]:
+    """Per keyed batch with a refused file, its first refused file and why."""
+    keyed = {batch_of(f) for f, _ in verdicts if f.is_key_file}
+    sunk: dict[tuple[str, int], tuple[PendingFile, RefusedFileError]] = {}
+    for f, error in verdicts:
+        if error is not None and batch_of(f) in keyed:
+            sunk.setdefault(batch_of(f), (f, error))
+    return sunk
 
 
 def first_refusal(table: Table, files: Iterable[PendingFile]) -> RefusedFileError | None:
