@@ -71,6 +71,7 @@ from pyiceberg.types import (
 )
 
 from icefloe.errors import RowDeltaTableError
+from icefloe.records.changes import comparable_type
 
 FILE_PATH_FIELD_ID = 2147483546
 POS_FIELD_ID = 2147483545
@@ -158,6 +159,8 @@ def resolve(
     names = [f.name for f in fields]
     ids = [f.field_id for f in fields]
     arrow_schema = schema_to_pyarrow(Schema(*fields), include_field_ids=False)
+    # keys are matched by value: uuid columns as their 16 bytes (Arrow hashes no extension)
+    arrow_schema = pa.schema([f.with_type(comparable_type(f.type)) for f in arrow_schema])
     io = table.io
     live: dict[str, DataFile] = {}
     dead: dict[str, np.ndarray[Any, np.dtype[np.bool_]]] = {}  # per data file: row deleted?

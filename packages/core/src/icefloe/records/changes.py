@@ -177,11 +177,17 @@ def interleave_keys(
     return ordered.append_column(target.field(DELETE_FLAG), pa.array(deletes, pa.bool_()))
 
 
+def comparable_type(arrow_type: pa.DataType) -> pa.DataType:
+    """The type key values are grouped, matched and joined as: an extension type's storage.
+    Arrow's hash kernels (``group_by``, ``is_in``) have none for extension types (``uuid``,
+    read as ``extension<arrow.uuid>``), and equal storage means equal keys."""
+    if isinstance(arrow_type, pa.BaseExtensionType):
+        return arrow_type.storage_type
+    return arrow_type
+
+
 def _groupable(col: pa.ChunkedArray) -> pa.ChunkedArray:
-    # group_by has no kernels for extension types (uuid): group by their storage
-    if isinstance(col.type, pa.BaseExtensionType):
-        return pa.chunked_array([c.storage for c in col.chunks], col.type.storage_type)
-    return col
+    return col.cast(comparable_type(col.type))
 
 
 def last_per_key(rows: pa.Table, keys: pa.Table) -> tuple[pa.Table, pa.Table]:
