@@ -6,8 +6,10 @@ Per table the pipeline commits to (``[[tables]]``, the dead-letter table, dynami
 last icefloe commit (time, rows it added, total rows, snapshot), source lag
 (from plugins that know the source, through the ``icefloe_source_lag`` hook), quarantined
 files and dead-lettered records. A table is **stuck** when the source holds records the table
-has not committed and no commit came for longer than a few commit cycles: the exit status
-says so, for monitoring scripts.
+has not committed and no commit came for longer than a few commit cycles, or when its commits
+are *failing* (``coordination.quarantine_after_failures`` in a row, whatever the error, as the
+coordinator marks it in the quarantine table; a commit since clears it): the exit status says
+so, for monitoring scripts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from icefloe.config import PipelineConfig
 
 if TYPE_CHECKING:  # the committer (and pyiceberg's writer side) loads only when needed
     from icefloe.commit.committer import IcebergCommitter
+    from icefloe.commit.quarantine import FailingTable
     from icefloe.commit.request import PendingFile
 
 log = logging.getLogger("icefloe.status")
@@ -49,6 +52,9 @@ class TableStatus:
     reason: str = ""
     rollback: str = ""  # a rollback waiting for its replay, or why it cannot be replayed
     branch: str = "main"  # the branch the pipeline commits this table to
+    failing_commits: int | None = None  # failed commits in a row when the alarm was raised
+    failing_error: str = ""  # the error of the failure that raised it
+    failing_since_ms: int | None = None  # when the first of those failures happened
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,11 @@ def table_status(
         reason = f"{lag} source records not committed and " + (
             "no commit yet" if quiet_s is None else f"no commit for {quiet_s:.0f}s"
         )
+    failing = _failing(catalog, config, name)
+    if failing is not None and at is not None and failing.marked_ms < at:
+        failing = None  # the table committed since the alarm
+    if failing is not None and not stuck:
+        stuck, reason = True, f"{failing.failures} commits in a row failed"
     return TableStatus(
         name,
         True,
@@ -122,6 +133,9 @@ def table_status(
         reason=reason,
         rollback=rollback,
         branch=committer.branch_of(name),
+        failing_commits=None if failing is None else failing.failures,
+        failing_error="" if failing is None else failing.error,
+        failing_since_ms=None if failing is None else failing.since_ms,
     )
 
 
@@ -215,6 +229,17 @@ def _quarantined(catalog: Catalog, group_id: str, table: str, quarantine_table: 
         from icefloe.commit.quarantine import Quarantine
 
         return len(Quarantine(catalog, quarantine_table).list(group_id, table))
+    except Exception:
+        log.debug("quarantine unavailable", exc_info=True)
+        return None
+
+
+def _failing(catalog: Catalog, config: PipelineConfig, table: str) -> FailingTable | None:
+    try:
+        from icefloe.commit.quarantine import Quarantine
+
+        quarantine = Quarantine(catalog, config.coordination.quarantine_table)
+        return quarantine.failing(config.name).get(table)
     except Exception:
         log.debug("quarantine unavailable", exc_info=True)
         return None
@@ -325,4 +350,9 @@ def render_lines(status: PipelineStatus) -> list[str]:
         out.append(line + (f"  STUCK: {t.reason}" if t.stuck else ""))
         if t.rollback:
             out.append(f"    ROLLED BACK: {t.rollback}")
+        if t.failing_commits is not None:
+            out.append(
+                f"    FAILING: {t.failing_commits} commits in a row failed, the last with "
+                f"{t.failing_error}"
+            )
     return out
