@@ -23,7 +23,7 @@ from pyiceberg.transforms import BucketTransform, IdentityTransform, Transform
 
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.request import PendingFile, TableCommitRequest
-from icefloe.records.changes import DELETE_FLAG, last_per_key
+from icefloe.records.changes import DELETE_FLAG, key_arrow_schema, last_per_key
 from icefloe.records.datafiles import write_data_files, write_key_files
 
 GROUP = "pipe-types"
@@ -146,3 +146,59 @@ def test_upsert_and_delete_by_every_identifier_type(
     expected = sorted(table.model.items(), key=repr)
     assert table.rows() == expected
     assert len(expected) == (1 if key_type == "boolean" else 4)
+
+
+_Key = tuple[str, int]
+
+
+def test_identifier_fields_nested_in_a_struct_and_partitioned_by_one_of_them(
+    sqlite_catalog: SqlCatalog,
+) -> None:
+    """Iceberg allows identifier fields inside (required) structs: key files hold them in
+    their struct, and resolution finds them there by field id and prunes by ``bucket(key.n)``."""
+    key_struct = it.StructType(
+        it.NestedField(3, "tenant", it.StringType(), required=True),
+        it.NestedField(4, "n", it.LongType(), required=True),
+        it.NestedField(5, "label", it.StringType(), required=False),  # not part of the key
+    )
+    schema = Schema(
+        it.NestedField(1, "key", key_struct, required=True),
+        it.NestedField(2, "v", it.StringType(), required=False),
+        identifier_field_ids=[3, 4],
+    )
+    spec = PartitionSpec(PartitionField(4, 1000, BucketTransform(4), "n_bucket"))
+    sqlite_catalog.create_namespace("db")
+    sqlite_catalog.create_table(NAME, schema=schema, partition_spec=spec)
+    arrow = schema_to_pyarrow(schema, include_field_ids=False)
+    committer = IcebergCommitter(sqlite_catalog, GROUP)
+
+    def cycle(seq: int, upserts: dict[_Key, str], deletes: list[_Key]) -> None:
+        table = sqlite_catalog.load_table(NAME)
+        # as conversion hands them on: the key struct with its identifier fields only
+        keys = [{"tenant": t, "n": n} for t, n in [*upserts, *deletes]]
+        changes = pa.table(
+            [keys, [False] * len(upserts) + [True] * len(deletes)],
+            key_arrow_schema(schema, ["key.tenant", "key.n"]),
+        )
+        structs = [{"tenant": t, "n": n, "label": f"{t}{n}"} for t, n in upserts]
+        images = pa.table([structs, list(upserts.values())], arrow)
+        rows, distinct = last_per_key(images, changes)
+        metas = write_data_files(table, rows) + write_key_files(table, distinct)
+        assert {m.equality_ids for m in metas if m.equality_ids} == {(3, 4)}
+        uid = str(table.metadata.table_uuid)
+        files = tuple(PendingFile(m, "w", seq, "0", seq, uid) for m in metas)
+        request = TableCommitRequest(NAME, f"c{seq}", files, {"0": seq + 1}, {}, 1)
+        assert committer.commit(request).snapshot_id is not None
+
+    cycle(0, {("a", n): "v0" for n in range(6)} | {("b", 1): "v0"}, [])
+    cycle(1, {("a", 1): "v1", ("b", 2): "new"}, [("a", 2), ("b", 1)])
+    cycle(2, {("a", 1): "v2"}, [("a", 3), ("a", 2)])
+
+    scanned = sqlite_catalog.load_table(NAME).scan().to_arrow().to_pylist()
+    assert sorted((r["key"]["tenant"], r["key"]["n"], r["v"]) for r in scanned) == [
+        ("a", 0, "v0"),
+        ("a", 1, "v2"),
+        ("a", 4, "v0"),
+        ("a", 5, "v0"),
+        ("b", 2, "new"),
+    ]

@@ -24,6 +24,7 @@ from pyiceberg.typedef import Record
 from pyiceberg.types import DecimalType, StructType
 
 from icefloe.events import DataFileMeta, FileContent, PartitionScalar, PartitionValue
+from icefloe.records.changes import leaf_fields
 
 _CONTENT_TO_ICEBERG = {
     FileContent.DATA: DataFileContent.DATA,
@@ -182,7 +183,10 @@ def write_key_files(
     if keys.num_rows == 0:
         return []
     schema = table.schema()
-    key_schema = schema.select(*keys.column_names, case_sensitive=True)
+    # the key columns by their full names: one nested in a struct comes in that struct, whose
+    # other fields a key file leaves out
+    names = [".".join(path) for path, _ in leaf_fields(keys.schema)]
+    key_schema = schema.select(*names, case_sensitive=True)
     key_schema = Schema(*key_schema.fields, schema_id=schema.schema_id)
     metadata = table.metadata.model_copy(
         update={"schemas": [key_schema], "current_schema_id": schema.schema_id}
@@ -195,7 +199,7 @@ def write_key_files(
         record_batches=keys.select(arrow.names).cast(arrow).to_batches(),
     )
     files = write_file(table.io, metadata, iter([task]))
-    ids = tuple(f.field_id for f in key_schema.fields)
+    ids = tuple(sorted(schema.find_field(name).field_id for name in names))
     # the table's unpartitioned spec when it has one: equality deletes there apply everywhere
     specs = table.metadata.specs()
     spec_id = next((i for i, s in specs.items() if not s.fields), table.metadata.default_spec_id)
