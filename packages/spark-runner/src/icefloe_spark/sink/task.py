@@ -116,7 +116,7 @@ def write_task(
     that one table and nothing else, bad records included (a rollback's replay: the other
     tables and the dead-letter table hold their share already).
     """
-    from icefloe.records.datafiles import write_data_files, write_key_files
+    from icefloe.records.datafiles import group_write_uuid, write_data_files, write_key_files
 
     policy = errors.policy if errors is not None else "fail"
     check_columns(data.column_names)
@@ -149,7 +149,8 @@ def write_task(
         if rows.num_rows == 0 and (keys is None or keys.num_rows == 0):
             continue
         table = tables[name]
-        metas = write_data_files(table, rows)
+        # named for the pipeline, so merge_small_files may delete them once merged
+        metas = write_data_files(table, rows, group_write_uuid(pipeline) if pipeline else None)
         if keys is not None:  # an upsert/CDC table: the keys whose old rows go (docs/upsert.md)
             metas += write_key_files(table, keys)
         for m in metas:
