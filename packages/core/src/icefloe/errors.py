@@ -145,6 +145,12 @@ class InvalidDataFileError(RefusedFileError):
     statistics for the table's schema)."""
 
 
+class NotADataFileError(RefusedFileError):
+    """A file announced as data is not a data file of its table: its Parquet schema holds
+    Iceberg's reserved delete columns (a position-delete file) or field ids no schema of the
+    table has. Merging it would invent rows; committing it as data would too."""
+
+
 class DataFileMissingError(RefusedFileError):
     """An announced data file no longer exists. With ``merge_small_files`` the coordinator
     deletes files it merged once their commit landed, so a file announced again afterwards
