@@ -99,11 +99,6 @@ class RedisConfig(BaseModel):
             "socket_timeout": self.socket_timeout_s,
             "socket_connect_timeout": self.socket_connect_timeout_s,
             "health_check_interval": 30,
-            # no CLIENT SETINFO on connect (Redis 7.2+): a command the least-privileged user
-            # of icefloe_redis.permissions is not granted, and one refusal per connection
-            # would fill the server's ACL LOG
-            "lib_name": None,
-            "lib_version": None,
         }
         if self.username is not None:
             kwargs["username"] = self.username
