@@ -259,9 +259,10 @@ class KafkaClients:
         if admin is not None:
             admin.poll(0)
         text = f"{what}: {exc}"
-        if self._refused is not None:
+        refused, self._refused = self._refused, None  # reported once, not on later failures
+        if refused is not None:
             text += (
-                f"; the broker refused the client: {self._refused} (check security.protocol, "
+                f"; the broker refused the client: {refused} (check security.protocol, "
                 "sasl.* and ssl.* under coordination.kafka.kafka)"
             )
         return ChannelError(text)
