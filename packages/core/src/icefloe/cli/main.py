@@ -19,7 +19,7 @@ from icefloe.cli.logs import LogFormatOption, LogLevelOption, VerboseOption, res
 from icefloe.cli.logs import configure as configure_logging
 from icefloe.cli.new_backend import new_backend_command
 from icefloe.cli.quarantine import app as quarantine_app
-from icefloe.config import load_config, redact, redacted_dict
+from icefloe.config import load_config, redact, redacted_dict, show_references
 from icefloe.errors import ConfigError, IcefloeError
 from icefloe.metrics import MetricsPortOption, start_metrics
 from icefloe.plugins.backends import backend_config, open_backend
@@ -82,6 +82,7 @@ def show_config(
         )
     except IcefloeError as exc:
         _say("warning: ", "yellow", f"backend section not validated: {exc}")
+    data = show_references(data, cfg)
     if as_json:
         typer.echo(json.dumps(data, indent=2, default=str))
     else:
