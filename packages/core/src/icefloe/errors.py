@@ -109,6 +109,12 @@ class NotLeaderError(ChannelError):
     """This coordinator does not (or no longer) hold the leadership lease."""
 
 
+class ChannelStalledError(ChannelError):
+    """A read of the channel did not reach the end the channel reported before it began, in
+    the time allowed (e.g. a Kafka transaction left open holds read_committed readers back).
+    Nothing is decided from a read cut short: it would miss published batches."""
+
+
 class CommitError(IcefloeError):
     """An Iceberg commit could not be made."""
 

@@ -11,8 +11,9 @@ merge append, which merges manifests only when ``commit.manifest-merge.enabled``
 pipeline: it never expires the snapshots the committer's dedupe rule reads
 (:func:`dedupe_snapshots`), and never deletes a file that is young, that a published, not
 yet committed batch announces (:func:`announced_files`, read from the channel's stored
-position, which is where the coordinator itself resumes), or that the quarantine names (its
-entry promises the rows back with ``add_files``).
+position, which is where the coordinator itself resumes, to the channel's end measured before
+the read: a maintain that cannot read that far deletes nothing), or that the quarantine names
+(its entry promises the rows back with ``add_files``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile
 from icefloe.commit.summary import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY
 from icefloe.config import PipelineConfig
-from icefloe.coordination.reading import backlog
+from icefloe.coordination.reading import READ_TO_END_S, backlog
 from icefloe.errors import ConfigError
 from icefloe.events import DataWritten
 
@@ -235,16 +236,14 @@ def remove_orphan_files(
 
 
 def announced(
-    channel: CoordinatorChannel,
-    group_id: str,
-    idle_polls: int = 3,
-    reached: dict[str, int] | None = None,
+    channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
 ) -> Iterator[tuple[str, PendingFile]]:
-    """``(table, file)`` for every file announced on the channel since its stored position,
-    with where its event sits (read only: no lease, nothing stored). Shared by
-    ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted;
-    it passes ``reached``, filled with the read position the read got to, to spot a stall)."""
-    for rec in backlog(channel, group_id, idle_polls, reached):
+    """``(table, file)`` for every file announced on the channel from its stored position to
+    its end, with where its event sits (read only: no lease, nothing stored). Shared by
+    ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted).
+    Raises :class:`~icefloe.errors.ChannelStalledError` when the end is not reached within
+    ``timeout_s``: a shorter read would leave files of published batches unprotected."""
+    for rec in backlog(channel, group_id, timeout_s):
         event, payload = rec.event, rec.event.payload
         if not isinstance(payload, DataWritten):
             continue
@@ -255,10 +254,13 @@ def announced(
             yield payload.table, PendingFile(f, writer, seq, rec.partition, rec.offset)
 
 
-def announced_files(channel: CoordinatorChannel, group_id: str, idle_polls: int = 3) -> set[str]:
-    """Paths of every file announced on the channel since its stored position: published
-    batches the coordinator has not committed yet (read only: no lease, nothing stored)."""
-    return {f.meta.path for _, f in announced(channel, group_id, idle_polls)}
+def announced_files(
+    channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
+) -> set[str]:
+    """Paths of every file announced on the channel from its stored position to its end:
+    published batches the coordinator has not committed yet (read only: no lease, nothing
+    stored). Raises :class:`~icefloe.errors.ChannelStalledError` like :func:`announced`."""
+    return {f.meta.path for _, f in announced(channel, group_id, timeout_s)}
 
 
 def parse_age(text: str) -> float:

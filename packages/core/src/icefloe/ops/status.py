@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -156,41 +155,34 @@ def _rollback_note(committer: IcebergCommitter, name: str) -> str:
     )
 
 
+#: How long ``icefloe status`` reads the channel towards its end before it reports a stall
+#: (it reports what it read; nothing is decided from it).
+STATUS_READ_S = 10.0
+
+
 def _announced(
     backend: Backend, group_id: str
 ) -> tuple[str, dict[str, list[PendingFile]], str | None]:
     """The channel's identity, per table the files announced since the stored position (read
     by a coordinator end that never asks for the lease, as ``icefloe maintain`` does), and
-    whether that read stalled (:func:`stalled_read`)."""
+    why that read did not reach the channel's end within :data:`STATUS_READ_S`, if it did
+    not (the files counted are then those read so far). (The coordinator's own check, over
+    time, is :class:`icefloe.coordination.stall.StallWatch`.)"""
+    from icefloe.errors import ChannelStalledError
     from icefloe.ops.maintenance import announced
 
     channel = backend.coordinator(f"status-{uuid.uuid4().hex[:8]}")
     try:
-        end = dict(channel.end_position())  # before the read: all of it must be readable
-        reached: dict[str, int] = {}
         by_table: dict[str, list[PendingFile]] = {}
-        for table, f in announced(channel, group_id, reached=reached):
-            by_table.setdefault(table, []).append(f)
-        return channel.channel_id(), by_table, stalled_read(reached, end)
+        stall: str | None = None
+        try:
+            for table, f in announced(channel, group_id, STATUS_READ_S):
+                by_table.setdefault(table, []).append(f)
+        except ChannelStalledError as exc:
+            stall = str(exc)
+        return channel.channel_id(), by_table, stall
     finally:
         channel.close()
-
-
-def stalled_read(reached: Mapping[str, int], end: Mapping[str, int]) -> str | None:
-    """Why a reader that read until the channel went quiet still stands short of where the
-    channel's end was before it started, or None. One offset short is allowed: Kafka numbers
-    a transaction's commit marker but never delivers it, so a reader that got everything can
-    stand one short of the end. (The coordinator's own check, over time, is
-    :class:`icefloe.coordination.stall.StallWatch`.)"""
-    short = {p: (reached.get(p, 0), o) for p, o in end.items() if o - reached.get(p, 0) > 1}
-    if not short:
-        return None
-    where = ", ".join(f"partition {p}: read to {r}, end {e}" for p, (r, e) in sorted(short.items()))
-    return (
-        f"the channel holds events no reader gets ({where}): a transaction left open by "
-        "another producer (Kafka read_committed), or a server fault, holds readers back; the "
-        "coordinator cannot commit them either"
-    )
 
 
 def _with_pending(
