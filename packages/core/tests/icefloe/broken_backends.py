@@ -141,6 +141,13 @@ class _SameHolderCoordinator(MemoryCoordinatorChannel):
         self._holder = coordinator_id
 
 
+class _EndOutOfReach(MemoryCoordinatorChannel):
+    """Reports an end one past its newest event, which no reader ever reaches."""
+
+    def end_position(self) -> dict[str, int]:
+        return {p: o + 1 for p, o in super().end_position().items()}
+
+
 class _ThreadBoundError(Exception):
     pass
 
@@ -261,6 +268,11 @@ MUTANTS: dict[str, tuple[Callable[[], BackendFactory], list[str], str]] = {
         _with(coordinator=_WallClockCoordinator),
         ["test_lease_expires_at_is_a_local_monotonic_deadline"],
         "Lease clock",
+    ),
+    "end_out_of_reach": (
+        _with(coordinator=_EndOutOfReach),
+        ["test_a_reader_that_read_everything_reaches_end_position"],
+        "End position",
     ),
     "thread_bound_channels": (
         _with(writer=_ThreadBoundWriter),

@@ -1,6 +1,6 @@
 """Rules of how the coordinator reads: positions grow and a seek resumes exactly after a stored
 one, a zero timeout does not block, undecodable bytes stop ``poll``, and ``end_position`` is
-past everything read."""
+past everything read and reached by a reader that read everything."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import time
 import pytest
 
 from icefloe.channel import Backend, ChannelRecord
+from icefloe.coordination.reading import backlog
 from icefloe.errors import EventDecodeError
+from icefloe.events import DataComplete, Event, StartCommit
 from icefloe.testing.rules.support import (
     Channels,
     SuiteBase,
@@ -117,3 +119,24 @@ class ReadingRules(SuiteBase):
             assert end.get(partition, 0) >= offset, (
                 f"end {dict(end)} is behind {partition}@{offset}"
             )
+
+    @rule("End position")
+    def test_a_reader_that_read_everything_reaches_end_position(
+        self, backend: Backend, group_id: str, channels: Channels
+    ) -> None:
+        """The converse: every read-only read of the backlog (a writer's resume, ``icefloe
+        maintain``, ``icefloe status``) and ``icefloe drain`` read to the ``end_position()``
+        measured before they start, counting ``read_through()``; an end that reading everything
+        never reaches (batches, a broadcast and an answer behind it) leaves them refusing with
+        ChannelStalledError."""
+        w, ref = self.writer(backend, channels, "w")
+        batches = [make_batch(group_id, ref, seq) for seq in range(3)]
+        for b in batches:
+            assert w.publish(b) is True
+        coord, _ = self.leader(backend, channels, "c")
+        coord.broadcast(Event(group_id, StartCommit("cycle-1")))
+        w.respond(Event(group_id, DataComplete((), "cycle-1"), ref))
+        reader = backend.coordinator("reader")
+        channels.append(reader)
+        got = list(backlog(reader, group_id, timeout_s=self.read_timeout_s))
+        assert event_ids(batches) <= {r.event.event_id for r in got}
