@@ -320,19 +320,21 @@ def rollback_command(
 
     from icefloe.commit.committer import IcebergCommitter
     from icefloe.commit.rollback import describe, keyed_refusal
+    from icefloe.ops.tables import change_options, pipeline_tables
 
     cfg = load_config(config)
-    entry = next((t for t in cfg.tables if t.name == table), None)
-    if entry is None:
+    catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
+    if table not in pipeline_tables(catalog, cfg):
         raise ConfigError(
             "tables",
-            f"'{table}' is not one of the pipeline's [[tables]]",
-            "name a table listed in the pipeline file",
+            f"'{table}' is not a table the pipeline commits to",
+            "name one of its [[tables]], its dead-letter table or a [dynamic_tables] table "
+            "it committed to",
             table,
         )
-    if entry.keyed and not no_replay:
-        raise keyed_refusal(table, entry.mode)
-    catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
+    options = change_options(cfg, table)
+    if options is not None and options.keyed and not no_replay:
+        raise keyed_refusal(table, options.mode)
     committer = IcebergCommitter.for_pipeline(catalog, cfg)
     rollback = committer.roll_back(table, snapshot_id, replay=not no_replay)
     typer.echo(describe(rollback, table, replay=not no_replay))

@@ -32,6 +32,8 @@ from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import FailingTable, Quarantine, QuarantineEntry
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
+from icefloe.commit.rollback import is_replay_writer
+from icefloe.commit.screening import Screening
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
@@ -194,6 +196,7 @@ class CommitCycle:
                     self._hooks.before_table_commit(table)
                 screening = self._committer.screen(table, files)
                 if screening.refused:
+                    self._replays_refused(table, screening)
                     quarantined[table] = self._isolate(commit_id, table, screening.refused)
                 accepted = screening.accepted
                 if accepted:
@@ -350,6 +353,33 @@ class CommitCycle:
             self._marked.discard(table)
         except Exception as exc:  # status ignores marks older than the table's last commit
             log.warning("cannot clear the failing mark of %s: %s", table, exc)
+
+    def _replays_refused(self, table: str, screening: Screening) -> None:
+        """Accept the pending rollback of ``table`` when its replay batch is refused whole.
+
+        Why: the table's other files wait for a request that carries a replay file
+        (:class:`~icefloe.errors.RollbackPendingError`), and a replay whose every file is
+        refused (e.g. written under a partition spec that changed since) brings none: they
+        would wait for good. Its rows go to the quarantine (recoverable with ``add_files``),
+        so the rollback is done; accepting it keeps the pre-rollback boundary and lets the
+        other files commit. Done before the quarantine is written: a crash in between leaves
+        the files pending, screened and refused again, never quarantined with the rollback
+        still pending."""
+        refused = {f.writer_id for f, _ in screening.refused if is_replay_writer(f.writer_id)}
+        for writer_id in sorted(refused - {f.writer_id for f in screening.accepted}):
+            rollback = self._committer.rollback(table)
+            if rollback is None or rollback.writer_id != writer_id:
+                continue  # a replay of no pending rollback: it would be dropped anyway
+            self._committer.roll_back(table, None, replay=False, only_if=writer_id)
+            log.warning(
+                "table %s: every file of the replay of its rollback (writer %s, snapshot %s "
+                "back to %s) was refused; the rollback is accepted and the replayed rows go "
+                "to the quarantine (see `icefloe quarantine list`)",
+                table,
+                writer_id,
+                rollback.lost_snapshot_id,
+                rollback.restored_snapshot_id,
+            )
 
     def _isolate(
         self, commit_id: str, table: str, refused: Sequence[tuple[PendingFile, Exception]]

@@ -20,7 +20,7 @@ from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 from pyiceberg.typedef import Identifier
 
 from icefloe.commit.summary import fencing_token_property
-from icefloe.config import PipelineConfig
+from icefloe.config import ChangeOptions, PipelineConfig
 
 
 def pipeline_tables(
@@ -37,6 +37,16 @@ def pipeline_tables(
     if config.dynamic_tables is not None:
         extra |= committed_tables(catalog, config.name, config.dynamic_tables.namespace)
     return listed + sorted(extra - set(listed))
+
+
+def change_options(config: PipelineConfig, table: str) -> ChangeOptions | None:
+    """How records change ``table``, one of :func:`pipeline_tables`: its ``[[tables]]``
+    entry, else (any other table but the dead-letter table is one ``[dynamic_tables]`` routes
+    to) the ``[dynamic_tables]`` options; None for the dead-letter table (appended)."""
+    entry = next((t for t in config.tables if t.name == table), None)
+    if entry is not None or table == config.errors.dead_letter_table:
+        return entry
+    return config.dynamic_tables
 
 
 def committed_tables(catalog: Catalog, group_id: str, namespace: str | None) -> set[str]:

@@ -113,8 +113,8 @@ def write_task(
     (content ``EQUALITY_DELETES``, ``equality_ids`` its identifier fields), which the
     coordinator resolves into deletes of the rows they replace. ``on_file`` hears of every file as
     soon as it exists, so a failing task can remove what it wrote. ``only`` writes the rows of
-    that one table and nothing else, bad records included (a rollback's replay: the other
-    tables and the dead-letter table hold their share already).
+    that one table and nothing else (a rollback's replay: the other tables hold their share
+    already): bad records only when it names the dead-letter table.
     """
     from icefloe.records.datafiles import group_write_uuid, write_data_files, write_key_files
 
@@ -136,10 +136,10 @@ def write_task(
     rejected = conversion.rejected
     if (
         rejected
-        and only is None
         and policy == "dead_letter"
         and errors is not None
         and errors.dead_letter_table
+        and only in (None, errors.dead_letter_table)
     ):
         rows_per_table[errors.dead_letter_table] = dead_letter_rows(data, rejected, pipeline)
     files: dict[str, tuple[DataFileMeta, ...]] = {}
