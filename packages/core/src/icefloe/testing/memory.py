@@ -491,6 +491,7 @@ class MemoryPlugin:
                 MemoryBackendConfig,
                 _factory,
                 "in-process reference channel served to other processes (tests only)",
+                contract=2,
             )
         ]
 
