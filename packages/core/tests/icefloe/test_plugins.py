@@ -37,7 +37,7 @@ from icefloe.hookspecs import BackendContext, BackendSpec, TableCommitted, hooki
 from icefloe.plugins import manager as plugins_module
 from icefloe.plugins.backends import backend_config, open_backend
 from icefloe.plugins.manager import Plugins, load_entry_points, new_plugins
-from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.testing.memory import MemoryBackend, MemoryCoordinatorChannel, MemoryServer
 
 
 class NoOptions(BaseModel):
@@ -573,12 +573,12 @@ def test_a_channel_missing_a_method_is_refused_naming_it_its_rule_and_the_upgrad
     names the methods and their rules, is typed (one clean line from the CLI) and is still the
     TypeError Python raised before."""
 
-    class HalfUpgraded(CoordinatorChannel):
-        acquire = renew = release = seek = poll = broadcast = close = lambda *a, **k: None
-        store_position = stored_position = prune = lambda *a, **k: None
+    class HalfUpgraded(MemoryCoordinatorChannel):  # contract 1's methods only
+        channel_id = CoordinatorChannel.channel_id
+        end_position = CoordinatorChannel.end_position
 
     with pytest.raises(MissingBackendMethodError) as info:
-        HalfUpgraded()
+        HalfUpgraded(MemoryServer(), "grp", "c", 1.0)
     err = info.value
     assert isinstance(err, TypeError)
     assert isinstance(err, IcefloeError)

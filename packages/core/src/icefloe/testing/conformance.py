@@ -65,10 +65,12 @@ from icefloe.testing.rules.publishing import PublishingRules
 from icefloe.testing.rules.reading import ReadingRules
 from icefloe.testing.rules.retention import RetentionRules
 from icefloe.testing.rules.scenarios import CoordinatorScenarios
+from icefloe.testing.rules.status import StatusRules
 from icefloe.testing.rules.stores import StoreRules
 from icefloe.testing.rules.support import (
     RULES,
     BackendFactory,
+    StoreRecreator,
     assert_same_position,
     broken,
     event_ids,
@@ -83,6 +85,7 @@ __all__ = [
     "RULES",
     "BackendConformance",
     "BackendFactory",
+    "StoreRecreator",
     "assert_same_position",
     "broken",
     "event_ids",
@@ -100,6 +103,7 @@ __all__ = [
 # the order of the layout above
 class BackendConformance(
     CoordinatorScenarios,
+    StatusRules,
     ConcurrencyRules,
     StoreRules,
     RetentionRules,
