@@ -222,6 +222,8 @@ def test_config_name_selects_the_third_party_backend_and_it_works(
     writer = _round_trip_step(site, tmp_path, "writer", config)
     assert writer["published"] is True
     assert writer["replayed"] is False  # the same batch key again is a no-op
+    first_epoch = writer["epoch"]
+    assert isinstance(first_epoch, int)
     coordinator = _round_trip_step(site, tmp_path, "coordinator", config)
     assert coordinator["leader"] is True
     assert coordinator["events"] == [
@@ -232,7 +234,7 @@ def test_config_name_selects_the_third_party_backend_and_it_works(
     assert coordinator["stored"] == {"0": 2}
     # a second writer instance is a new epoch; a restarted coordinator resumes after the stored
     # position, so it sees nothing again
-    assert _round_trip_step(site, tmp_path, "writer", config)["epoch"] == 2
+    assert _round_trip_step(site, tmp_path, "writer", config)["epoch"] == first_epoch + 1
     again = _round_trip_step(site, tmp_path, "coordinator", config)
     assert again["events"] == []
 
@@ -274,12 +276,13 @@ def test_doctor_accepts_the_third_party_backend(site: Path, tmp_path: Path) -> N
 
 
 CONFORMANCE = """
+import shutil
 from pathlib import Path
 
 import pytest
 
 from icefloe.hookspecs import BackendContext
-from icefloe.testing.conformance import BackendConformance, BackendFactory
+from icefloe.testing.conformance import BackendConformance, BackendFactory, StoreRecreator
 from icefloe_backend_example.channel import ExampleConfig, FileBackend
 
 
@@ -288,6 +291,11 @@ class TestExampleBackendConformance(BackendConformance):
     def backend_factory(self, tmp_path: Path) -> BackendFactory:
         config = ExampleConfig(directory=str(tmp_path / "channel"))
         return lambda group_id, ttl: FileBackend(config, BackendContext(group_id, ttl))
+
+    @pytest.fixture
+    def recreate_store(self) -> StoreRecreator:
+        # the store is the pipeline's directory: deleted, then made anew by the next backend
+        return lambda backend: shutil.rmtree(backend.store.root)
 """
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from icefloe.testing.conformance import BackendConformance, BackendFactory
+from icefloe.channel import Backend
+from icefloe.testing.conformance import BackendConformance, BackendFactory, StoreRecreator
+from icefloe_redis import RedisBackend
 
 from .conftest import MakeBackend
 
@@ -15,3 +17,14 @@ class TestRedisConformance(BackendConformance):
         """``make_backend(group_id, lease_ttl_s)``: on this session's key prefix, closed at
         teardown."""
         return make_backend
+
+    @pytest.fixture
+    def recreate_store(self) -> StoreRecreator:
+        """The store is the pipeline's keys (its identity key among them): deleted, as a
+        restart without persistence or a FLUSHALL would."""
+
+        def recreate(backend: Backend) -> None:
+            assert isinstance(backend, RedisBackend)
+            backend.drop_state()
+
+        return recreate

@@ -45,7 +45,8 @@ class SqliteBackend(Backend):
         return SqliteWriterChannel()
 
     def coordinator(self, coordinator_id: str) -> CoordinatorChannel:
-        return SqliteCoordinatorChannel()
+        # abstract under contract 2 (no channel_id, no end_position): what core refuses
+        return SqliteCoordinatorChannel()  # type: ignore[abstract]
 
 
 @hookimpl

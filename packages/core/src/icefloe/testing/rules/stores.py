@@ -5,6 +5,7 @@ issues an epoch or a fencing token again."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -104,12 +105,20 @@ class StoreRules(SuiteBase):
 
     @pytest.fixture
     def recreated(
-        self, backend_factory: BackendFactory, group_id: str, recreate_store: StoreRecreator
+        self,
+        backend_factory: BackendFactory,
+        group_id: str,
+        channels: Channels,
+        recreate_store: StoreRecreator,
     ) -> Callable[[Backend], AbstractContextManager[Backend]]:
-        """``with recreated(backend) as fresh``: the store of ``backend`` dropped (the test
+        """``with recreated(backend) as fresh``: the channels the test opened closed (the
+        processes of the old store are gone), the store of ``backend`` dropped (the test
         class's ``recreate_store``), and a new Backend of the pipeline, which makes it anew."""
 
         def recreate(backend: Backend) -> AbstractContextManager[Backend]:
+            while channels:
+                with contextlib.suppress(Exception):  # a fenced channel may fail to close
+                    channels.pop().close()
             recreate_store(backend)
             return opened_backend(backend_factory, group_id, self.lease_ttl_s)
 
