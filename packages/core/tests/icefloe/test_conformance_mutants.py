@@ -204,3 +204,30 @@ def test_every_variant_names_a_test_that_exists(name: str) -> None:
     tests, _ = _mutants()[name]
     for test in tests:
         assert callable(getattr(BackendConformance, test, None)), test
+
+
+def test_every_part_of_the_contract_is_reported_by_one_test_of_its_rule() -> None:
+    """What makes "a missing method is reported once, under its rule" hold for every method:
+    each required method (and fixture) has one reporting test, of the rule the contract
+    gives it, and every rule the contract names is one the suite checks."""
+    from icefloe.channel import (
+        CONTRACT_CHANGES,
+        METHOD_RULES,
+        Backend,
+        CoordinatorChannel,
+        WriterChannel,
+    )
+    from icefloe.testing.conformance import RULES, BackendConformance
+    from icefloe.testing.rules.support import FIXTURE_RULES, REPORTED_BY
+
+    abstract = {
+        f"{cls.__name__}.{method}"
+        for cls in (Backend, WriterChannel, CoordinatorChannel)
+        for method in cls.__abstractmethods__
+    }
+    assert set(METHOD_RULES) == abstract | {"Backend.inject_undecodable"}
+    for name, rule in {**METHOD_RULES, **FIXTURE_RULES}.items():
+        test = getattr(BackendConformance, REPORTED_BY[name])
+        assert (test.rule, name in test.reports) == (rule, True), name
+    named = {c.rule for changes in CONTRACT_CHANGES.values() for c in changes} - {None}
+    assert named <= set(RULES)
