@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from icefloe.channel import Backend
@@ -16,8 +18,17 @@ class TestKafkaConformance(BackendConformance):
     shared_log = True
 
     @pytest.fixture
-    def backend_factory(self, kafka_config: KafkaBackendConfig) -> BackendFactory:
-        return lambda group_id, ttl: KafkaBackend(kafka_config, group_id, ttl)
+    def backend_factory(
+        self, kafka_config: KafkaBackendConfig, request: pytest.FixtureRequest
+    ) -> BackendFactory:
+        config = kafka_config
+        if "recreate_store" in request.fixturenames:
+            # a test that drops the store gets a control topic of its own: deleting the shared
+            # one while clients of other tests of this process still used it crashed the
+            # process (a segfault in librdkafka)
+            topic = f"ctl-{uuid.uuid4().hex[:10]}"
+            config = kafka_config.model_copy(update={"control_topic": topic})
+        return lambda group_id, ttl: KafkaBackend(config, group_id, ttl)
 
     @pytest.fixture
     def recreate_store(self) -> StoreRecreator:
