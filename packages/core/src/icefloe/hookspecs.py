@@ -155,7 +155,8 @@ class IcefloeHookSpecs:
 
     @hookspec
     def icefloe_register_backends(self) -> Sequence[BackendSpec]:
-        """Return the coordination backends this plugin provides."""
+        """Return the coordination backends this plugin provides, each declaring the backend
+        contract it implements (``BackendSpec.contract``)."""
 
     @hookspec
     def icefloe_register_codecs(self) -> Sequence[CodecSpec]:
