@@ -7,8 +7,9 @@ import functools
 
 import pytest
 
-from icefloe.testing.conformance import BackendConformance, BackendFactory
-from icefloe_redis import RedisConfig
+from icefloe.channel import Backend
+from icefloe.testing.conformance import BackendConformance, BackendFactory, StoreRecreator
+from icefloe_redis import RedisBackend, RedisConfig
 
 from .conftest import MakeBackend
 
@@ -20,8 +21,19 @@ class TestRedisConformance(BackendConformance):
         teardown."""
         return make_backend
 
+    @pytest.fixture
+    def recreate_store(self) -> StoreRecreator:
+        """The store is the pipeline's keys (its identity key among them): deleted, as a
+        restart without persistence or a FLUSHALL would."""
 
-class TestRedisConformanceAsLeastPrivilegedUserOverTls(BackendConformance):
+        def recreate(backend: Backend) -> None:
+            assert isinstance(backend, RedisBackend)
+            backend.drop_state()
+
+        return recreate
+
+
+class TestRedisConformanceAsLeastPrivilegedUserOverTls(TestRedisConformance):
     """Every rule again with the ACL of docs/operations.md and TLS: a command the backend
     sends that the ACL lacks fails here with NOPERM."""
 

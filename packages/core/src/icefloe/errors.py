@@ -83,6 +83,25 @@ class DuplicateBackendError(PluginError):
         )
 
 
+class BackendContractError(PluginError):
+    """An installed backend implements another version of the backend contract than this
+    icefloe-core drives (``icefloe.channel.CONTRACT_VERSION``), so it is refused when it is
+    loaded rather than failing later with a raw ``TypeError``. The message names the backend,
+    its distribution and version, what to implement and the section of
+    docs/backend-authors.md to read."""
+
+
+class MissingBackendMethodError(BackendContractError, TypeError, NotImplementedError):
+    """A backend class lacks a method of the contract (abstract, or a required test hook left
+    at its default). A ``TypeError`` (what instantiating an abstract class always raised) and
+    a ``NotImplementedError`` (what the test hooks raised), so older callers still catch it.
+    ``missing`` holds qualified names such as ``CoordinatorChannel.channel_id``."""
+
+    def __init__(self, message: str, missing: tuple[str, ...]) -> None:
+        self.missing = missing
+        super().__init__(message)
+
+
 class UnknownCodecError(PluginError):
     """No installed codec handles the configured record format."""
 

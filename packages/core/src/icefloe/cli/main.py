@@ -22,7 +22,7 @@ from icefloe.cli.quarantine import app as quarantine_app
 from icefloe.config import load_config, redact, redacted_dict, show_references
 from icefloe.errors import ConfigError, IcefloeError
 from icefloe.metrics import MetricsPortOption, start_metrics
-from icefloe.plugins.backends import backend_config, open_backend
+from icefloe.plugins.backends import backend_config, installed_backends, open_backend
 from icefloe.plugins.manager import get_plugins
 
 app = typer.Typer(
@@ -100,12 +100,24 @@ def _toml_ready(value: Any) -> Any:
 
 @app.command()
 def backends() -> None:
-    """List the installed coordination backends and record codecs."""
+    """List the installed coordination backends, each with the backend contract it implements
+    and the distribution that provides it, and the record codecs. A backend of a contract
+    this icefloe cannot drive is marked OUTDATED and explained on stderr."""
     plugins = get_plugins()
-    for name, spec in sorted(plugins.backends().items()):
-        typer.echo(f"backend  {name:10s} {spec.description}")
+    refusals: list[str] = []
+    for b in installed_backends(plugins):
+        refusal = b.refusal()
+        flag = "OUTDATED " if refusal else ""
+        typer.echo(
+            f"backend  {b.spec.name:10s} contract {b.contract}  {b.origin:34s} "
+            f"{flag}{b.spec.description}"
+        )
+        if refusal:
+            refusals.append(refusal)
     for name, cspec in sorted(plugins.codecs().items()):
         typer.echo(f"codec    {name:10s} {cspec.description}")
+    for refusal in refusals:
+        _say("outdated: ", "red", refusal)
 
 
 @app.command()
