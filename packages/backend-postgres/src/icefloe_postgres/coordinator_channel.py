@@ -34,6 +34,7 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
     def __init__(self, context: ChannelContext, coordinator_id: str, lease_ttl_s: float) -> None:
         super().__init__(context, coordinator_id, lease_ttl_s)
         self._next = 0
+        self._through = 0  # see read_through
 
     # ------------------------------------------------------------------ reading
 
@@ -42,6 +43,7 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
         end of the log was reached in a schema that held more events: refuse it (rule End
         position of docs/backend-authors.md)."""
         self._next = 0 if position is None else int(position.get(PARTITION, 0))
+        self._through = self._next
         if position is None:
             return
         end = self.end_position()[PARTITION]
@@ -68,6 +70,8 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
             good = decode_events(rows)
             if good:
                 self._next = good[-1][0] + 1
+            elif not rows:
+                self._read_through_the_gap()
             return [ChannelRecord(PARTITION, off, e) for off, e in good]
 
         return wait_for_rows(
@@ -77,6 +81,21 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
     def position(self) -> ChannelPosition:
         """The next offset :meth:`poll` will read."""
         return {PARTITION: self._next}
+
+    def _read_through_the_gap(self) -> None:
+        """Nothing left at or after the next offset: offsets below the counter are pruned, or
+        were never used (the counter starts from the clock), so the reader is through them."""
+        ctx = self._ctx
+        row = ctx.db.run(
+            "read through",
+            lambda c: c.execute(ctx.q.read_through, (ctx.group_id, self._next)).fetchone(),
+        )
+        if row is not None:
+            self._through = max(self._through, int(row[0]))
+
+    def read_through(self) -> ChannelPosition | None:
+        """How far the reader got, counting offsets a poll found nothing at."""
+        return {PARTITION: max(self._next, self._through)}
 
     # ------------------------------------------------------------------ writing
 

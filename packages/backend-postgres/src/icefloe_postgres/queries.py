@@ -143,6 +143,12 @@ class Queries:
         )
         self.channel_id = q("SELECT channel_id FROM {channel_identity}")
         self.end_offset = q("SELECT next_offset FROM {groups} WHERE group_id = %s")
+        # one snapshot: no event left at or after the reader's offset, so it has read through
+        # the counter (publishes insert and move it in one transaction)
+        self.read_through = q(
+            "SELECT g.next_offset FROM {groups} g WHERE g.group_id = %s AND NOT EXISTS"
+            " (SELECT 1 FROM {events} e WHERE e.group_id = g.group_id AND e.event_offset >= %s)"
+        )
         self.read_positions = q(
             "SELECT channel_partition, next_offset FROM {positions} WHERE group_id = %s"
         )

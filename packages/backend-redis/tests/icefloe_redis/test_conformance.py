@@ -42,3 +42,12 @@ class TestRedisConformanceAsLeastPrivilegedUserOverTls(TestRedisConformance):
         self, make_backend: MakeBackend, secured_redis: RedisConfig
     ) -> BackendFactory:
         return functools.partial(make_backend, cfg=secured_redis)
+
+    @pytest.fixture
+    def recreate_store(self) -> StoreRecreator:
+        """Dropping the pipeline's keys is an operator's SCAN + DEL, beyond the runtime ACL:
+        the rules that recreate the store run in TestRedisConformance; this class checks
+        privileges."""
+        pytest.skip(
+            "dropping the store needs SCAN, not in the runtime ACL; see TestRedisConformance"
+        )

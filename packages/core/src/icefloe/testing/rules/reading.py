@@ -151,6 +151,21 @@ class ReadingRules(SuiteBase):
         assert event_ids(batches) <= {r.event.event_id for r in got}
 
     @rule("End position")
+    def test_a_reader_with_nothing_left_to_read_reaches_end_position(
+        self, backend: Backend, group_id: str, channels: Channels
+    ) -> None:
+        """A store that numbers from the clock holds no event below its first offset, and a
+        prune removes what was committed: a reader from the start that finds nothing left has
+        still read through ``end_position()`` (say so in ``read_through()``), or every writer
+        start and ``icefloe maintain`` of a pipeline with nothing pending waits for events
+        that do not exist and gives up with ChannelStalledError."""
+        self.writer(backend, channels, "w")  # a writer and a leader may create the counters
+        self.leader(backend, channels, "c")
+        reader = backend.coordinator("reader")
+        channels.append(reader)
+        assert list(backlog(reader, group_id, timeout_s=self.read_timeout_s)) == []
+
+    @rule("End position")
     def test_end_position_is_not_past_the_newest_event(
         self, backend: Backend, group_id: str, channels: Channels
     ) -> None:
