@@ -85,6 +85,7 @@ _FILE_SUFFIXES = {".py", ".md", ".toml", ".json", ".yaml", ".yml", ".cfg", ".txt
 NOT_NAMES = {
     "icefloe.quarantine": "the default quarantine table (an Iceberg table name)",
     "icefloe.group": "the Kafka header that carries a control record's pipeline name",
+    "icefloe.coordinator.cycles": "a logger name (the coordinator's line per cycle)",
 }
 _GENERATED = "a file of the package `icefloe new-backend NAME` generates, not of this repository"
 NOT_PATHS = {

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from icefloe import __version__
-from icefloe.cli.logs import JsonFormatter, resolve_level
+from icefloe.cli.logs import JsonFormatter, configure, resolve_level
 from icefloe.cli.main import app
 from icefloe.config import config_from_dict, load_config
 from icefloe.errors import ConfigError, UnknownBackendError
@@ -134,3 +134,26 @@ def test_json_log_lines_carry_extra_fields() -> None:
     assert line["message"] == "x y"
     assert line["level"] == "info"
     assert line["table"] == "db.t"
+
+
+def test_without_details_a_run_logs_its_progress_lines_not_each_commit_twice(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`icefloe run` (details=False) logs one line per table commit (its progress log) and
+    one a minute: the committer's line per table and the coordinator's per cycle say the same
+    again, so they wait for -v. A standalone coordinator keeps them."""
+
+    def emitted() -> list[str]:
+        for name in ("icefloe.committer", "icefloe.coordinator.cycles", "icefloe.progress"):
+            logging.getLogger(name).info("from %s", name)
+        return [ln.rsplit(" ", 1)[-1] for ln in capsys.readouterr().err.splitlines()]
+
+    try:
+        configure(logging.INFO, details=False)
+        assert emitted() == ["icefloe.progress"]
+        configure(logging.DEBUG, details=False)
+        assert len(emitted()) == 3
+        configure(logging.INFO)  # the standalone coordinator's set-up
+        assert len(emitted()) == 3
+    finally:
+        configure(logging.WARNING)

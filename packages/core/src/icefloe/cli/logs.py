@@ -81,9 +81,15 @@ def check_format(fmt: str) -> LogFormat:
     return "json" if fmt == "json" else "text"
 
 
-def configure(level: int, fmt: str = "text") -> None:
+# the committer's line per table and the coordinator's per cycle: what `icefloe run` says in
+# its own words (one line per table commit, one a minute), so it leaves these to -v
+DETAIL_LOGGERS = ("icefloe.committer", "icefloe.coordinator.cycles")
+
+
+def configure(level: int, fmt: str = "text", *, details: bool = True) -> None:
     """Route every logger to stderr at ``level``; third-party chatter stays at WARNING unless
-    debugging (py4j logs every gateway call at INFO)."""
+    debugging (py4j logs every gateway call at INFO), and so do :data:`DETAIL_LOGGERS` unless
+    ``details``."""
     handler = logging.StreamHandler(sys.stderr)
     if check_format(fmt) == "json":
         handler.setFormatter(JsonFormatter())
@@ -94,5 +100,9 @@ def configure(level: int, fmt: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
-    for noisy in ("py4j", "pyiceberg", "urllib3", "botocore", "asyncio"):
-        logging.getLogger(noisy).setLevel(level if level <= logging.DEBUG else logging.WARNING)
+    noisy = ("py4j", "pyiceberg", "urllib3", "botocore", "asyncio")
+    for name in noisy if details else (*noisy, *DETAIL_LOGGERS):
+        logging.getLogger(name).setLevel(level if level <= logging.DEBUG else logging.WARNING)
+    if details:
+        for name in DETAIL_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)

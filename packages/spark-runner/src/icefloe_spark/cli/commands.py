@@ -79,7 +79,7 @@ def run(
     """Run the pipeline's streaming query until SIGINT/SIGTERM (or, with --once, until it has
     caught up), with live progress on a terminal and progress log lines otherwise."""
     level = resolve_level(log_level, verbose, quiet)
-    configure_logging(level, log_format)
+    configure_logging(level, log_format, details=False)  # progress lines say it (operations.md)
     cfg = load_config(config)
     extra = parse_options(source_option or [])
     from icefloe_spark.kafka.options import check_reader_options

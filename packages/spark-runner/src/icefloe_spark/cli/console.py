@@ -86,7 +86,8 @@ def watch(
                     seen_committed = committed
                     tables = monitor.tables()
                     last_tables = now
-                    progress_log.tables(tables, pipeline.stats)
+                    if not live:  # the live view shows it
+                        progress_log.tables(tables, pipeline.stats)
                 if isinstance(display, Live):
                     display.update(view())
                 if until is not None and until():
