@@ -17,7 +17,7 @@ from icefloe.cli.logs import configure as configure_logging
 from icefloe.config import load_config
 from icefloe.errors import ConfigError
 from icefloe.metrics import MetricsPortOption, start_metrics
-from icefloe_spark.cli.console import console, end_jvm, print_error, watch
+from icefloe_spark.cli.console import console, end_jvm, print_error, setup_logging, watch
 from icefloe_spark.runtime import sparklog
 from icefloe_spark.runtime.signals import stop_on_signals
 
@@ -79,7 +79,7 @@ def run(
     """Run the pipeline's streaming query until SIGINT/SIGTERM (or, with --once, until it has
     caught up), with live progress on a terminal and progress log lines otherwise."""
     level = resolve_level(log_level, verbose, quiet)
-    configure_logging(level, log_format, details=False)  # progress lines say it (operations.md)
+    setup_logging(level, log_format)
     cfg = load_config(config)
     extra = parse_options(source_option or [])
     from icefloe_spark.kafka.options import check_reader_options

@@ -38,7 +38,13 @@ def watch(
     The live view refreshes in place, so it only runs on a terminal; without one (systemd,
     containers, files) progress is logged: a line per table commit and one a minute.
     """
-    from icefloe_spark.cli.progress import Monitor, ProgressLog, QueryProgress, render
+    from icefloe_spark.cli.progress import (
+        Monitor,
+        ProgressLog,
+        PublishRate,
+        QueryProgress,
+        render,
+    )
     from icefloe_spark.kafka.options import probe_mode
 
     assert pipeline.query is not None
@@ -53,6 +59,7 @@ def watch(
     # CommitComplete), not at the next poll of the tables
     seen_committed = pipeline.publisher.committed_through if pipeline.publisher else None
     live = live and console.is_terminal
+    rate = PublishRate()
 
     def view() -> Any:
         assert pipeline.query is not None
@@ -65,6 +72,7 @@ def watch(
             pipeline.stats,
             tables,
             coordinator_state(pipeline),
+            published_per_s=rate.update(pipeline.stats.records, time.monotonic()),
         )
 
     display: AbstractContextManager[Any] = (
@@ -96,6 +104,15 @@ def watch(
         monitor.close()
         if live:
             console.print()  # the live view leaves the cursor at the end of its last line
+
+
+def setup_logging(level: int, fmt: str) -> None:
+    """`icefloe run`'s logging: its progress lines say what the committer's and the
+    coordinator's per-commit lines would (operations.md), and on a terminal the lines go
+    through :data:`console`, so the live view stays whole below them."""
+    from icefloe.cli.logs import configure
+
+    configure(level, fmt, details=False, console=console)
 
 
 def coordinator_state(pipeline: Pipeline) -> str:
