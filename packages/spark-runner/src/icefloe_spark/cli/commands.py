@@ -17,7 +17,7 @@ from icefloe.cli.logs import configure as configure_logging
 from icefloe.config import load_config
 from icefloe.errors import ConfigError
 from icefloe.metrics import MetricsPortOption, start_metrics
-from icefloe_spark.cli.console import console, end_jvm, print_error, setup_logging, watch
+from icefloe_spark.cli.console import end_jvm, print_error, say, setup_logging, watch
 from icefloe_spark.runtime import sparklog
 from icefloe_spark.runtime.signals import stop_on_signals
 
@@ -120,21 +120,21 @@ def run(
         finally:
             if pipeline.coordinator is not None:
                 fatal = pipeline.coordinator.fatal
-            console.print("stopping ...")
+            say("stopping ...")
             pipeline.stop()
             end_jvm()
             if pipeline.spark_log is not None:
                 for line in sparklog.summarize(pipeline.spark_log):
-                    console.print(line, markup=False, highlight=False)
+                    say(line)
     if fatal is not None:
         raise fatal  # icefloe's CLI prints it ("error: ...", naming the recovery), exit 2
     if failure is not None:
         first, fix, trace = explain_failure(str(failure))
         print_error(f"the streaming query failed: {first}. Fix: {fix}")
         if level <= logging.DEBUG:
-            console.print(trace, markup=False, highlight=False)
+            say(trace)
         raise typer.Exit(1)
-    console.print("stopped cleanly")
+    say("stopped cleanly")
 
 
 def caught_up(pipeline: Pipeline) -> Callable[[], bool]:

@@ -5,6 +5,7 @@ progress without importing the commands back."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,10 @@ if TYPE_CHECKING:
     from icefloe_spark.pipeline import Pipeline
 
 console = Console(stderr=True)
+# messages of the runner's commands ("stopping ...", Spark's summary): printed, or in
+# --log-format json logged as JSON lines like everything else
+_say_log = logging.getLogger("icefloe_spark.cli")
+_json = False
 REFRESH_S = 1.0
 TABLE_REFRESH_S = 2.0
 TICK_S = 0.2
@@ -109,10 +114,26 @@ def watch(
 def setup_logging(level: int, fmt: str) -> None:
     """`icefloe run`'s logging: its progress lines say what the committer's and the
     coordinator's per-commit lines would (operations.md), and on a terminal the lines go
-    through :data:`console`, so the live view stays whole below them."""
+    through :data:`console`, so the live view stays whole below them. With ``json`` the
+    JVM's own output goes to Spark's log file: every line on stdout/stderr is JSON."""
+    global _json
     from icefloe.cli.logs import configure
+    from icefloe_spark.runtime import jvm
 
     configure(level, fmt, details=False, console=console)
+    _json = fmt == "json"
+    jvm.output_to_log_file(_json)
+
+
+def say(message: str, level: int = logging.INFO) -> None:
+    """A message of the runner to the operator: one unwrapped line on the console, or a JSON
+    log line under --log-format json."""
+    if _json:
+        _say_log.log(level, message)
+    elif level >= logging.ERROR:
+        console.print(Text.assemble(("error: ", "red"), message), soft_wrap=True)
+    else:
+        console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
 def coordinator_state(pipeline: Pipeline) -> str:
@@ -130,9 +151,9 @@ def end_jvm() -> None:
     from icefloe_spark.runtime import jvm
 
     if jvm.writes_class_data():
-        console.print("keeping Spark's class data for faster starts (once) ...")
+        say("keeping Spark's class data for faster starts (once) ...")
         jvm.end()
 
 
 def print_error(message: str) -> None:
-    console.print(Text.assemble(("error: ", "red"), message), soft_wrap=True)
+    say(message, logging.ERROR)
