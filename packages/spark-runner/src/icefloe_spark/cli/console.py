@@ -19,7 +19,9 @@ from rich.text import Text
 if TYPE_CHECKING:
     from icefloe_spark.pipeline import Pipeline
 
-console = Console(stderr=True)
+# soft_wrap: a line is never broken by rich (off a terminal it would break at 80 columns,
+# splitting paths); a terminal wraps what does not fit
+console = Console(stderr=True, soft_wrap=True)
 # messages of the runner's commands ("stopping ...", Spark's summary): printed, or in
 # --log-format json logged as JSON lines like everything else
 _say_log = logging.getLogger("icefloe_spark.cli")

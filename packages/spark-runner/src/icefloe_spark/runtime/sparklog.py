@@ -69,19 +69,24 @@ def summarize(log_file: Path, top: int = 3) -> list[str]:
         return []
     levels: Counter[str] = Counter()
     messages: Counter[str] = Counter()
+    newest: dict[str, str] = {}  # per kind of message, its newest line as Spark wrote it
     with log_file.open(errors="replace") as f:
         for line in f:
             m = _LINE.match(line.rstrip("\n"))
             if m is None:
                 continue
             levels[m["level"]] += 1
-            # numbers vary between repeats of one message (durations, batch ids)
-            messages[f"{m['level']} {m['logger']}: {re.sub(r'[0-9]+', 'N', m['message'])}"] += 1
+            text = f"{m['level']} {m['logger']}: {m['message']}"
+            # numbers vary between repeats of one message (durations, batch ids): count those
+            # as one kind, and show the newest with its numbers
+            kind = re.sub(r"[0-9]+", "N", text)
+            messages[kind] += 1
+            newest[kind] = text
     if not levels:
         return []
     out = [
         f"Spark logged {levels['WARN']} warning(s) and {levels['ERROR']} error(s); see {log_file}"
     ]
-    for message, count in messages.most_common(top):
-        out.append(f"  {count} x {message[:160]}")
+    for kind, count in messages.most_common(top):
+        out.append(f"  {count} x {newest[kind][:300]}")
     return out
