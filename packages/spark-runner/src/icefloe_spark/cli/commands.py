@@ -117,6 +117,11 @@ def run(
             query = pipeline.query
             if query is not None and not query.isActive:
                 failure = query.exception()
+            if failure is not None:  # first: what failed and the fix, before the shutdown
+                message, trace = failure_message(str(failure))
+                print_error(message)
+                if level <= logging.DEBUG:
+                    say(trace)
         finally:
             if pipeline.coordinator is not None:
                 fatal = pipeline.coordinator.fatal
@@ -124,17 +129,14 @@ def run(
             pipeline.stop()
             end_jvm()
             if pipeline.spark_log is not None:
-                for line in sparklog.summarize(pipeline.spark_log):
+                failed = failure is not None or fatal is not None
+                for line in sparklog.finish(pipeline.spark_log, keep=failed)[0]:
                     say(line)
     if fatal is not None:
         raise fatal  # icefloe's CLI prints it ("error: ...", naming the recovery), exit 2
     if failure is not None:
-        first, fix, trace = explain_failure(str(failure))
-        print_error(f"the streaming query failed: {first}. Fix: {fix}")
-        if level <= logging.DEBUG:
-            say(trace)
         raise typer.Exit(1)
-    say("stopped cleanly")
+    say("stopped cleanly", outcome=True)
 
 
 def caught_up(pipeline: Pipeline) -> Callable[[], bool]:
@@ -158,6 +160,18 @@ def caught_up(pipeline: Pipeline) -> Callable[[], bool]:
         return False
 
     return check
+
+
+def failure_message(text: str) -> tuple[str, str]:
+    """The one line that says why the streaming query failed and what to do, with one fix
+    (the error's own when it names one), and the whole trace."""
+    first, fix, trace = explain_failure(text)
+    if ". Fix: " in first:
+        return f"the streaming query failed: {first}; {RESTART}", trace
+    return f"the streaming query failed: {first}. Fix: {fix}", trace
+
+
+RESTART = "restart after that: the query resumes from its checkpoint (-v shows Spark's trace)"
 
 
 def explain_failure(text: str) -> tuple[str, str, str]:

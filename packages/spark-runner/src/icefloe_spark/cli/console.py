@@ -127,11 +127,14 @@ def setup_logging(level: int, fmt: str) -> None:
     jvm.output_to_log_file(_json)
 
 
-def say(message: str, level: int = logging.INFO) -> None:
-    """A message of the runner to the operator: one unwrapped line on the console, or a JSON
-    log line under --log-format json."""
+def say(message: str, level: int = logging.INFO, *, outcome: bool = False) -> None:
+    """A message of the runner to the operator at ``level`` (shown as the log level allows:
+    -q keeps errors only, and the run's ``outcome`` line): one unwrapped line on the console,
+    or a JSON log line under --log-format json."""
     if _json:
         _say_log.log(level, message)
+    elif not (outcome or logging.getLogger().isEnabledFor(level)):
+        return  # -q: warnings and errors only
     elif level >= logging.ERROR:
         console.print(Text.assemble(("error: ", "red"), message), soft_wrap=True)
     else:
