@@ -190,6 +190,14 @@ def faults(session: nox.Session) -> None:
 
 
 @nox.session(default=False, python=False)
+def build(session: nox.Session) -> None:
+    """Wheels of all five distributions into dist/ (or `nox -s build -- DIR`), to install on
+    a machine without the clone: `pip install --find-links dist icefloe-core icefloe-backend-...`.
+    Needs uv (`pip install nox uv`)."""
+    session.run(sys.executable, "tools/build_wheels.py", *session.posargs)
+
+
+@nox.session(default=False, python=False)
 def version(session: nox.Session) -> None:
     """Set every package's version and internal pins from VERSION (`nox -s version -- 0.2.0`
     writes VERSION first)."""

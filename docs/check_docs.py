@@ -10,7 +10,11 @@
   `tables.name`) is documented in docs/configuration.md as `key`, and every key documented
   there in a table row exists;
 * every ```toml example in docs/configuration.md and docs/upsert.md is a valid pipeline
-  configuration.
+  configuration;
+* every `pip install` (and `uv pip install`) command in those pages works from a clone:
+  nothing of icefloe is published, so a bare `icefloe-*` name fails (unless the command
+  names `--find-links`, e.g. the wheels of `nox -s build`), and a path must be a package of
+  the repository with the extras it names.
 
 Prints each problem and exits non-zero if there is any.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import re
+import shlex
 import sys
 import tomllib
 import types
@@ -80,6 +85,7 @@ _FILE_SUFFIXES = {".py", ".md", ".toml", ".json", ".yaml", ".yml", ".cfg", ".txt
 NOT_NAMES = {
     "icefloe.quarantine": "the default quarantine table (an Iceberg table name)",
     "icefloe.group": "the Kafka header that carries a control record's pipeline name",
+    "icefloe.coordinator.cycles": "a logger name (the coordinator's line per cycle)",
 }
 _GENERATED = "a file of the package `icefloe new-backend NAME` generates, not of this repository"
 NOT_PATHS = {
@@ -225,9 +231,83 @@ def example_problems(doc: Path) -> Iterator[str]:
             yield f"{_rel(doc)}: TOML example {i} is not a valid configuration: {exc}"
 
 
+_INSTALL = re.compile(r"\b(?:pip3?|uv pip) install\b([^\n]*)")
+_COMMAND_END = re.compile(r"\s(?:&&|\|\||[;|#])|`")
+# options of pip / uv pip install whose value is not something to install
+_VALUE_OPTIONS = {
+    "-r", "--requirement", "-c", "--constraint", "-i", "--index-url", "--extra-index-url",
+    "-p", "--python", "-t", "--target", "--prefix", "--root",
+}  # fmt: skip
+_FIND_LINKS = {"-f", "--find-links"}
+# install targets that exist only once the reader has made them
+NOT_INSTALLS = {
+    "./icefloe-backend-mine": "written by `icefloe new-backend mine` (docs/backend-authors.md)",
+}
+
+
+def install_commands(path: Path) -> list[list[str]]:
+    """The words after ``pip install`` of every install command in ``path``, in code blocks
+    (a line continued with a backslash joined) and in inline code spans."""
+    text = path.read_text()
+    lines = [ln for b in _CODE_BLOCK.findall(text) for ln in b.replace("\\\n", " ").splitlines()]
+    commands = []
+    for line in [*lines, *code_spans(path)]:
+        for match in _INSTALL.finditer(line):
+            rest = _COMMAND_END.split(match.group(1), maxsplit=1)[0]
+            commands.append(shlex.split(rest))
+    return commands
+
+
+@functools.cache
+def _distributions() -> dict[str, Path]:
+    """This repository's distributions, by normalized name, and their directories."""
+    found = {}
+    for pyproject in ROOT.glob("packages/*/pyproject.toml"):
+        name = tomllib.loads(pyproject.read_text())["project"]["name"]
+        found[re.sub(r"[-_.]+", "-", name).lower()] = pyproject.parent
+    return found
+
+
+def _install_target_problem(word: str, find_links: bool) -> str | None:
+    """Why ``pip install word`` would fail from a clone, or None."""
+    target, _, extras = word.partition("[")
+    if target in NOT_INSTALLS or target.startswith("$"):
+        return None
+    if "/" in target:
+        if target.endswith(".whl"):
+            return None if target.startswith(("dist/", "./dist/")) else f"`{word}`: not in dist/"
+        pyproject = ROOT / target / "pyproject.toml"
+        if not pyproject.is_file():
+            return f"`{target}` is not a package of this repository"
+        declared = tomllib.loads(pyproject.read_text())["project"].get("optional-dependencies", {})
+        missing = [e for e in extras.rstrip("]").split(",") if e.strip() and e not in declared]
+        return f"`{word}`: no extra {', '.join(missing)}" if missing else None
+    name = re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~;@ ]", word)[0]).lower()
+    if name.startswith("icefloe") and not find_links:
+        where = _distributions().get(name)
+        fix = f"pip install ./{where.relative_to(ROOT)}" if where else "a path of packages/"
+        return f"`{name}` is not published: install it from the tree, `{fix}`"
+    return None
+
+
+def install_problems(path: Path) -> Iterator[str]:
+    """Install commands of ``path`` that would fail for a reader of a fresh clone."""
+    for words in install_commands(path):
+        find_links = any(w.split("=")[0] in _FIND_LINKS for w in words)
+        skip = False
+        for word in words:
+            if skip or word.startswith("-"):
+                skip = word in _VALUE_OPTIONS or word in _FIND_LINKS
+                continue
+            why = _install_target_problem(word, find_links)
+            if why:
+                yield f"{_rel(path)}: install command: {why}"
+
+
 def problems() -> list[str]:
     found = [p for path in markdown_files() for p in broken_links(path)]
     found += [p for path in markdown_files() for p in reference_problems(path)]
+    found += [p for path in markdown_files() for p in install_problems(path)]
     for doc in EXAMPLE_DOCS:
         if doc.exists():
             found.extend(example_problems(doc))

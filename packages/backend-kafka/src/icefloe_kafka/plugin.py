@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from icefloe.hookspecs import BackendContext, BackendSpec, hookimpl
 from icefloe_kafka.backend import KafkaBackend
 from icefloe_kafka.config import KafkaBackendConfig
@@ -25,3 +27,11 @@ def icefloe_register_backends() -> list[BackendSpec]:
             contract=2,  # docs/backend-authors.md, "Contract versions"
         )
     ]
+
+
+@hookimpl
+def icefloe_cli(app: Any) -> None:
+    """Add ``icefloe broker``, the bundled Kafka-protocol broker for trying icefloe."""
+    from icefloe_kafka.broker_command import register
+
+    register(app)

@@ -25,7 +25,12 @@ from icefloe_redis.broadcasts import BroadcastWatch
 from icefloe_redis.config import RedisConfig
 from icefloe_redis.connection import Client, RedisConnection, redis_errors, reply_text
 from icefloe_redis.coordinator_channel import RedisCoordinatorChannel
-from icefloe_redis.durability import persistence_warnings, safely, server_warnings
+from icefloe_redis.durability import (
+    RESTART_CONSEQUENCE_SHORT,
+    persistence_warnings,
+    safely,
+    server_warnings,
+)
 from icefloe_redis.writer_channel import RedisWriterChannel
 
 log = logging.getLogger(__name__)
@@ -67,7 +72,13 @@ class RedisBackend(Backend):
         self.broadcast_watch = BroadcastWatch(self.connection)
         if config.warn_no_persistence:
             where = config.safe_url
-            _warn_once(where, safely(lambda: persistence_warnings(self.client, where), where))
+            _warn_once(
+                where,
+                safely(
+                    lambda: persistence_warnings(self.client, where, RESTART_CONSEQUENCE_SHORT),
+                    where,
+                ),
+            )
 
     def writer(self, writer_id: str) -> RedisWriterChannel:
         return RedisWriterChannel(self.connection, writer_id, self.broadcast_watch)

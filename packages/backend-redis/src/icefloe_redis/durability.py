@@ -45,9 +45,19 @@ def _info(client: Any, section: str) -> dict[str, Any]:
     return reply
 
 
-def persistence_warnings(client: Any, where: str) -> list[str]:
-    """Warnings about persistence only (what start-up logs): no AOF and no RDB snapshots, or
-    a setup that cannot be verified."""
+# what start-up logs instead (once per server and process): short, with the fix; doctor and
+# the docs explain the rest
+RESTART_CONSEQUENCE_SHORT = (
+    "a Redis restart loses uncommitted batches and stops the writers; "
+    "fix: appendonly yes, appendfsync always (docs/backends/redis.md)"
+)
+
+
+def persistence_warnings(
+    client: Any, where: str, consequence: str = RESTART_CONSEQUENCE
+) -> list[str]:
+    """Warnings about persistence only: no AOF and no RDB snapshots, or a setup that cannot
+    be verified; each ends with ``consequence``."""
     appendonly = _config_get(client, "appendonly")
     save = _config_get(client, "save")
     if appendonly is None or save is None:
@@ -55,22 +65,22 @@ def persistence_warnings(client: Any, where: str) -> list[str]:
         if aof is None:
             return [
                 f"cannot verify persistence of Redis at {where} (CONFIG and INFO are "
-                f"disabled). If it has none, {RESTART_CONSEQUENCE}"
+                f"disabled). If it has none, {consequence}"
             ]
         if int(aof) == 1:
             return []
         return [
             f"Redis at {where} has AOF off and its RDB setting cannot be read (CONFIG is "
-            f"disabled); with RDB snapshots only, or none, {RESTART_CONSEQUENCE}"
+            f"disabled); with RDB snapshots only, or none, {consequence}"
         ]
     if appendonly == "yes":
         return []
     if save.strip():
         return [
             f"Redis at {where} persists with RDB snapshots only (save {save!r}, appendonly "
-            f"no): writes after the last snapshot are lost on a crash, so {RESTART_CONSEQUENCE}"
+            f"no): writes after the last snapshot are lost on a crash, so {consequence}"
         ]
-    return [f"Redis at {where} has no persistence (appendonly no, save ''): {RESTART_CONSEQUENCE}"]
+    return [f"Redis at {where} has no persistence (appendonly no, save ''): {consequence}"]
 
 
 def server_warnings(client: Any, where: str) -> list[str]:

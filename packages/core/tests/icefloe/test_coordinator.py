@@ -1106,3 +1106,25 @@ def test_rolled_back_table_waits_for_its_replay_and_the_replay_writer_is_not_wai
     assert not done.failed
     assert_every_table_exact(make, source)
     assert IcebergCommitter(make.catalog, group_id).rollback("db.orders") is None
+
+
+def test_idle_cycles_log_at_debug_and_a_cycle_that_commits_at_info(
+    make: _Factory, source: RowSource, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idle pipeline cycles every interval: 360-720 INFO lines an hour said nothing."""
+    w = make.writer("w")
+    coord = make.coordinator()
+    lead(coord)
+    with caplog.at_level(logging.DEBUG, logger="icefloe"):
+        for _ in range(3):
+            assert not coord.commit_now().tables  # idle: nothing to commit
+        idle = [r for r in caplog.records if r.getMessage().startswith("commit ")]
+        assert [r.levelno for r in idle] == [logging.DEBUG] * 3, [r.getMessage() for r in idle]
+        caplog.clear()
+        source.publish(w, 0)
+        drive(coord, lambda: len(coord.pending_files()) > 0, "the batch")
+        assert coord.commit_now().tables
+    assert_every_table_exact(make, source)
+    cycles = [r for r in caplog.records if r.name == "icefloe.coordinator.cycles"]
+    assert [r.levelno for r in cycles] == [logging.INFO], [r.getMessage() for r in cycles]
+    assert f"{len(TABLES)} tables committed" in cycles[0].getMessage()

@@ -7,6 +7,7 @@ import os
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -15,7 +16,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile, TableCommitRequest
-from icefloe.config import config_from_dict
+from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ConfigError
@@ -202,6 +203,19 @@ def test_maintain_keeps_what_dedupe_and_uncommitted_batches_need(
         coordinator.close()
 
 
+def pipe_config(catalog: str, props: dict[str, str], address: Any) -> PipelineConfig:
+    """Pipeline ``pipe`` committing to :data:`TABLE`, on a served memory backend."""
+    return config_from_dict(
+        {
+            "name": "pipe",
+            "source": {"topics": ["source"]},
+            "tables": [{"name": TABLE}],
+            "catalog": {"name": catalog, "properties": props},
+            "coordination": {"backend": "memory", "memory": memory_backend_options(address)},
+        }
+    )
+
+
 def _key(uri: str) -> str:
     return uri.removeprefix("file://")
 
@@ -265,15 +279,7 @@ def test_maintain_keeps_quarantined_files_so_add_files_recovers_them(
         committed = [i for i in source.expected[TABLE] if i not in rows_out]
         assert_exactly_once(catalog, TABLE, committed)
 
-        config = config_from_dict(
-            {
-                "name": "pipe",
-                "source": {"topics": ["source"]},
-                "tables": [{"name": TABLE}],
-                "catalog": {"name": catalog.name, "properties": props},
-                "coordination": {"backend": "memory", "memory": memory_backend_options(address)},
-            }
-        )
+        config = pipe_config(catalog.name, props, address)
         lines = maintain(config, expire_older_than_s=0.0, orphans_older_than_s=0.0)
 
     assert all(Path(_key(p)).exists() for p in quarantined), lines
@@ -282,3 +288,27 @@ def test_maintain_keeps_quarantined_files_so_add_files_recovers_them(
     catalog.load_table(TABLE).add_files(quarantined)
     Quarantine(catalog).drop("pipe", TABLE)
     assert_exactly_once(catalog, TABLE, source.expected[TABLE])
+
+
+def test_dry_run_counts_the_orphans_the_real_run_deletes(
+    tmp_path: Path, memory_plugins: Plugins
+) -> None:
+    """A dry run expires nothing, yet must count the files only the snapshots it would expire
+    reference (their manifest lists): it said 12 where the real run deleted 14."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    create_rows_table(catalog, TABLE)
+    commit_cycles(catalog, 4)
+    table = catalog.load_table(TABLE)
+    [stray] = write_rows(table, [999], "crashed-task", 0)  # never announced: an orphan
+    _age_everything(table.location(), 10 * 86_400)
+    with serve_memory_server() as (_, address):
+        config = pipe_config(catalog.name, props, address)
+        would = maintain(config, (), 0.0, 1, 86_400.0, dry_run=True)
+        did = maintain(config, (), 0.0, 1, 86_400.0)
+    assert would == [line.replace(": ", ": would ", 1) for line in did], (would, did)
+    assert did[0] == f"{TABLE}: expire 3 snapshot(s); kept 0 old one(s) the dedupe rule reads"
+    # the stray data file and the three expired snapshots' manifest lists
+    assert did[1].startswith(f"{TABLE}: delete 4 orphan file(s)"), did
+    assert not Path(_key(stray.path)).exists()
+    assert_exactly_once(catalog, TABLE, [0, 1, 2, 3])

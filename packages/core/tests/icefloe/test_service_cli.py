@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from icefloe import __version__
-from icefloe.cli.logs import JsonFormatter, resolve_level
+from icefloe.cli.logs import JsonFormatter, configure, resolve_level
 from icefloe.cli.main import app
 from icefloe.config import config_from_dict, load_config
 from icefloe.errors import ConfigError, UnknownBackendError
@@ -40,7 +40,44 @@ def test_boolean_flags_show_no_value_placeholder() -> None:
     verbose = next(line for line in out.stdout.splitlines() if "--verbose" in line)
     assert "<bool>" not in verbose
     assert "<bool>" not in out.stdout
-    assert "<path>" in out.stdout  # options that take a value still show it
+    assert " PATH " in out.stdout  # options that take a value still show it
+
+
+def test_help_at_80_columns_shows_every_option_whole_with_plain_placeholders() -> None:
+    """No `<list[str]>` or `<int range>` (Python types), no option name cut to `--expire-o…`."""
+    from icefloe.cli.main import build_command
+
+    root = build_command()
+    for name, command in root.commands.items():
+        if hasattr(command, "commands"):
+            continue  # a group (quarantine): its own commands' help is alike
+        help_text = subprocess_help(name)
+        for param in command.params:
+            if param.param_type_name == "option":
+                for opt in param.opts:
+                    assert opt in help_text, (name, opt, help_text)
+        for python_type in ("<bool>", "<list[", "<str>", "<int", "<path>", "<float>"):
+            options = help_text.split("Options", 1)[-1]  # arguments keep typer's own
+            assert python_type not in options, (name, python_type, help_text)
+        assert "…" not in help_text, (name, help_text)
+
+
+def subprocess_help(command: str) -> str:
+    """``icefloe COMMAND --help`` as a pipe at 80 columns reads it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}
+    out = subprocess.run(
+        [sys.executable, "-m", "icefloe", command, "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    return out.stdout
 
 
 def test_misspelt_backend_suggests_the_known_one_never_an_invented_package(
@@ -134,3 +171,44 @@ def test_json_log_lines_carry_extra_fields() -> None:
     assert line["message"] == "x y"
     assert line["level"] == "info"
     assert line["table"] == "db.t"
+
+
+def test_without_details_a_run_logs_its_progress_lines_not_each_commit_twice(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`icefloe run` (details=False) logs one line per table commit (its progress log) and
+    one a minute: the committer's line per table and the coordinator's per cycle say the same
+    again, so they wait for -v. A standalone coordinator keeps them."""
+
+    def emitted() -> list[str]:
+        for name in ("icefloe.committer", "icefloe.coordinator.cycles", "icefloe.progress"):
+            logging.getLogger(name).info("from %s", name)
+        return [ln.rsplit(" ", 1)[-1] for ln in capsys.readouterr().err.splitlines()]
+
+    try:
+        configure(logging.INFO, details=False)
+        assert emitted() == ["icefloe.progress"]
+        configure(logging.DEBUG, details=False)
+        assert len(emitted()) == 3
+        configure(logging.INFO)  # the standalone coordinator's set-up
+        assert len(emitted()) == 3
+    finally:
+        configure(logging.WARNING)
+
+
+def test_status_says_only_what_the_backend_can_tell_of_the_lease() -> None:
+    """Redis records no acquisition time: no `lease age ?`, the expiry alone."""
+    from icefloe.channel import BackendStatus
+    from icefloe.ops.status import PipelineStatus, render_lines
+
+    def lease_line(backend: BackendStatus) -> str:
+        return render_lines(PipelineStatus("p", "redis", backend, None))[1]
+
+    assert (
+        lease_line(BackendStatus("c1", 3, None, 7.2, ()))
+        == "  leader c1  token 3  lease expires in 7s"
+    )
+    assert lease_line(BackendStatus("c1", 3, 12.0, 7.2, ())) == (
+        "  leader c1  token 3  lease age 12s, expires in 7s"
+    )
+    assert lease_line(BackendStatus()) == "  leader -  token -"

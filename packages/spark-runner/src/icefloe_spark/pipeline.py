@@ -267,7 +267,12 @@ class Pipeline:
             ensure_tables(self.catalog, config, self.plugins)
             self.backend = open_backend(config, self.plugins)
             resume = self._check_start(self.backend, self.catalog)
-            self.publisher = WriterPublisher(self.backend, config.name, self.writer_id).start()
+            self.publisher = WriterPublisher(
+                self.backend,
+                config.name,
+                self.writer_id,
+                dead_letter_table=config.errors.dead_letter_table,
+            ).start()
             self.server = PublishServer(self.publisher)
             if self.run_coordinator:
                 self.coordinator = CoordinatorThread(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from multiprocessing.connection import Client
 
@@ -86,3 +87,32 @@ def test_stopped_server_makes_the_commit_fail_loudly() -> None:
     server.close()
     with pytest.raises(PublishError, match="cannot reach"):
         RemotePublisher(address, secret, timeout_s=5).publish(request(0))
+
+
+def test_bad_records_are_reported_once_by_the_driver_naming_only_what_happened(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The line comes from the driver's publisher (the run's log format applies; the sink's
+    commit runs in a Python worker), once per batch added, and a skip-mode batch does not
+    say `0 dead-lettered to -`."""
+    from icefloe.testing.memory import MemoryBackend, MemoryServer
+    from icefloe_spark.sink.publish import WriterPublisher
+
+    def request(seq: int, skipped: int, dead_lettered: int) -> PublishRequest:
+        return PublishRequest(seq, {}, (), {}, 10, skipped, dead_lettered)
+
+    backend = MemoryBackend(MemoryServer(), "g")
+    publisher = WriterPublisher(backend, "g", "w", dead_letter_table="db.dlq").start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="icefloe_spark"):
+            publisher.publish(request(0, 3, 0))
+            publisher.publish(request(1, 0, 2))
+            publisher.publish(request(1, 0, 2))  # a replay: already said
+            publisher.publish(request(2, 0, 0))
+    finally:
+        publisher.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "batch 0: bad records: 3 skipped",
+        "batch 1: bad records: 2 dead-lettered to db.dlq",
+    ]
+    assert [getattr(r, "event", None) for r in caplog.records] == ["bad_records"] * 2

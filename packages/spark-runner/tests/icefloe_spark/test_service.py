@@ -256,11 +256,22 @@ def test_run_once_catches_up_commits_and_exits_with_metrics(
         "icefloe_leadership_changes_total",
     ):
         assert name in body, name
+    # --log-format json: every line is one JSON object, Spark's and the JVM's included
+    not_json = [line for line in text.splitlines() if not _json_object(line)]
+    assert not not_json, "\n".join(not_json)
     # progress without a terminal: JSON lines, one per table commit
-    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    events = [json.loads(line) for line in text.splitlines()]
+    assert events[-1]["message"] == "stopped cleanly", events[-1]
     commits = [e for e in events if e.get("event") == "table_commit"]
     assert commits
     assert commits[-1]["table"] == "svc.events"
+
+
+def _json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def _free_port() -> int:

@@ -11,9 +11,12 @@ import json
 import logging
 import sys
 import time
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 LogFormat = Literal["text", "json"]
 LEVELS = ("debug", "info", "warning", "error")
@@ -73,6 +76,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class ConsoleHandler(logging.Handler):
+    """Log lines printed by a rich console, whole (the terminal wraps them, not rich), so a
+    live view on that console draws itself below them."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from rich.text import Text
+
+        try:
+            self.console.print(Text(self.format(record)), soft_wrap=True)
+        except Exception:
+            self.handleError(record)
+
+
 def check_format(fmt: str) -> LogFormat:
     from icefloe.errors import ConfigError
 
@@ -81,18 +101,34 @@ def check_format(fmt: str) -> LogFormat:
     return "json" if fmt == "json" else "text"
 
 
-def configure(level: int, fmt: str = "text") -> None:
+# the committer's line per table and the coordinator's per cycle: what `icefloe run` says in
+# its own words (one line per table commit, one a minute), so it leaves these to -v
+DETAIL_LOGGERS = ("icefloe.committer", "icefloe.coordinator.cycles")
+
+
+def configure(
+    level: int, fmt: str = "text", *, details: bool = True, console: Console | None = None
+) -> None:
     """Route every logger to stderr at ``level``; third-party chatter stays at WARNING unless
-    debugging (py4j logs every gateway call at INFO)."""
-    handler = logging.StreamHandler(sys.stderr)
+    debugging (py4j logs every gateway call at INFO), and so do :data:`DETAIL_LOGGERS` unless
+    ``details``. Text lines go through ``console`` when it is a terminal: a live view drawn
+    on it keeps them above itself, where lines written past it would garble the view."""
+    handler: logging.Handler
     if check_format(fmt) == "json":
+        handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter())
     else:
+        on_terminal = console is not None and console.is_terminal
+        handler = ConsoleHandler(console) if console and on_terminal else logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
-    for noisy in ("py4j", "pyiceberg", "urllib3", "botocore", "asyncio"):
-        logging.getLogger(noisy).setLevel(level if level <= logging.DEBUG else logging.WARNING)
+    noisy = ("py4j", "pyiceberg", "urllib3", "botocore", "asyncio")
+    for name in noisy if details else (*noisy, *DETAIL_LOGGERS):
+        logging.getLogger(name).setLevel(level if level <= logging.DEBUG else logging.WARNING)
+    if details:
+        for name in DETAIL_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)

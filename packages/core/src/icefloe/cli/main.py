@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast, get_args
 
 import tomli_w
 import typer
@@ -183,7 +183,7 @@ def maintain(
     orphans_older_than: Annotated[
         str, typer.Option(help="Delete unreferenced files only when older than this.")
     ] = "3d",
-    dry_run: Annotated[bool, typer.Option(help="Report, change nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report, change nothing.")] = False,
 ) -> None:
     """Expire old snapshots and delete orphan files; safe next to a running pipeline."""
     from icefloe.ops import maintenance  # pulls in pyiceberg
@@ -360,10 +360,26 @@ def build_command() -> Any:
     commands = [command, *getattr(command, "commands", {}).values()]
     for cmd in commands:
         for param in cmd.params:
-            if getattr(param, "is_flag", False):
-                param.metavar = ""
+            param.metavar = "" if getattr(param, "is_flag", False) else _placeholder(param)
         cmd.get_help_option = _flag_help_option(cmd.get_help_option)
     return command
+
+
+def _placeholder(param: Any) -> str | None:
+    """A short, plain value placeholder (``PATH``, ``N``, ``TEXT``) instead of typer's Python
+    types (``<list[str]>``, ``<int range>``), which also widen help's columns until option
+    names are cut; an argument's, a choice's or a set metavar stays as it is."""
+    desc = getattr(param, "type_descriptor", None)
+    if param.metavar is not None or param.param_type_name == "argument" or desc is None:
+        return cast("str | None", param.metavar)
+    if desc.is_choice:
+        return None
+    annotation = desc.annotation
+    if desc.is_list:
+        annotation = next(iter(get_args(annotation)), str)
+    if desc.is_path or annotation is Path:
+        return "PATH"
+    return "N" if annotation in (int, float) else "TEXT"
 
 
 def _flag_help_option(make: Any) -> Any:

@@ -49,6 +49,9 @@ from icefloe.hookspecs import TableCommitted
 from icefloe.plugins.manager import Plugins, get_plugins
 
 log = logging.getLogger("icefloe.coordinator")
+# the one line per cycle (INFO when it committed, failed or quarantined something, else DEBUG):
+# its own logger, so `icefloe run`, which logs each table commit, can leave it out
+cycles_log = logging.getLogger("icefloe.coordinator.cycles")
 
 
 @dataclass
@@ -258,7 +261,9 @@ class CommitCycle:
             self._channel.prune(reader.stored)
         self.last_end = time.monotonic()
         self.idle = not any(r.data_files for r in results)
-        log.info(
+        eventful = not self.idle or failed or deferred or any(quarantined.values())
+        cycles_log.log(
+            logging.INFO if eventful else logging.DEBUG,  # an idle pipeline cycles all day
             "commit %s: %s, vtts=%s, %d tables committed (%d files, %d records), "
             "%d failed%s, %d deferred, %d files quarantined",
             commit_id,

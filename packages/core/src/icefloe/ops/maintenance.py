@@ -174,17 +174,21 @@ def retired_writer_files(metadata: TableMetadata) -> set[str]:
     return {f for f in found if f}
 
 
-def referenced_files(table: Table) -> set[str]:
+def referenced_files(table: Table, expiring: Iterable[int] = ()) -> set[str]:
     """Every file the table's metadata still needs: metadata files in its log, manifest
     lists, manifests, data and delete files of every remaining snapshot, statistics, and the
-    retired writers' watermarks."""
+    retired writers' watermarks. ``expiring``: snapshots taken as gone already (a dry run
+    counts what the expiry it only reports would leave unreferenced)."""
     metadata = table.metadata
     refs = {table.metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
     refs.update(retired_writer_files(metadata))
     refs.update(s.statistics_path for s in metadata.statistics)
     refs.update(s.statistics_path for s in metadata.partition_statistics)
     manifests: set[str] = set()
+    gone = set(expiring)
     for snapshot in metadata.snapshots:
+        if snapshot.snapshot_id in gone:
+            continue
         refs.add(snapshot.manifest_list)
         for manifest in snapshot.manifests(table.io):
             if manifest.manifest_path in manifests:
@@ -201,15 +205,17 @@ def remove_orphan_files(
     pending: Iterable[str] = (),
     dry_run: bool = False,
     quarantined: Iterable[str] = (),
+    expiring: Iterable[int] = (),
 ) -> OrphanResult:
     """Delete files under the table location that no metadata references, that are older than
     ``older_than_ms`` (epoch ms: a file being written or committed right now is young), that
     no published, not yet committed batch announces (``pending``: their paths), and that no
     quarantine entry names (``quarantined``: no snapshot and, once the channel moved past
-    them, no batch names those files either; only the entry keeps them recoverable)."""
+    them, no batch names those files either; only the entry keeps them recoverable).
+    ``expiring``: snapshots a dry run would have expired first (see :func:`referenced_files`)."""
     import pyarrow.fs as pafs
 
-    referenced = referenced_files(table)
+    referenced = referenced_files(table, expiring)
     announced = {_file_key(p) for p in pending}
     refused = {_file_key(p) for p in quarantined}
     fs, base = pafs.FileSystem.from_uri(table.location())
@@ -323,7 +329,12 @@ def maintain(
         )
         table = catalog.load_table(name)
         orphans = remove_orphan_files(
-            table, now_ms - int(orphans_older_than_s * 1000), pending, dry_run, quarantined
+            table,
+            now_ms - int(orphans_older_than_s * 1000),
+            pending,
+            dry_run,
+            quarantined,
+            expiring=expiry.expired if dry_run else (),  # as if expired: the count agrees
         )
         lines.append(
             f"{name}: {verb}delete {len(orphans.deleted)} orphan file(s); kept "

@@ -312,11 +312,14 @@ def render_lines(status: PipelineStatus) -> list[str]:
     if status.backend_error:
         out.append(f"  backend unreachable: {status.backend_error}")
     elif b is not None:
-        age = "?" if b.lease_age_s is None else f"{b.lease_age_s:.0f}s"
-        left = "?" if b.lease_expires_in_s is None else f"{b.lease_expires_in_s:.0f}s"
+        # what the backend can tell of the lease, and nothing for what it cannot (Redis keeps
+        # no acquisition time)
+        lease = [f"age {b.lease_age_s:.0f}s"] if b.lease_age_s is not None else []
+        if b.lease_expires_in_s is not None:
+            lease.append(f"expires in {b.lease_expires_in_s:.0f}s")
         out.append(
             f"  leader {b.leader or '-'}  token {b.token if b.token is not None else '-'}"
-            f"  lease age {age}, expires in {left}"
+            + (f"  lease {', '.join(lease)}" if lease else "")
         )
         writers = "?" if b.writers is None else f"{len(b.writers)} ({', '.join(b.writers)})"
         out.append(f"  writers {writers}")

@@ -17,7 +17,7 @@ from icefloe.cli.logs import configure as configure_logging
 from icefloe.config import load_config
 from icefloe.errors import ConfigError
 from icefloe.metrics import MetricsPortOption, start_metrics
-from icefloe_spark.cli.console import console, end_jvm, print_error, watch
+from icefloe_spark.cli.console import end_jvm, print_error, say, setup_logging, watch
 from icefloe_spark.runtime import sparklog
 from icefloe_spark.runtime.signals import stop_on_signals
 
@@ -79,7 +79,7 @@ def run(
     """Run the pipeline's streaming query until SIGINT/SIGTERM (or, with --once, until it has
     caught up), with live progress on a terminal and progress log lines otherwise."""
     level = resolve_level(log_level, verbose, quiet)
-    configure_logging(level, log_format)
+    setup_logging(level, log_format)
     cfg = load_config(config)
     extra = parse_options(source_option or [])
     from icefloe_spark.kafka.options import check_reader_options
@@ -117,24 +117,26 @@ def run(
             query = pipeline.query
             if query is not None and not query.isActive:
                 failure = query.exception()
+            if failure is not None:  # first: what failed and the fix, before the shutdown
+                message, trace = failure_message(str(failure))
+                print_error(message)
+                if level <= logging.DEBUG:
+                    say(trace)
         finally:
             if pipeline.coordinator is not None:
                 fatal = pipeline.coordinator.fatal
-            console.print("stopping ...")
+            say("stopping ...")
             pipeline.stop()
             end_jvm()
             if pipeline.spark_log is not None:
-                for line in sparklog.summarize(pipeline.spark_log):
-                    console.print(line, markup=False, highlight=False)
+                failed = failure is not None or fatal is not None
+                for line in sparklog.finish(pipeline.spark_log, keep=failed)[0]:
+                    say(line)
     if fatal is not None:
         raise fatal  # icefloe's CLI prints it ("error: ...", naming the recovery), exit 2
     if failure is not None:
-        first, fix, trace = explain_failure(str(failure))
-        print_error(f"the streaming query failed: {first}. Fix: {fix}")
-        if level <= logging.DEBUG:
-            console.print(trace, markup=False, highlight=False)
         raise typer.Exit(1)
-    console.print("stopped cleanly")
+    say("stopped cleanly", outcome=True)
 
 
 def caught_up(pipeline: Pipeline) -> Callable[[], bool]:
@@ -158,6 +160,18 @@ def caught_up(pipeline: Pipeline) -> Callable[[], bool]:
         return False
 
     return check
+
+
+def failure_message(text: str) -> tuple[str, str]:
+    """The one line that says why the streaming query failed and what to do, with one fix
+    (the error's own when it names one), and the whole trace."""
+    first, fix, trace = explain_failure(text)
+    if ". Fix: " in first:
+        return f"the streaming query failed: {first}; {RESTART}", trace
+    return f"the streaming query failed: {first}. Fix: {fix}", trace
+
+
+RESTART = "restart after that: the query resumes from its checkpoint (-v shows Spark's trace)"
 
 
 def explain_failure(text: str) -> tuple[str, str, str]:

@@ -5,6 +5,7 @@ progress without importing the commands back."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,13 @@ from rich.text import Text
 if TYPE_CHECKING:
     from icefloe_spark.pipeline import Pipeline
 
-console = Console(stderr=True)
+# soft_wrap: a line is never broken by rich (off a terminal it would break at 80 columns,
+# splitting paths); a terminal wraps what does not fit
+console = Console(stderr=True, soft_wrap=True)
+# messages of the runner's commands ("stopping ...", Spark's summary): printed, or in
+# --log-format json logged as JSON lines like everything else
+_say_log = logging.getLogger("icefloe_spark.cli")
+_json = False
 REFRESH_S = 1.0
 TABLE_REFRESH_S = 2.0
 TICK_S = 0.2
@@ -38,7 +45,13 @@ def watch(
     The live view refreshes in place, so it only runs on a terminal; without one (systemd,
     containers, files) progress is logged: a line per table commit and one a minute.
     """
-    from icefloe_spark.cli.progress import Monitor, ProgressLog, QueryProgress, render
+    from icefloe_spark.cli.progress import (
+        Monitor,
+        ProgressLog,
+        PublishRate,
+        QueryProgress,
+        render,
+    )
     from icefloe_spark.kafka.options import probe_mode
 
     assert pipeline.query is not None
@@ -53,6 +66,7 @@ def watch(
     # CommitComplete), not at the next poll of the tables
     seen_committed = pipeline.publisher.committed_through if pipeline.publisher else None
     live = live and console.is_terminal
+    rate = PublishRate()
 
     def view() -> Any:
         assert pipeline.query is not None
@@ -65,6 +79,7 @@ def watch(
             pipeline.stats,
             tables,
             coordinator_state(pipeline),
+            published_per_s=rate.update(pipeline.stats.records, time.monotonic()),
         )
 
     display: AbstractContextManager[Any] = (
@@ -86,7 +101,8 @@ def watch(
                     seen_committed = committed
                     tables = monitor.tables()
                     last_tables = now
-                    progress_log.tables(tables, pipeline.stats)
+                    if not live:  # the live view shows it
+                        progress_log.tables(tables, pipeline.stats)
                 if isinstance(display, Live):
                     display.update(view())
                 if until is not None and until():
@@ -95,6 +111,34 @@ def watch(
         monitor.close()
         if live:
             console.print()  # the live view leaves the cursor at the end of its last line
+
+
+def setup_logging(level: int, fmt: str) -> None:
+    """`icefloe run`'s logging: its progress lines say what the committer's and the
+    coordinator's per-commit lines would (operations.md), and on a terminal the lines go
+    through :data:`console`, so the live view stays whole below them. With ``json`` the
+    JVM's own output goes to Spark's log file: every line on stdout/stderr is JSON."""
+    global _json
+    from icefloe.cli.logs import configure
+    from icefloe_spark.runtime import jvm
+
+    configure(level, fmt, details=False, console=console)
+    _json = fmt == "json"
+    jvm.output_to_log_file(_json)
+
+
+def say(message: str, level: int = logging.INFO, *, outcome: bool = False) -> None:
+    """A message of the runner to the operator at ``level`` (shown as the log level allows:
+    -q keeps errors only, and the run's ``outcome`` line): one unwrapped line on the console,
+    or a JSON log line under --log-format json."""
+    if _json:
+        _say_log.log(level, message)
+    elif not (outcome or logging.getLogger().isEnabledFor(level)):
+        return  # -q: warnings and errors only
+    elif level >= logging.ERROR:
+        console.print(Text.assemble(("error: ", "red"), message), soft_wrap=True)
+    else:
+        console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
 def coordinator_state(pipeline: Pipeline) -> str:
@@ -112,9 +156,9 @@ def end_jvm() -> None:
     from icefloe_spark.runtime import jvm
 
     if jvm.writes_class_data():
-        console.print("keeping Spark's class data for faster starts (once) ...")
+        say("keeping Spark's class data for faster starts (once) ...")
         jvm.end()
 
 
 def print_error(message: str) -> None:
-    console.print(Text.assemble(("error: ", "red"), message), soft_wrap=True)
+    say(message, logging.ERROR)

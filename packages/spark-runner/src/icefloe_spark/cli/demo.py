@@ -37,7 +37,7 @@ from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark.cli.console import console, end_jvm, watch
 from icefloe_spark.kafka.admin import create_topic, produce
 from icefloe_spark.pipeline import Pipeline
-from icefloe_spark.runtime import jvm
+from icefloe_spark.runtime import jvm, sparklog
 from icefloe_spark.runtime.signals import stop_on_signals
 
 log = logging.getLogger("icefloe_spark.demo")
@@ -63,6 +63,7 @@ class Scenario(Protocol):
     """What a demo variant writes, and how it knows and checks that the table is complete."""
 
     table: str
+    command: str  # how it is run (`icefloe demo --cdc`)
 
     def tables(self) -> list[dict[str, Any]]:
         """The pipeline's ``[[tables]]`` entries."""
@@ -84,6 +85,7 @@ class Events:
     """The append demo: sample events into a day-partitioned table, each exactly once."""
 
     table = TABLE
+    command = "icefloe demo"
 
     def tables(self) -> list[dict[str, Any]]:
         return [{"name": TABLE}]
@@ -237,10 +239,13 @@ def write_pipeline_toml(config: PipelineConfig, path: Path) -> None:
     path.write_text(tomli_w.dumps(data))
 
 
-def where_things_are(root: Path, kept: bool, out: Console, table: str = TABLE) -> None:
-    """The demo's last lines: where the table is and how to read it without icefloe."""
+def where_things_are(
+    root: Path, kept: bool, out: Console, table: str = TABLE, command: str = "icefloe demo"
+) -> None:
+    """The demo's last lines: where the table is and how to read it without icefloe;
+    ``command``: the demo as it was run (``icefloe demo --cdc``), to run again with --keep."""
     if not kept:
-        out.print(f"removed {root}; run `icefloe demo --keep` to keep the catalog and table")
+        out.print(f"removed {root}; run `{command} --keep` to keep the catalog and table")
         return
     props = catalog_properties(root)
     out.print(f"kept in {root}:")
@@ -310,10 +315,14 @@ def run_demo(
                     console.print("stopping ...")
                     pipeline.stop()
                     end_jvm()
+                    if pipeline.spark_log is not None:
+                        spark_lines, kept = sparklog.finish(pipeline.spark_log)
+                        for line in spark_lines if kept else ():  # only when it has errors
+                            console.print(line, markup=False, highlight=False)
             producer.join(timeout=30)
         console.print()
         return scenario.summarize(catalog, records, time.monotonic() - started, console)
     finally:
         if temporary:
             shutil.rmtree(root, ignore_errors=True)
-        where_things_are(root, not temporary, console, scenario.table)
+        where_things_are(root, not temporary, console, scenario.table, scenario.command)

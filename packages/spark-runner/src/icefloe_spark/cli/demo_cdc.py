@@ -73,6 +73,7 @@ class Changes:
     """The CDC demo scenario (see :class:`icefloe_spark.cli.demo.Scenario`)."""
 
     table = TABLE
+    command = "icefloe demo --cdc"
 
     def __init__(self, records: int) -> None:
         self.customers = max(records // 5, 1)  # five changes per customer on average

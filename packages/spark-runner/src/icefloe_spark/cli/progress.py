@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -189,20 +190,40 @@ def _bad_records(stats: PublishStats) -> Text:
     )
 
 
+class PublishRate:
+    """Records published per second over the last ``window_s`` seconds: what the live view
+    shows. Spark's rate of a batch divides that batch's records by its duration, so an idle
+    batch that reports the previous batch's records shows a six-figure rate while nothing
+    moves, and a batch that waited shows a fraction of the real one."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def update(self, records: int, now: float) -> float:
+        """The rate, given the records published so far at ``now`` (monotonic seconds)."""
+        self._samples.append((now, records))
+        while len(self._samples) > 1 and self._samples[1][0] <= now - self.window_s:
+            self._samples.popleft()
+        then, before = self._samples[0]
+        return (records - before) / (now - then) if now > then else 0.0
+
+
 def render(
     name: str,
     query: QueryProgress,
     stats: PublishStats,
     tables: list[TableProgress],
     coordinator: str,
+    published_per_s: float = 0.0,
 ) -> Group:
-    """The live view of ``icefloe run``."""
+    """The live view of ``icefloe run``; ``published_per_s`` from :class:`PublishRate`."""
     now = time.time()
     head = Text.assemble(
         ("icefloe ", "bold cyan"),
         (name, "bold"),
         f"  batch {query.batch_id if query.batch_id is not None else '-'}",
-        f"  {query.rows_per_s:,.0f} records/s",
+        f"  {published_per_s:,.0f} records/s",
         f"  coordinator: {coordinator}\n",
         f"published {stats.batches} batches, {stats.records:,} records, {stats.files} files",
         f" ({stats.duplicates} replays ignored)" if stats.duplicates else "",

@@ -53,6 +53,15 @@ class _Launched:
 
 
 _launched: _Launched | None = None
+# where the JVM's own stdout and stderr go (its banner, Python workers' stray output): the
+# terminal, or Spark's log file (--log-format json: only JSON lines on the terminal)
+_output_to_log = False
+
+
+def output_to_log_file(on: bool) -> None:
+    """Send the output of JVMs launched from now on to Spark's log file (when it has one)."""
+    global _output_to_log
+    _output_to_log = on
 
 
 def session_conf(config: PipelineConfig, log_level: int = logging.INFO) -> dict[str, str]:
@@ -160,10 +169,14 @@ def launch_detached_gateway(conf: Mapping[str, str], class_data: ClassDataUse = 
     changes: dict[str, str | None] = {NO_BYTECODE: None}
     if home is not None:
         changes[sparkhome.SPARK_HOME_ENV] = home
-    with _environ(changes):
-        gateway = launch_gateway(  # type: ignore[no-untyped-call]
-            spark_conf, popen_kwargs={"start_new_session": True}
-        )
+    popen: dict[str, Any] = {"start_new_session": True}
+    log_file = sparklog.log_file_of(conf) if _output_to_log else None
+    with contextlib.ExitStack() as files:
+        if log_file is not None:
+            popen["stdout"] = files.enter_context(log_file.open("ab"))  # the JVM keeps its copy
+            popen["stderr"] = subprocess.STDOUT
+        with _environ(changes):
+            gateway = launch_gateway(spark_conf, popen_kwargs=popen)  # type: ignore[no-untyped-call]
     SparkContext._ensure_initialized(gateway=gateway)
     if archive is not None and archive.write is not None:
         class_path = gateway.jvm.java.lang.System.getProperty("java.class.path")

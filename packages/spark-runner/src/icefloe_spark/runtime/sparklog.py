@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Mapping
@@ -63,25 +64,49 @@ def log_file_of(conf: Mapping[str, str]) -> Path | None:
     return candidate if props.name == "log4j2.properties" else None
 
 
-def summarize(log_file: Path, top: int = 3) -> list[str]:
-    """One line with the counts, then the ``top`` most frequent warnings/errors."""
-    if not log_file.exists():
-        return []
+def _read(log_file: Path) -> tuple[Counter[str], Counter[str], dict[str, str]]:
+    """Counts per level, counts per kind of message (numbers aside) and each kind's newest
+    line as Spark wrote it."""
     levels: Counter[str] = Counter()
     messages: Counter[str] = Counter()
+    newest: dict[str, str] = {}
+    if not log_file.exists():
+        return levels, messages, newest
     with log_file.open(errors="replace") as f:
         for line in f:
             m = _LINE.match(line.rstrip("\n"))
             if m is None:
                 continue
             levels[m["level"]] += 1
-            # numbers vary between repeats of one message (durations, batch ids)
-            messages[f"{m['level']} {m['logger']}: {re.sub(r'[0-9]+', 'N', m['message'])}"] += 1
+            text = f"{m['level']} {m['logger']}: {m['message']}"
+            # numbers vary between repeats of one message (durations, batch ids): count those
+            # as one kind, and show the newest with its numbers
+            kind = re.sub(r"[0-9]+", "N", text)
+            messages[kind] += 1
+            newest[kind] = text
+    return levels, messages, newest
+
+
+def summarize(log_file: Path, top: int = 3, *, kept: bool = True) -> list[str]:
+    """One line with the counts (and where the file is, when ``kept``), then the ``top``
+    most frequent warnings/errors."""
+    levels, messages, newest = _read(log_file)
     if not levels:
         return []
-    out = [
-        f"Spark logged {levels['WARN']} warning(s) and {levels['ERROR']} error(s); see {log_file}"
-    ]
-    for message, count in messages.most_common(top):
-        out.append(f"  {count} x {message[:160]}")
+    where = f"; see {log_file}" if kept else ""
+    out = [f"Spark logged {levels['WARN']} warning(s) and {levels['ERROR']} error(s){where}"]
+    for kind, count in messages.most_common(top):
+        out.append(f"  {count} x {newest[kind][:300]}")
     return out
+
+
+def finish(log_file: Path, keep: bool = False) -> tuple[list[str], bool]:
+    """At the end of a run: the summary, and whether the log was kept. The run's log
+    directory (``<tmp>/icefloe-<name>-spark-*``) is removed, so runs leave nothing behind,
+    unless ``keep`` (the run failed) or Spark logged errors; the summary names the file only
+    when it stays."""
+    keep = keep or _read(log_file)[0]["ERROR"] > 0
+    lines = summarize(log_file, kept=keep)
+    if not keep and log_file.parent.name.startswith("icefloe-"):
+        shutil.rmtree(log_file.parent, ignore_errors=True)
+    return lines, keep

@@ -323,14 +323,6 @@ class IcefloeStreamWriter(DataSourceStreamArrowWriter):
             request.file_count,
             request.records,
         )
-        if request.skipped or request.dead_lettered:
-            log.warning(
-                "batch %s: %d bad records skipped, %d dead-lettered to %s",
-                batchId,
-                request.skipped,
-                request.dead_lettered,
-                self.options.config.errors.dead_letter_table or "-",
-            )
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 - Spark's name
         """Publish nothing and delete nothing.

@@ -94,6 +94,7 @@ class WriterPublisher:
     group_id: str
     writer_id: str
     stats: PublishStats = field(default_factory=PublishStats)
+    dead_letter_table: str | None = None  # named in the bad-records line
 
     def __post_init__(self) -> None:
         self._client = WriterClient(
@@ -129,6 +130,7 @@ class WriterPublisher:
             s.last_batch_records = request.records + request.skipped + request.dead_lettered
             s.last_publish_at = time.time()
             if added:
+                self._report_bad_records(request)
                 metrics.RECORDS_READ.inc(s.last_batch_records)
                 metrics.RECORDS_DEAD_LETTERED.inc(request.dead_lettered)
                 metrics.RECORDS_SKIPPED.inc(request.skipped)
@@ -138,6 +140,25 @@ class WriterPublisher:
                     sum(f.file_size_in_bytes for fs in request.files.values() for f in fs)
                 )
             return added
+
+    def _report_bad_records(self, request: PublishRequest) -> None:
+        """One line for a batch's bad records, logged here in the driver (with the run's log
+        format: the sink's commit runs in a Python worker), naming only what happened."""
+        parts = [f"{request.skipped} skipped"] if request.skipped else []
+        if request.dead_lettered:
+            parts.append(f"{request.dead_lettered} dead-lettered to {self.dead_letter_table}")
+        if parts:
+            log.warning(
+                "batch %s: bad records: %s",
+                request.batch_seq,
+                ", ".join(parts),
+                extra={
+                    "event": "bad_records",
+                    "batch": request.batch_seq,
+                    "skipped": request.skipped,
+                    "dead_lettered": request.dead_lettered,
+                },
+            )
 
     @property
     def committed_through(self) -> int | None:
@@ -241,7 +262,9 @@ def local_publisher(config: PipelineConfig, writer_id: str) -> WriterPublisher:
     with _local_lock:
         if key not in _local:
             backend = open_backend(config)
-            publisher = WriterPublisher(backend, config.name, writer_id).start()
+            publisher = WriterPublisher(
+                backend, config.name, writer_id, dead_letter_table=config.errors.dead_letter_table
+            ).start()
             _local[key] = (backend, publisher)
             if len(_local) == 1:
                 atexit.register(close_local_publishers)
