@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,13 +32,15 @@ from icefloe.commit import rowdelta
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
-from icefloe.commit.summary import COMMIT_ID_KEY
+from icefloe.commit.summary import COMMIT_ID_KEY, RowCounts
+from icefloe.config import config_from_dict
 from icefloe.errors import (
     KeyedBatchRefusedError,
     RowDeltaNotSupportedError,
     RowDeltaTableError,
 )
 from icefloe.events import DataFileMeta, FileContent
+from icefloe.ops.status import PipelineStatus, render_lines, table_status
 from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
 
 GROUP = "pipe-a"
@@ -244,6 +247,39 @@ def test_rows_already_deleted_are_not_deleted_again(catalog: SqlCatalog, table: 
     assert content(catalog) == [(0, "v0"), (1, "v0"), (2, "third"), (3, "v0")]
     # only the live row of the previous cycle; the seed's row 2 was deleted already
     assert summary(catalog)["added-position-deletes"] == "1"
+
+
+def test_status_counts_live_rows_not_deleted_ones(catalog: SqlCatalog, table: Table) -> None:
+    """Issue 24 item 1: ``total-records`` counts deleted rows too; status shows live rows."""
+    seed(catalog, table, range(10))
+    commit(catalog, Cycle(table).batch("w1", 0, upserts=[(3, "v1"), (5, "v1"), (20, "new")]))
+    commit(catalog, Cycle(table).batch("w1", 1, deletes=[(7,)]))
+    live = len(content(catalog))  # pyiceberg's scan applies the deletes
+    assert (live, summary(catalog)["total-records"]) == (10, "13")
+
+    config = config_from_dict(
+        {"name": GROUP, "source": {"topics": ["t"]}, "tables": [{"name": NAME}]}
+    )
+    status = table_status(catalog, config, NAME, None, time.time() * 1000)
+
+    assert status.rows == 10
+    assert (status.deleted_rows, status.rows_exact) == (3, True)
+    (line,) = render_lines(PipelineStatus(GROUP, "memory", None, None, [status]))[1:]
+    assert "10 rows (3 deleted)" in line, line
+    assert "13 rows" not in line, line
+    (row,) = PipelineStatus(GROUP, "memory", None, None, [status]).to_json()["tables"]
+    assert (row["rows"], row["deleted_rows"], row["rows_exact"]) == (10, 3, True)
+
+
+def test_row_counts_with_equality_deletes_are_an_upper_bound() -> None:
+    counts = RowCounts.of(
+        {"total-records": "13", "total-position-deletes": "3", "total-equality-deletes": "2"}
+    )
+    assert counts is not None
+    assert (counts.live, counts.deleted, counts.exact) == (10, 3, False)
+    assert counts.describe() == "at most 10 rows (3 deleted, equality deletes not counted)"
+    assert RowCounts.of({}) is None
+    assert RowCounts(5000, 0, 0).describe() == "5,000 rows"
 
 
 def test_replayed_request_deletes_nothing_twice(catalog: SqlCatalog, table: Table) -> None:

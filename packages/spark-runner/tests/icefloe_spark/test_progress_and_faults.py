@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from icefloe.config import config_from_dict
+from icefloe.testing.fixtures import (
+    KEYED_ROWS_SCHEMA,
+    commit_changes,
+    make_sqlite_catalog,
+    table_ids,
+)
 from icefloe_spark import faults
-from icefloe_spark.cli.progress import QueryProgress, lag, render
+from icefloe_spark.cli.progress import Monitor, ProgressLog, QueryProgress, lag, render
 from icefloe_spark.sink.publish import PublishStats
 
 
@@ -152,8 +162,6 @@ def test_reader_options_from_the_config_are_applied_last() -> None:
 
 
 def test_live_view_shows_bad_record_counts_only_when_there_are_some() -> None:
-    from rich.console import Console
-
     def shown(stats: PublishStats) -> str:
         console = Console(width=200, record=True, file=io.StringIO())
         console.print(render("p", QueryProgress(), stats, [], "leader"))
@@ -162,3 +170,45 @@ def test_live_view_shows_bad_record_counts_only_when_there_are_some() -> None:
     assert "bad records" not in shown(PublishStats(batches=1, records=10))
     text = shown(PublishStats(batches=2, records=10, skipped=3, dead_lettered=1_500))
     assert "bad records: 3 skipped, 1,500 dead-lettered" in text
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed again when the block ends
+
+
+def test_progress_counts_live_rows_of_a_cdc_table(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 24 item 1: the progress log line, its ``rows`` field and the live view count
+    records minus deleted rows, not every row of the data files."""
+    sqlite_catalog = make_sqlite_catalog(tmp_path)
+    sqlite_catalog.create_namespace("db")
+    sqlite_catalog.create_table("db.cdc", KEYED_ROWS_SCHEMA)
+    config = config_from_dict(
+        {
+            "name": "p",
+            "source": {"bootstrap_servers": f"127.0.0.1:{closed_port()}", "topics": ["t"]},
+            "tables": [{"name": "db.cdc"}],
+        }
+    )
+    commit_changes(sqlite_catalog, "p", "db.cdc", upserts=range(10))
+    monitor, progress = Monitor(config, sqlite_catalog), ProgressLog("p")
+    progress.tables(monitor.tables(), PublishStats())  # the first read logs nothing
+    commit_changes(sqlite_catalog, "p", "db.cdc", upserts=[3, 5, 20], batch_seq=1)
+    commit_changes(sqlite_catalog, "p", "db.cdc", deletes=[7], batch_seq=2)
+    assert len(table_ids(sqlite_catalog, "db.cdc")) == 10  # pyiceberg's scan applies deletes
+
+    with caplog.at_level(logging.INFO, logger="icefloe.progress"):
+        tables = monitor.tables()
+        progress.tables(tables, PublishStats())
+    monitor.close()
+
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "table_commit"]
+    assert "10 rows (3 deleted)" in record.getMessage(), record.getMessage()
+    assert (getattr(record, "rows", None), getattr(record, "deleted_rows", None)) == (10, 3)
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render("p", QueryProgress(), PublishStats(), tables, "leader"))
+    (row,) = [line for line in console.export_text().splitlines() if "db.cdc" in line]
+    assert row.split()[1:3] == ["10", "(3"], row

@@ -186,6 +186,58 @@ def new_summary(
     return summary
 
 
+@dataclass(frozen=True)
+class RowCounts:
+    """The rows a snapshot holds, from its summary (no scan): Iceberg's ``total-records``
+    counts every row of the data files, deleted ones included, so an upsert/CDC table would
+    look several times its size. A position delete removes exactly one row (the committer
+    never deletes a row twice), so records minus position deletes is exact; an equality delete
+    removes any number of rows, so with any the live count is only an upper bound."""
+
+    records: int  # rows in the data files (``total-records``)
+    position_deletes: int  # ``total-position-deletes``
+    equality_deletes: int  # ``total-equality-deletes``: rows they remove are unknown
+
+    @classmethod
+    def of(cls, summary: Mapping[str, str | None]) -> RowCounts | None:
+        """The counts a snapshot summary records; None when it records no total."""
+        records = summary.get("total-records")
+        if records is None:
+            return None
+        return cls(
+            int(records),
+            int(summary.get("total-position-deletes") or 0),
+            int(summary.get("total-equality-deletes") or 0),
+        )
+
+    @property
+    def live(self) -> int:
+        """Rows a reader sees (an upper bound unless :attr:`exact`)."""
+        return max(0, self.records - self.position_deletes)
+
+    @property
+    def deleted(self) -> int:
+        """Rows of the data files that position deletes remove."""
+        return self.records - self.live
+
+    @property
+    def exact(self) -> bool:
+        return self.equality_deletes == 0
+
+    def describe(self) -> str:
+        return describe_rows(self.live, self.deleted, self.exact)
+
+
+def describe_rows(live: int, deleted: int | None, exact: bool = True) -> str:
+    """``1,668 rows (2,900 deleted)``, the deletes only when there are any; what status, the
+    progress log and the live view say of a table's rows (:class:`RowCounts`)."""
+    text = f"{live:,} rows" if exact else f"at most {live:,} rows"
+    notes = [f"{deleted:,} deleted"] if deleted else []
+    if not exact:
+        notes.append("equality deletes not counted")
+    return text + (f" ({', '.join(notes)})" if notes else "")
+
+
 def compact_json(value: Any) -> str:
     """``value`` as summary values and table properties store JSON (sorted, no spaces)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"))

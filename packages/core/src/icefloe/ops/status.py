@@ -3,7 +3,8 @@ without taking part (nothing is joined, fenced or renewed).
 
 Per table the pipeline commits to (``[[tables]]``, the dead-letter table, dynamic tables:
 :func:`icefloe.ops.tables.pipeline_tables`, with the tables batches on the channel name): the
-last icefloe commit (time, rows it added, total rows, snapshot), source lag
+last icefloe commit (time, rows it added, live rows with the deleted ones apart, snapshot),
+source lag
 (from plugins that know the source, through the ``icefloe_source_lag`` hook), quarantined
 files and dead-lettered records. A table is **stuck** when the source holds records the table
 has not committed and no commit came for longer than a few commit cycles, or when its commits
@@ -42,7 +43,9 @@ class TableStatus:
     snapshot_id: int | None = None
     committed_at_ms: int | None = None
     commit_rows: int | None = None  # rows added by the last icefloe commit
-    rows: int | None = None  # total rows in that snapshot
+    rows: int | None = None  # live rows in that snapshot: records minus deleted rows
+    deleted_rows: int | None = None  # rows of its data files that position deletes remove
+    rows_exact: bool = True  # False with equality deletes: ``rows`` is then an upper bound
     source_lag: int | None = None
     pending_files: int | None = None  # announced on the channel, not covered by a commit
     pending_bytes: int | None = None
@@ -95,6 +98,7 @@ def table_status(
 ) -> TableStatus:
     """What the newest snapshot of this pipeline on the branch says, and whether it is stuck."""
     from icefloe.commit.committer import IcebergCommitter
+    from icefloe.commit.summary import RowCounts
 
     if not catalog.table_exists(name):
         return TableStatus(name, False, stuck=True, reason="the table does not exist")
@@ -104,6 +108,7 @@ def table_status(
     table = catalog.load_table(name)
     snap = table.snapshot_by_id(state.snapshot_id) if state else None
     summary = snap.summary.additional_properties if snap and snap.summary else {}
+    counts = RowCounts.of(summary)
     at = snap.timestamp_ms if snap else None
     quiet_s = None if at is None else (now_ms - at) / 1000
     stuck = bool(lag) and (quiet_s is None or quiet_s > stuck_after_s(config))
@@ -123,7 +128,9 @@ def table_status(
         snapshot_id=state.snapshot_id if state else None,
         committed_at_ms=at,
         commit_rows=_int(summary.get("added-records")),
-        rows=_int(summary.get("total-records")),
+        rows=None if counts is None else counts.live,
+        deleted_rows=None if counts is None else counts.deleted,
+        rows_exact=counts is None or counts.exact,
         source_lag=lag,
         quarantined_files=_quarantined(
             catalog, config.name, name, config.coordination.quarantine_table
@@ -210,6 +217,13 @@ def _with_pending(
         pending_files=len(pending),
         pending_bytes=sum(f.meta.file_size_in_bytes for f in pending.values()),
     )
+
+
+def _rows(t: TableStatus) -> str:
+    """Live rows, with the deleted ones apart."""
+    from icefloe.commit.summary import describe_rows
+
+    return "- rows" if t.rows is None else describe_rows(t.rows, t.deleted_rows, t.rows_exact)
 
 
 def _int(raw: Any) -> int | None:
@@ -339,7 +353,7 @@ def render_lines(status: PipelineStatus) -> list[str]:
         on = "" if t.branch == "main" else f" (branch {t.branch})"
         line = (
             f"  table {t.name}{on}: last commit {ago} (+{t.commit_rows or 0} rows, snapshot "
-            f"{t.snapshot_id or '-'}), {t.rows if t.rows is not None else '-'} rows, "
+            f"{t.snapshot_id or '-'}), {_rows(t)}, "
             f"lag {lag}, pending files {pending}, quarantined files {quarantined}"
         )
         out.append(line + (f"  STUCK: {t.reason}" if t.stuck else ""))

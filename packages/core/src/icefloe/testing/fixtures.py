@@ -49,6 +49,14 @@ _ROWS_ARROW = pa.schema(
     ]
 )
 
+#: :data:`ROWS_SCHEMA` keyed by ``id``: an upsert/CDC table (see :func:`commit_changes`).
+KEYED_ROWS_SCHEMA = Schema(
+    NestedField(1, "id", LongType(), required=True),
+    NestedField(2, "writer", StringType(), required=False),
+    NestedField(3, "batch_seq", LongType(), required=False),
+    identifier_field_ids=[1],
+)
+
 #: The end-to-end tests' table for JSON source records ``{"id", "name", "kind"}``; partitioned,
 #: so a batch writes several files per table as real pipelines do.
 EVENTS_SCHEMA = Schema(
@@ -106,6 +114,35 @@ def write_rows(
     named for pipeline ``group_id`` as its writers name them (untagged without one)."""
     write_uuid = None if group_id is None else group_write_uuid(group_id)
     return write_data_files(table, rows_table(ids, writer, batch_seq), write_uuid)
+
+
+def commit_changes(
+    catalog: Catalog,
+    group_id: str,
+    name: str,
+    upserts: Iterable[int] = (),
+    deletes: Iterable[int] = (),
+    batch_seq: int = 0,
+) -> None:
+    """Commit one upsert/CDC batch of pipeline ``group_id`` into a :data:`KEYED_ROWS_SCHEMA`
+    table as the coordinator would: rows for ``upserts``, keys for both, so the committer
+    writes position deletes for the rows they replace or delete."""
+    from pyiceberg.io.pyarrow import schema_to_pyarrow
+
+    from icefloe.commit.committer import IcebergCommitter
+    from icefloe.commit.request import PendingFile, TableCommitRequest
+    from icefloe.records.datafiles import write_key_files
+
+    table = catalog.load_table(name)
+    rows = rows_table(upserts, "w", batch_seq)
+    keys = pa.concat_arrays([rows["id"].combine_chunks(), pa.array(list(deletes), pa.int64())])
+    arrow = rows.cast(schema_to_pyarrow(table.schema()))
+    metas = write_data_files(table, arrow, group_write_uuid(group_id)) if rows.num_rows else []
+    metas += write_key_files(table, pa.table({"id": keys}), group_write_uuid(group_id))
+    uid = str(table.metadata.table_uuid)
+    files = tuple(PendingFile(m, "w", batch_seq, "0", batch_seq, uid) for m in metas)
+    request = TableCommitRequest(name, f"c-{batch_seq}", files, {"0": batch_seq + 1}, {}, 1)
+    IcebergCommitter(catalog, group_id).commit(request)
 
 
 def table_ids(catalog: Catalog, name: str, branch: str = "main") -> list[int]:

@@ -23,6 +23,7 @@ from rich.text import Text
 
 from icefloe import metrics
 from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.summary import RowCounts, describe_rows
 from icefloe.config import PipelineConfig
 from icefloe_spark.kafka.admin import end_offsets
 from icefloe_spark.sink.publish import PublishStats
@@ -37,8 +38,10 @@ class TableProgress:
     name: str
     snapshot_id: int | None
     committed_at_ms: int | None
-    records: int | None  # total-records of the current snapshot
+    records: int | None  # live rows of the current snapshot: records minus deleted rows
     lag: int | None  # source records not yet committed to this table (None: unknown)
+    deleted: int | None = None  # rows of its data files that position deletes remove
+    exact: bool = True  # False with equality deletes: ``records`` is then an upper bound
 
 
 @dataclass(frozen=True)
@@ -147,10 +150,9 @@ class Monitor:
                 out.append(TableProgress(t.name, None, None, None, None))
                 continue
             snap = table.snapshot_by_id(state.snapshot_id) if state else None
-            records = None
+            counts = None
             if snap is not None and snap.summary is not None:
-                raw = snap.summary.additional_properties.get("total-records")
-                records = int(raw) if raw is not None else None
+                counts = RowCounts.of(snap.summary.additional_properties)
             behind = None
             if marks is not None:
                 parts = lag_by_partition(marks[0], state.source_offsets if state else {}, marks[1])
@@ -162,8 +164,10 @@ class Monitor:
                     t.name,
                     state.snapshot_id if state else None,
                     snap.timestamp_ms if snap else None,
-                    records,
+                    None if counts is None else counts.live,
                     behind,
+                    None if counts is None else counts.deleted,
+                    counts is None or counts.exact,
                 )
             )
         return out
@@ -178,6 +182,13 @@ def _ago(ms: int | None, now: float) -> str:
     if ms is None:
         return "never"
     return f"{max(0.0, now - ms / 1000):.0f}s ago"
+
+
+def _rows(t: TableProgress) -> str:
+    """The live view's rows column: live rows, the deleted ones apart (``10 (3 deleted)``)."""
+    if t.records is None:
+        return "-"
+    return describe_rows(t.records, t.deleted, t.exact).replace(" rows", "", 1)
 
 
 def _bad_records(stats: PublishStats) -> Text:
@@ -235,7 +246,7 @@ def render(
     for t in tables:
         grid.add_row(
             t.name,
-            "-" if t.records is None else f"{t.records:,}",
+            _rows(t),
             "-" if t.snapshot_id is None else str(t.snapshot_id),
             _ago(t.committed_at_ms, now),
             "?" if t.lag is None else f"{t.lag:,}",
@@ -263,10 +274,10 @@ class ProgressLog:
             if self._first or t.snapshot_id is None or t.snapshot_id == before:
                 continue
             self.log.info(
-                "table %s committed: snapshot %s, %s rows, lag %s",
+                "table %s committed: snapshot %s, %s, lag %s",
                 t.name,
                 t.snapshot_id,
-                t.records,
+                "- rows" if t.records is None else describe_rows(t.records, t.deleted, t.exact),
                 "?" if t.lag is None else t.lag,
                 extra={
                     "event": "table_commit",
@@ -274,6 +285,8 @@ class ProgressLog:
                     "table": t.name,
                     "snapshot_id": t.snapshot_id,
                     "rows": t.records,
+                    "deleted_rows": t.deleted,
+                    "rows_exact": t.exact,
                     "lag": t.lag,
                 },
             )
