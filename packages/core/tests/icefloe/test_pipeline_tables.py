@@ -8,6 +8,7 @@ fresh in-process reference channel. Rows are counted with pyiceberg scans."""
 
 from __future__ import annotations
 
+import tomllib
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -151,6 +152,32 @@ def test_drain_marks_dead_letter_and_dynamic_tables_so_a_swap_goes_on(stopped: S
         assert_exactly_once(catalog, table, stopped.expected(table))
         props = catalog.load_table(table).metadata.properties  # the drain's mark stays
         assert props.get(drained_property(GROUP)) == stopped.channel_id, table
+
+
+def test_doctor_fails_an_undrained_swap_as_run_would(stopped: Stopped, tmp_path: Path) -> None:
+    """Issue 24 item 3: doctor checks every table's channel identity, the property `run`
+    refuses on (ChannelChangedError), and names the drain; after the drain it passes."""
+    with serve_memory_server() as (_, address):
+        config = tomllib.loads(stopped.path.read_text())
+        config["coordination"]["memory"] = dict(memory_backend_options(address))
+        swapped = tmp_path / "swapped.toml"
+        swapped.write_text(tomli_w.dumps(config))
+
+        refused = CliRunner().invoke(app, ["doctor", "--config", str(swapped)])
+        assert refused.exit_code == 1, refused.output
+        failed = [line for line in refused.output.splitlines() if line.startswith("fail")]
+        assert sorted(line.split(":")[0] for line in failed) == sorted(
+            f"fail table {t} channel" for t in (LISTED, BAD, DYNAMIC)
+        ), refused.output
+        for line in failed:
+            assert "drain the old backend first" in line, line
+            assert "icefloe drain --config" in line, line
+            assert stopped.channel_id in line, line
+
+        drained = CliRunner().invoke(app, ["drain", "--config", str(stopped.path)])
+        assert drained.exit_code == 0, drained.output
+        passed = CliRunner().invoke(app, ["doctor", "--config", str(swapped)])
+        assert passed.exit_code == 0, passed.output  # the drained channel is no longer named
 
 
 def test_status_and_maintain_cover_dead_letter_and_dynamic_tables(stopped: Stopped) -> None:

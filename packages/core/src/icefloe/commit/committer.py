@@ -541,8 +541,8 @@ class IcebergCommitter:
             raise ChannelChangedError(
                 f"table '{table_name(table)}': pipeline '{self._group_id}' last committed "
                 f"through channel {recorded}, now it reads channel {channel_id}. Batches "
-                "published to the old channel and not yet committed would be lost. Run "
-                "`icefloe drain --config <old config>` against the old backend first (see "
+                "published to the old channel and not yet committed would be lost: drain the "
+                "old backend first, `icefloe drain --config <old config>` (see "
                 "docs/operations.md, swapping the backend); if the old channel is gone for "
                 "good, set the table property "
                 f"{drained_property(self._group_id)}={recorded} to accept that loss"

@@ -130,6 +130,51 @@ def catalog_checks(config: PipelineConfig) -> list[Check]:
                     "does not exist; create it (or set auto_create = true)",
                 )
             )
+    return out + channel_checks(config, catalog)
+
+
+def channel_checks(config: PipelineConfig, catalog: Any) -> list[Check]:
+    """Every table's last commit came through the configured backend's channel or a drained
+    one: the property ``run`` refuses on (:class:`icefloe.errors.ChannelChangedError`, after
+    Spark started and a batch was published), so doctor fails where run would. The backend is
+    opened only when a table records a channel that was not drained."""
+    import uuid
+
+    from icefloe.commit.committer import IcebergCommitter
+    from icefloe.commit.summary import drained_property
+    from icefloe.errors import ChannelIdentityError
+    from icefloe.ops.tables import pipeline_tables
+    from icefloe.plugins.backends import open_backend
+
+    try:
+        committer = IcebergCommitter.for_pipeline(catalog, config)
+        recorded: list[str] = []
+        for name in pipeline_tables(catalog, config):
+            state = committer.state(name) if catalog.table_exists(name) else None
+            channel = None if state is None else state.boundary.channel_id
+            drained = catalog.load_table(name).properties.get(drained_property(config.name))
+            if channel is not None and channel != drained:
+                recorded.append(name)
+        if not recorded:
+            return []
+        backend = open_backend(config)
+        try:
+            reader = backend.coordinator(f"doctor-{uuid.uuid4().hex[:8]}")
+            try:
+                channel_id = reader.channel_id()
+            finally:
+                reader.close()
+        finally:
+            backend.close()
+    except Exception as exc:
+        return [Check("channel identity", "fail", cause_of(exc))]
+    out = []
+    for name in recorded:
+        try:
+            committer.boundary(name, channel_id)
+            out.append(Check(f"table {name} channel", "ok", "last committed through this one"))
+        except ChannelIdentityError as exc:
+            out.append(Check(f"table {name} channel", "fail", cause_of(exc)))
     return out
 
 
