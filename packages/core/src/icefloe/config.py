@@ -15,9 +15,11 @@ chosen at run time.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -528,6 +530,38 @@ def _problem(err: ErrorDetails) -> str:
     return str(err["msg"])
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models an annotation holds (``X``, ``X | None``, ``list[X]``, ``dict[str, X]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _keys_at(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
+    """The keys the table at ``loc`` (a validation error's location without its last part)
+    takes, walking the models from ``model``; empty when it is not a model's table."""
+    models = [model]
+    for part in loc:
+        if isinstance(part, int) or _UNION_TAG.match(part):
+            continue  # a list item, or the union member pydantic names
+        models = [
+            m
+            for model_ in models
+            if part in model_.model_fields
+            for m in _models_in(model_.model_fields[part].annotation)
+        ]
+    return sorted({key for m in models for key in m.model_fields})
+
+
+def _did_you_mean(err: ErrorDetails, model: type[BaseModel] | None) -> str:
+    """``did you mean 'x'? `` for an unknown key that resembles a known one, else empty."""
+    if model is None or not err["loc"]:
+        return ""
+    *parent, key = err["loc"]
+    close = difflib.get_close_matches(str(key), _keys_at(model, parent), n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'? " if close else ""
+
+
 def _is_unknown_backend_key(err: ErrorDetails, prefix: str) -> bool:
     loc = err["loc"]
     return (
@@ -539,9 +573,15 @@ def _is_unknown_backend_key(err: ErrorDetails, prefix: str) -> bool:
     )
 
 
-def config_error_from(exc: ValidationError, prefix: str = "") -> ConfigError:
+def config_error_from(
+    exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None
+) -> ConfigError:
     """Turn pydantic's error list into one ConfigError naming the first bad key (all keys are
-    listed in the message). Bad values under secret-looking keys are masked."""
+    listed in the message). Bad values under secret-looking keys are masked. An unknown key
+    that resembles one of ``model`` (the pipeline's, unless ``prefix`` names another table)
+    gets "did you mean"."""
+    if model is None and not prefix:
+        model = PipelineConfig
     errs = exc.errors()
     lines = [f"{_loc_key(e['loc'], prefix)}: {_problem(e)}" for e in errs]
     first = errs[0]
@@ -550,8 +590,11 @@ def config_error_from(exc: ValidationError, prefix: str = "") -> ConfigError:
     if _is_unknown_backend_key(first, prefix):
         problem = "unknown key"
         fix = f"{_UNKNOWN_KEY_FIX}; a backend's own settings go in a table [coordination.<backend>]"
+        fix = _did_you_mean(first, model) + fix
     else:
         problem, fix = _problem(first), _fix_for(first)
+        if first["type"] == "extra_forbidden":
+            fix = _did_you_mean(first, model) + fix
     err = ConfigError(key, problem, fix, value)
     if len(errs) > 1:
         err.args = (str(err) + "\nAll problems:\n  " + "\n  ".join(lines),)

@@ -57,17 +57,23 @@ class UnknownBackendError(PluginError):
         candidates = sorted(set(installed) | set(KNOWN_BACKEND_PACKAGES))
         close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
         where = f" (set by {source})" if source else ""
-        hints: list[str] = []
-        if close and close[0] != name:
-            hints.append(f"did you mean '{close[0]}'?")
+        guess = f"; did you mean '{close[0]}'?" if close and close[0] != name else "."
         target = name if name in KNOWN_BACKEND_PACKAGES else (close[0] if close else None)
         if target in KNOWN_BACKEND_PACKAGES and target not in installed:
-            hints.append(f"install it with `pip install {KNOWN_BACKEND_PACKAGES[target]}`")
-        hints.append("or set coordination.backend to one of the installed backends")
+            install = f"install it with `pip install {KNOWN_BACKEND_PACKAGES[target]}`"
+        elif close:
+            install = ""  # a misspelling of an installed backend: the guess is the fix
+        else:
+            install = (
+                f"install the package that registers backend '{name}' (an icefloe plugin; "
+                "`icefloe backends` lists what is installed)"
+            )
+        fixes = [install] if install else []
+        if installed:
+            fixes.append(f"set coordination.backend to one of: {listing}")
         super().__init__(
-            f"coordination backend '{name}'{where} is not installed (installed: {listing}). "
-            + "; ".join(hints)
-            + "."
+            f"coordination backend '{name}'{where} is not installed (installed: {listing})"
+            f"{guess} Fix: " + " or ".join(fixes)
         )
 
 

@@ -286,6 +286,31 @@ def test_misspelt_coordination_key_is_not_taken_for_a_backend_section() -> None:
     assert "[coordination.<backend>]" in err.fix
 
 
+@pytest.mark.parametrize(
+    ("data", "key", "meant"),
+    [
+        ({"source": {"topics": ["t"], "bootstrap_server": "x"}}, "source", "bootstrap_servers"),
+        ({"tables": [{"name": "db.t", "auto_creat": True}]}, "tables.0", "auto_create"),
+        ({"coordination": {"comit_interval_s": 3}}, "coordination", "commit_interval_s"),
+        ({"catalogue": {}}, "", "catalog"),
+    ],
+)
+def test_misspelt_key_gets_did_you_mean(data: dict[str, Any], key: str, meant: str) -> None:
+    """Issue 24 item 7: a misspelt key names the key it resembles, as reader options do."""
+    err = _error({**MINIMAL, **data})
+    assert err.fix.startswith(f"did you mean '{meant}'?"), err
+    assert err.key.rpartition(".")[0] == key, err
+
+
+def test_misspelt_backend_key_gets_did_you_mean(memory_plugins: plugins_module.Plugins) -> None:
+    options = {"port": 1, "authkey": "ab", "hots": "h"}
+    cfg = config_from_dict({**MINIMAL, "coordination": {"backend": "memory", "memory": options}})
+    with pytest.raises(ConfigError) as info:
+        backend_config(cfg, memory_plugins)
+    assert info.value.key == "coordination.memory.hots"
+    assert info.value.fix.startswith("did you mean 'host'?"), info.value
+
+
 def test_bad_literal_lists_the_allowed_values() -> None:
     err = _error({**MINIMAL, "source": {"topics": ["t"], "kind": "pulsar"}})
     assert err.key == "source.kind"

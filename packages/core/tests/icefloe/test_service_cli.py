@@ -80,13 +80,18 @@ def subprocess_help(command: str) -> str:
     return out.stdout
 
 
+def _unknown_backend(name: str, plugins: plugins_module.Plugins) -> str:
+    """The message of the error ``coordination.backend = name`` gets."""
+    cfg = config_from_dict({**BASE, "coordination": {"backend": name}})
+    with pytest.raises(UnknownBackendError) as info:
+        backend_config(cfg, plugins)
+    return str(info.value)
+
+
 def test_misspelt_backend_suggests_the_known_one_never_an_invented_package(
     memory_plugins: plugins_module.Plugins,
 ) -> None:
-    cfg = config_from_dict({**BASE, "coordination": {"backend": "postgress"}})
-    with pytest.raises(UnknownBackendError) as info:
-        backend_config(cfg, memory_plugins)
-    text = str(info.value)
+    text = _unknown_backend("postgress", memory_plugins)
     assert "did you mean 'postgres'?" in text
     assert "pip install icefloe-backend-postgres`" in text
     assert "icefloe-backend-postgress" not in text
@@ -95,11 +100,20 @@ def test_misspelt_backend_suggests_the_known_one_never_an_invented_package(
 def test_unknown_backend_resembling_nothing_suggests_no_package(
     memory_plugins: plugins_module.Plugins,
 ) -> None:
-    cfg = config_from_dict({**BASE, "coordination": {"backend": "zookeeper"}})
-    with pytest.raises(UnknownBackendError) as info:
-        backend_config(cfg, memory_plugins)
-    assert "pip install" not in str(info.value)
-    assert "did you mean" not in str(info.value)
+    text = _unknown_backend("zookeeper", memory_plugins)
+    assert "pip install" not in text
+    assert "did you mean" not in text
+
+
+def test_unknown_backend_is_one_clear_sentence_naming_what_to_install(
+    memory_plugins: plugins_module.Plugins,
+) -> None:
+    """Issue 24 item 7: the message read ``(installed: memory). or set ...``."""
+    assert _unknown_backend("nats", memory_plugins) == (
+        "coordination backend 'nats' is not installed (installed: memory). Fix: install the "
+        "package that registers backend 'nats' (an icefloe plugin; `icefloe backends` lists "
+        "what is installed) or set coordination.backend to one of: memory"
+    )
 
 
 def test_misspelt_installed_backend_suggests_it(memory_plugins: plugins_module.Plugins) -> None:

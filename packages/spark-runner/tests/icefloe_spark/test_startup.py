@@ -8,11 +8,14 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from icefloe.config import PipelineConfig, config_from_dict
+from icefloe.errors import UnknownBackendError
+from icefloe.testing.cli import write_config
 from icefloe_spark.cli import console as cli
 from icefloe_spark.cli.progress import TableProgress
 from icefloe_spark.runtime import jvm
@@ -183,3 +186,26 @@ def test_fork_handlers_the_runner_registers_exist_before_the_early_launch_forks(
         [sys.executable, "-c", EARLY_LAUNCH_PROBE], capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["False", "[True]"], out.stdout + out.stderr
+
+
+def test_run_refuses_an_unknown_backend_before_launching_the_jvm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24 item 7: `coordination.backend = "nats"` failed only once the JVM was up."""
+    from icefloe_spark.cli import commands
+
+    def launched(*_: object) -> None:
+        raise AssertionError("the JVM was launched before the backend was checked")
+
+    monkeypatch.setattr(jvm, "launch_early", launched)
+    path = write_config(
+        tmp_path / "p.toml",
+        {
+            "name": "p",
+            "source": {"topics": ["t"]},
+            "tables": [{"name": "db.t"}],
+            "coordination": {"backend": "nats"},
+        },
+    )
+    with pytest.raises(UnknownBackendError, match="coordination backend 'nats' is not installed"):
+        commands.run(config=path)

@@ -130,7 +130,9 @@ def _validated(spec: BackendSpec, config: PipelineConfig) -> BaseModel:
     try:
         return spec.config_model.model_validate(config.coordination.backend_options())
     except ValidationError as exc:
-        raise config_error_from(exc, prefix=f"coordination.{spec.name}.") from None
+        raise config_error_from(
+            exc, prefix=f"coordination.{spec.name}.", model=spec.config_model
+        ) from None
 
 
 def backend_config(config: PipelineConfig, plugins: Plugins | None = None) -> BaseModel:

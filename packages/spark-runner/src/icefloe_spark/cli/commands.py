@@ -85,6 +85,10 @@ def run(
     from icefloe_spark.kafka.options import check_reader_options
 
     check_reader_options(extra, "--source-option")
+    # a backend that is not installed or misconfigured fails now, not once the JVM is up
+    from icefloe.plugins.backends import backend_config
+
+    backend_config(cfg)
     # the JVM is the longest step before the first batch: launch it before importing the rest
     from icefloe_spark.runtime import jvm
 
