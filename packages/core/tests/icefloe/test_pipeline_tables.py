@@ -178,6 +178,10 @@ def test_doctor_fails_an_undrained_swap_as_run_would(stopped: Stopped, tmp_path:
         assert drained.exit_code == 0, drained.output
         passed = CliRunner().invoke(app, ["doctor", "--config", str(swapped)])
         assert passed.exit_code == 0, passed.output  # the drained channel is no longer named
+        stopped.catalog.drop_table(LISTED)  # a missing table has no channel to check
+        missing = CliRunner().invoke(app, ["doctor", "--config", str(swapped)])
+        failed = [line for line in missing.output.splitlines() if line.startswith("fail")]
+        assert [line.split(":")[0] for line in failed] == [f"fail table {LISTED}"], missing.output
 
 
 def test_status_and_maintain_cover_dead_letter_and_dynamic_tables(stopped: Stopped) -> None:

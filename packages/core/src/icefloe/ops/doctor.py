@@ -150,7 +150,9 @@ def channel_checks(config: PipelineConfig, catalog: Any) -> list[Check]:
         committer = IcebergCommitter.for_pipeline(catalog, config)
         recorded: list[str] = []
         for name in pipeline_tables(catalog, config):
-            state = committer.state(name) if catalog.table_exists(name) else None
+            if not catalog.table_exists(name):
+                continue  # nothing committed yet (its own line says whether that is fine)
+            state = committer.state(name)
             channel = None if state is None else state.boundary.channel_id
             drained = catalog.load_table(name).properties.get(drained_property(config.name))
             if channel is not None and channel != drained:
