@@ -29,7 +29,13 @@ PROBE_TIMEOUT_S = 5.0
 class KafkaBackend(Backend):
     """The default coordination backend: a control topic on a Kafka cluster."""
 
-    def __init__(self, config: KafkaBackendConfig, group_id: str, lease_ttl_s: float = 10.0):
+    def __init__(
+        self,
+        config: KafkaBackendConfig,
+        group_id: str,
+        lease_ttl_s: float = 10.0,
+        source_servers: str | None = None,
+    ):
         beat = config.heartbeat_interval_s
         if beat is not None and beat * 2 > lease_ttl_s:
             # a standby takes over after one TTL without a heartbeat: leave room for one miss
@@ -42,14 +48,14 @@ class KafkaBackend(Backend):
         self.config = config
         self.group_id = group_id
         self.lease_ttl_s = lease_ttl_s
-        self.clients = KafkaClients(config, group_id)
+        self.clients = KafkaClients(config, group_id, source_servers)
         # one broadcast consumer for all writers of this backend (process)
         self.broadcasts = BroadcastReader(self.clients)
 
     def __repr__(self) -> str:  # the config's kafka settings may hold secrets: never shown
         return (
             f"KafkaBackend(group_id={self.group_id!r}, "
-            f"bootstrap_servers={self.config.bootstrap_servers!r}, "
+            f"bootstrap_servers={self.clients.servers!r}, "
             f"control_topic={self.config.control_topic!r})"
         )
 

@@ -23,7 +23,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]  # stubs
 
 from icefloe.errors import ChannelError
-from icefloe_kafka.config import KafkaBackendConfig
+from icefloe_kafka.config import DEFAULT_BOOTSTRAP_SERVERS, SECTION, KafkaBackendConfig
 from icefloe_kafka.errors import TopicMissingError
 
 log = logging.getLogger(__name__)
@@ -120,9 +120,18 @@ class KafkaClients:
     """Every client of one backend is built here, from one config, so the pass-through
     settings reach all of them and the reserved ones cannot be overridden."""
 
-    def __init__(self, config: KafkaBackendConfig, group_id: str) -> None:
+    def __init__(
+        self, config: KafkaBackendConfig, group_id: str, source_servers: str | None = None
+    ) -> None:
         self.config = config
         self.group_id = group_id
+        #: the cluster holding the topics: the section's servers, else the source's
+        self.servers = config.bootstrap_servers or source_servers or DEFAULT_BOOTSTRAP_SERVERS
+        self._servers_from = (
+            f"{SECTION}.bootstrap_servers"
+            if config.bootstrap_servers or not source_servers
+            else f"source.bootstrap_servers, as {SECTION}.bootstrap_servers is not set"
+        )
         self._admin: AdminClient | None = None
         self._lock = threading.Lock()
         self._topics_ready = False
@@ -143,7 +152,7 @@ class KafkaClients:
 
     def _base(self, role: str) -> dict[str, Any]:
         conf: dict[str, Any] = {
-            "bootstrap.servers": self.config.bootstrap_servers,
+            "bootstrap.servers": self.servers,
             "client.id": f"icefloe-{self.group_id}-{role}",
             "logger": _client_log,
         }
@@ -307,8 +316,12 @@ class KafkaClients:
             wait = self.timeout if timeout_s is None else timeout_s
             return dict(self.admin().list_topics(timeout=wait).topics)
         except KafkaException as exc:
-            where = f"cannot reach the Kafka cluster at {self.config.bootstrap_servers}"
-            raise self.admin_failed(where, exc) from exc
+            where = f"cannot reach the Kafka cluster at {self.servers} ({self._servers_from})"
+            failed = self.admin_failed(where, exc)  # names a refused SASL/TLS handshake too
+            raise ChannelError(  # Kafka's error once: no chained copy of it
+                f"{failed}. Fix: start it, or set {SECTION}.bootstrap_servers to the cluster "
+                "that holds the control topic"
+            ) from None
 
     def wanted_topics(self) -> list[NewTopic]:
         c = self.config

@@ -31,6 +31,8 @@ RESERVED_CLIENT_KEYS: dict[str, str] = {
 }
 
 DAY_MS = 86_400_000
+#: the servers of a backend built without a pipeline (no ``source.bootstrap_servers``)
+DEFAULT_BOOTSTRAP_SERVERS = "127.0.0.1:9092"
 
 
 def is_secret_client_key(key: str) -> bool:
@@ -45,8 +47,11 @@ class KafkaBackendConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bootstrap_servers: str = Field(
-        default="127.0.0.1:9092", min_length=1, description="Kafka bootstrap servers"
+    bootstrap_servers: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Kafka bootstrap servers of the cluster holding the control topic "
+        "(default: the pipeline's source.bootstrap_servers)",
     )
     control_topic: str = Field(
         default="icefloe-control",

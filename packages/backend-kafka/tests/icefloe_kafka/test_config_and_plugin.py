@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from icefloe.config import config_from_dict, redacted_dict
 from icefloe.errors import ChannelError, ConfigError
 from icefloe.plugins.backends import backend_config, open_backend
 from icefloe.plugins.manager import new_plugins
+from icefloe.testing.cli import failed_check, write_config
 from icefloe_kafka import KafkaBackend, KafkaBackendConfig
 from icefloe_kafka.embedded import EmbeddedKafkaBroker, free_port
 
@@ -46,6 +48,42 @@ def test_kafka_is_the_default_backend_and_comes_from_the_entry_point(
         assert backend.lease_ttl_s == config.coordination.lease_ttl_s
     finally:
         backend.close()
+
+
+def test_the_broker_defaults_to_the_sources_servers() -> None:
+    """Issue 24 item 4: without [coordination.kafka] bootstrap_servers the backend silently
+    used 127.0.0.1:9092, not the cluster the pipeline reads."""
+    data = pipeline({})
+    data["source"] = {**data["source"], "bootstrap_servers": "source-a:9093,source-b:9093"}
+    backend = open_backend(config_from_dict(data), new_plugins(autoload=True))
+    try:
+        assert isinstance(backend, KafkaBackend)
+        assert backend.clients.servers == "source-a:9093,source-b:9093"
+    finally:
+        backend.close()
+    data["coordination"] = {"kafka": {"bootstrap_servers": "control:9092"}}
+    backend = open_backend(config_from_dict(data), new_plugins(autoload=True))
+    try:
+        assert isinstance(backend, KafkaBackend)
+        assert backend.clients.servers == "control:9092"  # set explicitly: it wins
+    finally:
+        backend.close()
+
+
+def test_doctor_line_for_an_unreachable_broker_names_the_key_and_the_error_once(
+    tmp_path: Path,
+) -> None:
+    """The broker followed the source's servers by default; when it is down, doctor says
+    which key to set and prints Kafka's error once (it was printed twice)."""
+    port = free_port()  # nothing listens there
+    data = pipeline({})
+    data["source"] = {**data["source"], "bootstrap_servers": f"127.0.0.1:{port}"}
+    data["catalog"] = {"name": "c", "properties": {"type": "sql", "uri": "sqlite://"}}
+    line = failed_check(write_config(tmp_path / "p.toml", data), "backend kafka server")
+    assert f"cannot reach the Kafka cluster at 127.0.0.1:{port}" in line, line
+    assert "coordination.kafka.bootstrap_servers" in line, line
+    assert "source.bootstrap_servers" in line, line
+    assert line.count("Broker transport failure") == 1, line
 
 
 def test_wrong_keys_name_the_key_and_the_fix() -> None:

@@ -35,6 +35,9 @@ class BackendContext:
     #: absolute directory of the pipeline file (``config_dir``), None for a config built in
     #: code; resolve relative paths of the backend's section with :meth:`resolve`
     config_dir: Path | None = None
+    #: the pipeline's ``source.bootstrap_servers``: a Kafka-protocol backend defaults to them
+    #: (the control topic lives on the cluster the pipeline reads unless configured otherwise)
+    source_bootstrap_servers: str | None = None
 
     def resolve(self, path: str | Path) -> Path:
         """``path`` made absolute against :attr:`config_dir` (the working directory when

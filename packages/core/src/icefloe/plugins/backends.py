@@ -148,5 +148,6 @@ def open_backend(config: PipelineConfig, plugins: Plugins | None = None) -> Back
         group_id=config.name,
         lease_ttl_s=config.coordination.lease_ttl_s,
         config_dir=Path(config.config_dir) if config.config_dir else None,
+        source_bootstrap_servers=config.source.bootstrap_servers,
     )
     return spec.factory(_validated(spec, config), context)
