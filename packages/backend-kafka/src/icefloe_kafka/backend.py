@@ -34,7 +34,8 @@ class KafkaBackend(Backend):
         config: KafkaBackendConfig,
         group_id: str,
         lease_ttl_s: float = 10.0,
-        source_servers: str | None = None,
+        *,
+        source_servers: str | None = None,  # the default of config.bootstrap_servers
     ):
         beat = config.heartbeat_interval_s
         if beat is not None and beat * 2 > lease_ttl_s:

@@ -12,9 +12,8 @@ from icefloe_kafka.config import KafkaBackendConfig
 def create_backend(config: KafkaBackendConfig, context: BackendContext) -> KafkaBackend:
     """Factory called by ``icefloe.plugins.backends.open_backend`` with the validated section.
     Connects lazily: the topics are checked or created when the first channel is used."""
-    return KafkaBackend(
-        config, context.group_id, context.lease_ttl_s, context.source_bootstrap_servers
-    )
+    servers = context.source_bootstrap_servers
+    return KafkaBackend(config, context.group_id, context.lease_ttl_s, source_servers=servers)
 
 
 @hookimpl

@@ -376,7 +376,8 @@ def test_open_backend_builds_the_configured_backend_and_it_works() -> None:
     cfg = _config("inproc", greeting="hi")
     assert backend_config(cfg, plugins) == NoOptions(greeting="hi")
     backend = open_backend(cfg, plugins)
-    assert seen == [(NoOptions(greeting="hi"), BackendContext(group_id="grp", lease_ttl_s=3.5))]
+    context = BackendContext("grp", 3.5, source_bootstrap_servers=cfg.source.bootstrap_servers)
+    assert seen == [(NoOptions(greeting="hi"), context)]
 
     writer = backend.writer("w1")
     epoch = writer.open()
