@@ -277,8 +277,11 @@ class KafkaClients:
         return ChannelError(text)
 
     def partitions(self, topic: str) -> list[int]:
-        """Partition ids of an existing topic (ask only after :meth:`ensure_topics`: some
-        brokers create a topic that a metadata request names)."""
+        """Partition ids of an existing topic. The backend's topics are ensured first: some
+        brokers create a topic that a metadata request names, with their default partition
+        count (4 on the bundled broker), not the configured one."""
+        if topic in (self.control_topic, self.state_topic):
+            self.ensure_topics()
         try:
             md = self.admin().list_topics(topic=topic, timeout=self.timeout)
         except KafkaException as exc:

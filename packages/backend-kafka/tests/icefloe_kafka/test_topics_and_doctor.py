@@ -61,6 +61,31 @@ def test_missing_topics_are_created_with_the_configured_settings(
     assert state["segment.ms"] == str(STATE_SEGMENT_MS)
 
 
+@pytest.mark.parametrize(
+    "first_use",
+    ["end_position", "channel_id", "writer"],  # end_position: what `icefloe status` asks first
+)
+def test_every_first_use_creates_the_control_topic_with_the_configured_partitions(
+    make_backend: BackendMaker, admin: AdminClient, first_use: str
+) -> None:
+    """Issue 24 item 5: a coordinator end asked for its end position first got the topic the
+    broker auto-creates on a metadata request (4 partitions on the bundled broker), not 2."""
+    control = unique("ctl")
+    backend = make_backend("g", control_topic=control, partitions=2)
+    if first_use == "writer":
+        open_writer(backend)
+    else:
+        channel = backend.coordinator("c")
+        try:
+            getattr(channel, first_use)()
+        finally:
+            channel.close()
+    topics = admin.list_topics(timeout=20).topics
+    assert len(topics[control].partitions) == 2
+    assert len(topics[f"{control}-state"].partitions) == 1
+    assert not [w for w in backend.doctor() if "partitions" in w]  # doctor agrees
+
+
 def test_missing_topic_without_permission_to_create_is_a_typed_error(
     make_backend: BackendMaker, admin: AdminClient
 ) -> None:
