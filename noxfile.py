@@ -156,6 +156,7 @@ def bench_soak(session: nox.Session) -> None:
 BENCH_SMOKE = {
     "bench_coordinator.py": "--backend kafka --writers 2 --files 4 --cycles 2 --processes 1",
     "bench_e2e.py": "--records 2000 --warmup 200 --partitions 2 --write 1000",
+    "bench_health.py": "--repeats 1 --only kafka",  # the kafka cases need no other server
     "bench_merge.py": "--tasks 2 --partitions 2 --records 200 --cycles 1",
     "bench_soak.py": "--minutes 0.75 --every 3 --window 0.25 --lag 2000 --partitions 2",
     "bench_startup.py": "--repeats 1",

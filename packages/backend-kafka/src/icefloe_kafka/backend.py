@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 _MAX_SAFE_TXN_TIMEOUT_MS = 300_000
 
 
-PROBE_TIMEOUT_S = 5.0
+#: how long a health check (`icefloe doctor`, `icefloe status`) waits for a cluster that does
+#: not answer: one that is up answers metadata requests in milliseconds
+PROBE_TIMEOUT_S = 2.0
 
 
 class KafkaBackend(Backend):
@@ -100,11 +102,16 @@ class KafkaBackend(Backend):
         """Metadata of the cluster: read-only, creates nothing (raises ChannelError). Asked
         with a short timeout: a cluster that is up answers in milliseconds, and `icefloe
         doctor` should not wait the whole operation timeout to say that it is down."""
-        self.clients.existing_topics(min(self.clients.timeout, PROBE_TIMEOUT_S))
+        self.clients.existing_topics(self.probe_timeout_s)
+
+    @property
+    def probe_timeout_s(self) -> float:
+        return min(self.clients.timeout, PROBE_TIMEOUT_S)
 
     def describe(self) -> BackendStatus:
-        """Leader, token, lease age and writers from the state topic (read-only)."""
-        return pipeline_state(self.clients, self.lease_ttl_s)
+        """Leader, token, lease age and writers from the state topic (read-only); a cluster
+        that does not answer fails within the probe's timeout, not the operation timeout."""
+        return pipeline_state(self.clients, self.lease_ttl_s, self.probe_timeout_s)
 
     def doctor(self) -> list[str]:
         """Warnings about settings that weaken the guarantees or the recovery window."""
@@ -117,7 +124,7 @@ class KafkaBackend(Backend):
                 "long; keep it at a few minutes at most"
             )
         try:
-            existing = self.clients.existing_topics()
+            existing = self.clients.existing_topics(self.probe_timeout_s)
         except ChannelError as exc:
             return [*warnings, str(exc)]
         for topic in (c.control_topic, c.state_topic_name):

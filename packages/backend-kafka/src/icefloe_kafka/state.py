@@ -232,12 +232,14 @@ def highest_record(clients: KafkaClients, key: bytes, role: str) -> StateValue |
     return top
 
 
-def pipeline_state(clients: KafkaClients, lease_ttl_s: float) -> BackendStatus:
+def pipeline_state(
+    clients: KafkaClients, lease_ttl_s: float, probe_timeout_s: float | None = None
+) -> BackendStatus:
     """The pipeline's lease and writers as the state topic shows them, for `icefloe status`:
     a fresh assign-mode consumer reads it to its end and writes nothing, so no leader is
     fenced and no lease renewed. Lease times come from the records' timestamps (the writing
     host's clock), so they are estimates when clocks differ."""
-    if clients.state_topic not in clients.existing_topics():
+    if clients.state_topic not in clients.existing_topics(probe_timeout_s):
         return BackendStatus(writers=())  # nothing ran yet (and asking for it might create it)
     group = clients.group_id
     key = lease_key(group)

@@ -86,6 +86,27 @@ def test_doctor_line_for_an_unreachable_broker_names_the_key_and_the_error_once(
     assert line.count("Broker transport failure") == 1, line
 
 
+def test_status_of_an_unreachable_cluster_waits_the_probe_timeout_not_the_operation_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 24 item 8: `icefloe status` waited the operation timeout (30 s) for a cluster that
+    was down; a health check waits at most 2 s per server."""
+    cfg = KafkaBackendConfig(bootstrap_servers=f"127.0.0.1:{free_port()}")
+    backend = KafkaBackend(cfg, "g")
+    asked: list[float | None] = []
+
+    def existing_topics(timeout_s: float | None = None) -> dict[str, object]:
+        asked.append(timeout_s)
+        return {}
+
+    monkeypatch.setattr(backend.clients, "existing_topics", existing_topics)
+    backend.describe()
+    backend.probe()
+    backend.doctor()
+    assert asked == [2.0, 2.0, 2.0]
+    backend.close()
+
+
 def test_wrong_keys_name_the_key_and_the_fix() -> None:
     plugins = new_plugins(autoload=True)
     bad = config_from_dict(pipeline({"kafka": {"partitions": 0}}))

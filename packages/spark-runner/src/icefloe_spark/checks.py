@@ -22,7 +22,7 @@ from icefloe.hookspecs import Check
 _SILENT = logging.getLogger("icefloe_spark.doctor.librdkafka")
 _SILENT.propagate = False
 _SILENT.addHandler(logging.NullHandler())
-KAFKA_TIMEOUT_S = 5.0  # brokers that are up answer metadata requests in milliseconds
+KAFKA_TIMEOUT_S = 2.0  # brokers that are up answer metadata requests in milliseconds
 
 
 def source_checks(config: PipelineConfig, timeout_s: float = KAFKA_TIMEOUT_S) -> list[Check]:
