@@ -46,9 +46,10 @@ def _pytest_args(session: nox.Session) -> list[str]:
 
 
 def _install_cached(session: nox.Session, *packages: str) -> None:
-    """Install from uv's cache alone when it holds everything (2 s), else from the index. Online,
-    uv builds PySpark's sdist again whenever the index answers its revalidation "modified", as
-    the one here does: 40 s more for a session meant to be quick."""
+    """Install from uv's cache alone when it holds everything (2 s), else from the index. Every
+    session installs this way: online, uv builds PySpark's sdist again whenever the index answers
+    its revalidation "modified", as the one here does, 40 s for each of the six sessions that
+    install PySpark in one CI run."""
     try:
         session.install("--offline", *packages)
     except CommandFailed:
@@ -63,7 +64,8 @@ def tests(session: nox.Session, package: str) -> None:
     if package == "e2e":
         # pip: tests/test_third_party_plugin.py installs a plugin distribution with it;
         # import-linter: tests/test_import_cycles.py runs tools/import_cycles.py (grimp, networkx)
-        session.install(
+        _install_cached(
+            session,
             *ALL_WITH_TEST_EXTRAS,
             "./packages/spark-runner[demo]",
             "pip",
@@ -75,8 +77,8 @@ def tests(session: nox.Session, package: str) -> None:
         )
         session.run("pytest", "tests", *_pytest_args(session))
         return
-    session.install(
-        f"./packages/{package}[test]", *[f"./packages/{d}" for d in LOCAL_DEPS[package]]
+    _install_cached(
+        session, f"./packages/{package}[test]", *[f"./packages/{d}" for d in LOCAL_DEPS[package]]
     )
     session.run("pytest", f"packages/{package}/tests", *_pytest_args(session))
 
@@ -97,7 +99,9 @@ def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree; the import contracts
     (import-linter, pyproject.toml's [tool.importlinter]) and no import cycle
     (tools/import_cycles.py) over the five packages."""
-    session.install("ruff>=0.6", "import-linter>=2.1", "networkx>=3", *ALL_WITH_TEST_EXTRAS)
+    _install_cached(
+        session, "ruff>=0.6", "import-linter>=2.1", "networkx>=3", *ALL_WITH_TEST_EXTRAS
+    )
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("lint-imports")
@@ -107,7 +111,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy (strict) over every package's sources, then over the tests and benchmarks."""
-    session.install("mypy>=1.11", *ALL_WITH_TEST_EXTRAS, "psutil>=5.9")
+    _install_cached(session, "mypy>=1.11", *ALL_WITH_TEST_EXTRAS, "psutil>=5.9")
     session.run("mypy", *[f"packages/{d}/src/{IMPORT_NAMES[d]}" for d in LOCAL_DEPS])
     session.run("mypy", *TYPED_TESTS)
 
@@ -118,7 +122,7 @@ def docs(session: nox.Session) -> None:
     every module, object and repository path the docs name exists (so every package is
     installed, with core's test extra for icefloe.testing)."""
     others = [f"./packages/{d}" for d in LOCAL_DEPS if d != "core"]
-    session.install("./packages/core[test]", *others)
+    _install_cached(session, "./packages/core[test]", *others)
     session.run("python", "docs/check_docs.py")
 
 
@@ -126,7 +130,9 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks (not run by default): end-to-end records/s against the single-process
     ceiling on the same data; results go to docs/benchmarks.md by hand."""
-    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "orjson", "psutil>=5.9")
+    _install_cached(
+        session, *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "orjson", "psutil>=5.9"
+    )
     session.run("python", "benchmarks/bench_e2e.py", *session.posargs)
 
 
@@ -134,7 +140,7 @@ def bench(session: nox.Session) -> None:
 def bench_startup(session: nox.Session) -> None:
     """Start-up benchmark (not run by default): seconds from `icefloe run` to its first table
     commit with default settings, e.g. `nox -s bench-startup -- --repeats 3 --backend kafka`."""
-    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
+    _install_cached(session, *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
     session.run("python", "benchmarks/bench_startup.py", *session.posargs)
 
 
@@ -142,7 +148,7 @@ def bench_startup(session: nox.Session) -> None:
 def bench_soak(session: nox.Session) -> None:
     """Soak benchmark (not run by default): RSS of the driver, JVM and Python workers of
     `icefloe run` held at full speed, e.g. `nox -s bench-soak -- --minutes 10`."""
-    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
+    _install_cached(session, *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
     session.run("python", "benchmarks/bench_soak.py", *session.posargs)
 
 
@@ -179,7 +185,7 @@ def faults(session: nox.Session) -> None:
     random moments, after a publish and after a commit, paused leaders and operator actions,
     per backend, each run counted key by key against the table. `nox -s faults -- --runs 3`;
     `-- --help` lists the options (--backend, --seed, --scenario, --ci, --list)."""
-    session.install(*ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
+    _install_cached(session, *ALL_WITH_TEST_EXTRAS, "./packages/spark-runner[demo]", "psutil>=5.9")
     session.run("python", "-m", "tests.faults", *session.posargs)
 
 
@@ -211,5 +217,5 @@ def bench_coordinator(session: nox.Session) -> None:
     """Coordinator benchmark (not run by default): cycle and Iceberg commit time with many
     writers and files, no Spark; e.g. `nox -s bench-coordinator -- --backend redis --writers 64
     --files 10000 --cycles 10`. Results go to docs/benchmarks.md by hand."""
-    session.install(*ALL_WITH_TEST_EXTRAS)
+    _install_cached(session, *ALL_WITH_TEST_EXTRAS)
     session.run("python", "benchmarks/bench_coordinator.py", *session.posargs)

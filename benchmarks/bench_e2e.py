@@ -27,12 +27,14 @@ Prints both rates and their ratio, and a Markdown row for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import multiprocessing
 import os
 import platform
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -362,6 +364,8 @@ def main() -> None:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
     root = args.dir or Path(tempfile.mkdtemp(prefix="icefloe-bench-"))
+    if args.dir is None:  # a run of 2 million records leaves ~1 GB: not kept unless asked
+        atexit.register(shutil.rmtree, root, True)
     root.mkdir(parents=True, exist_ok=True)
     props = {
         "type": "sql",

@@ -37,7 +37,7 @@ from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.ops.maintenance import recommended_properties
-from icefloe.records.datafiles import write_data_files
+from icefloe.records.datafiles import group_write_uuid, write_data_files
 from icefloe.testing.fixtures import make_sqlite_catalog
 
 TABLE = "bench.events"
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace, merge: bool, work: Path) -> str:
         for task in range(args.tasks):  # a Spark task: its own file per partition it touches
             data = task_data(next_id, args.records)
             next_id += args.records
-            for meta in write_data_files(table, data):
+            for meta in write_data_files(table, data, group_write_uuid("bench")):
                 files.append(PendingFile(meta, f"task-{task}", cycle, "0", offset, uuid_))
                 offset += 1
         announced.append(len(files))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,6 +158,7 @@ def main() -> None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(120)
     report(args, samples, produced[0])
+    shutil.rmtree(root, ignore_errors=True)  # minutes of data; kept only when the run failed
 
 
 def report(

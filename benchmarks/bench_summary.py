@@ -17,8 +17,10 @@ a pyarrow scan that each table holds exactly one row set per commit.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commits", type=int, default=100)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-summary-"))
+    atexit.register(shutil.rmtree, work, True)
     print(
         f"writer ids {args.writer_ids}, live per commit {args.live}, commits {args.commits}, "
         f"files per commit {args.live}"

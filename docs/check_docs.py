@@ -1,7 +1,7 @@
 """Check the documentation (run by `nox -s docs` and tests/test_docs.py).
 
-* every relative link in README.md, docs/*.md, docs/backends/*.md and packages/*/README.md
-  points at a file that exists;
+* every relative link in README.md, CHANGELOG.md, docs/*.md, docs/backends/*.md and
+  packages/*/README.md points at a file that exists;
 * in those pages, every code span naming a Python object of the five packages
   (`icefloe.commit.dedupe.CommitBoundary`, `icefloe_spark.runtime.jvm.launch_early()`)
   imports, and every repository path in a code span (`tests/test_docs.py`, a glob, a
@@ -48,6 +48,7 @@ def _rel(path: Path) -> Path:
 def markdown_files() -> list[Path]:
     return [
         ROOT / "README.md",
+        ROOT / "CHANGELOG.md",
         *sorted((ROOT / "docs").glob("*.md")),
         *sorted((ROOT / "docs" / "backends").glob("*.md")),
         *sorted((ROOT / "packages").glob("*/README.md")),

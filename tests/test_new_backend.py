@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from icefloe.cli.new_backend import generate
+from icefloe.channel import CONTRACT_VERSION
+from icefloe.cli.new_backend import core_pin, generate
 from icefloe.errors import ConfigError
 
 
@@ -44,13 +45,18 @@ def test_generated_package_has_the_entry_point_and_registers_the_backend(package
     assert meta["project"]["entry-points"]["icefloe"] == {
         "my_store": "icefloe_backend_my_store.plugin"
     }
-    assert "icefloe-core[test]" in meta["project"]["optional-dependencies"]["test"]
+    # the core releases of this contract; the contract declared as a number, not the constant
+    assert meta["project"]["dependencies"][0] == f"icefloe-core{core_pin()}"
+    assert f"icefloe-core[test]{core_pin()}" in meta["project"]["optional-dependencies"]["test"]
+    plugin = (package / "src/icefloe_backend_my_store/plugin.py").read_text()
+    assert f"contract={CONTRACT_VERSION}\n" in plugin
     probe = (
         "from icefloe.plugins.manager import new_plugins\n"
         "import icefloe_backend_my_store.plugin as p\n"
         "plugins = new_plugins(autoload=False)\n"
         "plugins.pm.register(p)\n"
         "spec = plugins.backend('my_store')\n"
+        f"assert spec.contract == {CONTRACT_VERSION}\n"
         "import pydantic\n"
         "try:\n"
         "    spec.config_model.model_validate({'url': 'x', 'typo': 1})\n"
@@ -94,3 +100,9 @@ def test_bad_names_and_existing_directories_are_refused(tmp_path: Path) -> None:
     generate("ok", tmp_path)
     with pytest.raises(ConfigError, match="already exists"):
         generate("ok", tmp_path)
+
+
+def test_core_pin_is_the_minor_release_line_before_1_0_and_the_major_one_after() -> None:
+    assert core_pin("0.2.0") == ">=0.2,<0.3"
+    assert core_pin("1.4.2") == ">=1.4,<2"
+    assert core_pin("0.0.0+unknown") == ">=0.0,<0.1"

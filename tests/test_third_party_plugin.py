@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-PLUGIN_SRC = Path(__file__).parent / "plugins" / "icefloe-backend-example"
+PLUGINS = Path(__file__).parent / "plugins"
+PLUGIN_SRC = PLUGINS / "icefloe-backend-example"
+#: a backend of the first contract, declaring no version (what the upgrade trial met)
+OUTDATED_SRC = PLUGINS / "icefloe-backend-sqlite"
 PIPELINE = """
 name = "{name}"
 
@@ -48,28 +51,42 @@ def _installer(target: Path) -> list[str]:
     return [uv, "pip", "install", "--python", sys.executable, "--no-deps", "--target"]
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The example plugin installed (built by its build backend, entry points and all)."""
+def _install(tmp_path_factory: pytest.TempPathFactory, source: Path) -> Path:
+    """A plugin's distribution installed into a private directory (built by its build
+    backend, entry points and all)."""
     target = tmp_path_factory.mktemp("site")
     # build from a copy: building in place would leave build artefacts in the source tree
-    src = tmp_path_factory.mktemp("src") / PLUGIN_SRC.name
-    shutil.copytree(PLUGIN_SRC, src)
+    src = tmp_path_factory.mktemp("src") / source.name
+    shutil.copytree(source, src)
     subprocess.run([*_installer(target), str(target), str(src)], check=True, timeout=600)
-    assert list(target.glob("icefloe_backend_example-*.dist-info/entry_points.txt"))
+    module = source.name.replace("-", "_")
+    assert list(target.glob(f"{module}-*.dist-info/entry_points.txt"))
     return target
 
 
-def _env(site: Path) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example plugin installed."""
+    return _install(tmp_path_factory, PLUGIN_SRC)
+
+
+@pytest.fixture(scope="module")
+def outdated_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The contract-1 plugin installed (beside the example, in its own directory)."""
+    return _install(tmp_path_factory, OUTDATED_SRC)
+
+
+def _env(*sites: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ICEFLOE")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, sites), env.get("PYTHONPATH")]))
     env["COLUMNS"] = "60"  # a narrow terminal must still get one-line errors
     return env
 
 
-def _run(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(site: Path | tuple[Path, ...], *args: str) -> subprocess.CompletedProcess[str]:
+    sites = site if isinstance(site, tuple) else (site,)
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=_env(site), timeout=300
+        [sys.executable, *args], capture_output=True, text=True, env=_env(*sites), timeout=300
     )
 
 
@@ -84,7 +101,61 @@ def test_cli_lists_the_installed_backend(site: Path) -> None:
     out = _run(site, "-m", "icefloe", "backends")
     assert out.returncode == 0, out.stderr
     lines = [line.split() for line in out.stdout.splitlines()]
-    assert ["backend", "example"] in [line[:2] for line in lines]
+    assert ["backend", "example", "contract", "2", "icefloe-backend-example", "1.0.0"] in [
+        line[:6] for line in lines
+    ]
+
+
+# the refusal of a backend of the previous contract: what it must name
+UPGRADE_SECTION = "docs/backend-authors.md#from-contract-1-to-contract-2"
+REFUSAL = (
+    "coordination backend 'sqlite' of icefloe-backend-sqlite 0.3.0 declares no contract "
+    "version (so contract 1)"
+)
+TO_IMPLEMENT = ("CoordinatorChannel.channel_id()", "CoordinatorChannel.end_position()", "(rule ")
+
+
+def test_backends_flags_a_backend_of_the_previous_contract(site: Path, outdated_site: Path) -> None:
+    out = _run((site, outdated_site), "-m", "icefloe", "backends")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[1]: line for line in out.stdout.splitlines() if line.startswith("backend")}
+    assert rows["sqlite"].split()[2:6] == ["contract", "1", "icefloe-backend-sqlite", "0.3.0"]
+    assert "OUTDATED" in rows["sqlite"]
+    assert "OUTDATED" not in rows["example"]
+    explained = [line for line in out.stderr.splitlines() if REFUSAL in line]
+    assert len(explained) == 1, out.stderr
+    assert UPGRADE_SECTION in explained[0]
+    assert all(name in explained[0] for name in TO_IMPLEMENT)
+
+
+def test_doctor_fails_a_backend_of_the_previous_contract(
+    outdated_site: Path, tmp_path: Path
+) -> None:
+    out = _run(
+        outdated_site, "-m", "icefloe", "doctor", "--config", str(_pipeline(tmp_path, "sqlite"))
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = _check_lines(out.stderr, "backend sqlite")
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("fail"), out.stderr
+    assert REFUSAL in lines[0]
+    assert UPGRADE_SECTION in lines[0]
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_coordinator_refuses_a_backend_of_the_previous_contract_in_one_line(
+    outdated_site: Path, tmp_path: Path
+) -> None:
+    """It died with a raw TypeError traceback; now one line says what to do."""
+    config = _pipeline(tmp_path, "sqlite")
+    out = _run(outdated_site, "-m", "icefloe", "coordinator", "--config", str(config))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, out.stderr
+    assert errors[0].startswith(f"error: {REFUSAL}")
+    assert UPGRADE_SECTION in errors[0]
+    assert all(name in errors[0] for name in TO_IMPLEMENT)
 
 
 ROUND_TRIP = """
@@ -151,6 +222,8 @@ def test_config_name_selects_the_third_party_backend_and_it_works(
     writer = _round_trip_step(site, tmp_path, "writer", config)
     assert writer["published"] is True
     assert writer["replayed"] is False  # the same batch key again is a no-op
+    first_epoch = writer["epoch"]
+    assert isinstance(first_epoch, int)
     coordinator = _round_trip_step(site, tmp_path, "coordinator", config)
     assert coordinator["leader"] is True
     assert coordinator["events"] == [
@@ -161,7 +234,7 @@ def test_config_name_selects_the_third_party_backend_and_it_works(
     assert coordinator["stored"] == {"0": 2}
     # a second writer instance is a new epoch; a restarted coordinator resumes after the stored
     # position, so it sees nothing again
-    assert _round_trip_step(site, tmp_path, "writer", config)["epoch"] == 2
+    assert _round_trip_step(site, tmp_path, "writer", config)["epoch"] == first_epoch + 1
     again = _round_trip_step(site, tmp_path, "coordinator", config)
     assert again["events"] == []
 
@@ -203,12 +276,13 @@ def test_doctor_accepts_the_third_party_backend(site: Path, tmp_path: Path) -> N
 
 
 CONFORMANCE = """
+import shutil
 from pathlib import Path
 
 import pytest
 
 from icefloe.hookspecs import BackendContext
-from icefloe.testing.conformance import BackendConformance, BackendFactory
+from icefloe.testing.conformance import BackendConformance, BackendFactory, StoreRecreator
 from icefloe_backend_example.channel import ExampleConfig, FileBackend
 
 
@@ -217,6 +291,11 @@ class TestExampleBackendConformance(BackendConformance):
     def backend_factory(self, tmp_path: Path) -> BackendFactory:
         config = ExampleConfig(directory=str(tmp_path / "channel"))
         return lambda group_id, ttl: FileBackend(config, BackendContext(group_id, ttl))
+
+    @pytest.fixture
+    def recreate_store(self) -> StoreRecreator:
+        # the store is the pipeline's directory: deleted, then made anew by the next backend
+        return lambda backend: shutil.rmtree(backend.store.root)
 """
 
 

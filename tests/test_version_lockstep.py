@@ -63,3 +63,39 @@ def test_bump_tool_leaves_a_lockstep_tree_unchanged_and_rewrites_every_pin() -> 
         for req in _requirements(bumped):
             m = _PIN.match(req)
             assert m is None or m[4] == "9.8.7", req
+
+
+# --------------------------------------------------------------------------- the changelog
+
+CHANGELOG = (ROOT / "CHANGELOG.md").read_text()
+BACKEND_AUTHORS = (ROOT / "docs" / "backend-authors.md").read_text()
+
+
+def _releases() -> dict[str, str]:
+    """Release heading (``0.2.0``) -> its section of CHANGELOG.md."""
+    parts = re.split(r"(?m)^## \[([^\]]+)\].*$", CHANGELOG)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_the_changelog_has_the_version_and_a_section_for_backend_authors_per_release() -> None:
+    releases = _releases()
+    assert VERSION in releases, "CHANGELOG.md has no section for the version in VERSION"
+    for version, text in releases.items():
+        if version != "Unreleased":
+            assert "### For backend authors" in text, version
+
+
+def test_the_release_names_the_contract_it_ships_and_each_contract_has_an_upgrade_guide() -> None:
+    """Core's version moves with the backend contract: the release of VERSION states the
+    contract icefloe.channel defines, and the section every refusal points to exists."""
+    from icefloe.channel import CONTRACT_CHANGES, CONTRACT_VERSION, upgrade_section
+
+    assert f"Backend contract **{CONTRACT_VERSION}**" in _releases()[VERSION]
+    headings = {
+        re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-")
+        for h in re.findall(r"(?m)^#+ (.+)$", BACKEND_AUTHORS)
+    }
+    for version in CONTRACT_CHANGES:
+        anchor = upgrade_section(version).split("#", 1)[1]
+        assert anchor in headings, f"docs/backend-authors.md lacks #{anchor}"
+    assert set(CONTRACT_CHANGES) == set(range(2, CONTRACT_VERSION + 1))

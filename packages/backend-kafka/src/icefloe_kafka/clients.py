@@ -39,6 +39,18 @@ FENCED_CODES = frozenset(
     {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
 )
 
+# Codes of a broker refusing the client itself (SASL or TLS): librdkafka reports them only to
+# the client's error callback, and a request then fails as "broker transport failure".
+REFUSED_CODES = frozenset(
+    {
+        KafkaError._AUTHENTICATION,
+        KafkaError.SASL_AUTHENTICATION_FAILED,
+        KafkaError.UNSUPPORTED_SASL_MECHANISM,
+        KafkaError.ILLEGAL_SASL_STATE,
+        KafkaError._SSL,
+    }
+)
+
 DEFAULT_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
 STATE_SEGMENT_MS = 3_600_000  # roll state segments hourly so compaction can bound them
 
@@ -115,6 +127,7 @@ class KafkaClients:
         self._lock = threading.Lock()
         self._topics_ready = False
         self._plain: Producer | None = None  # shared by this backend's writers: answers
+        self._refused: str | None = None  # why the broker last refused the admin client
 
     @property
     def control_topic(self) -> str:
@@ -228,8 +241,31 @@ class KafkaClients:
     def admin(self) -> AdminClient:
         with self._lock:
             if self._admin is None:
-                self._admin = AdminClient(self._base("admin"))
+                conf = self._base("admin")
+                conf["error_cb"] = self._note_refusal
+                self._admin = AdminClient(conf)
             return self._admin
+
+    def _note_refusal(self, err: KafkaError) -> None:
+        if err.code() in REFUSED_CODES:
+            self._refused = err.str()
+
+    def admin_failed(self, what: str, exc: KafkaException) -> ChannelError:
+        """``what`` failed with ``exc``; when the broker refused the client's SASL or TLS
+        handshake meanwhile, the error says so (librdkafka reports that only to the error
+        callback, which ``poll`` serves) and where the settings are."""
+        with self._lock:
+            admin = self._admin
+        if admin is not None:
+            admin.poll(0)
+        text = f"{what}: {exc}"
+        refused, self._refused = self._refused, None  # reported once, not on later failures
+        if refused is not None:
+            text += (
+                f"; the broker refused the client: {refused} (check security.protocol, "
+                "sasl.* and ssl.* under coordination.kafka.kafka)"
+            )
+        return ChannelError(text)
 
     def partitions(self, topic: str) -> list[int]:
         """Partition ids of an existing topic (ask only after :meth:`ensure_topics`: some
@@ -237,7 +273,7 @@ class KafkaClients:
         try:
             md = self.admin().list_topics(topic=topic, timeout=self.timeout)
         except KafkaException as exc:
-            raise ChannelError(f"cannot read metadata of topic '{topic}': {exc}") from exc
+            raise self.admin_failed(f"cannot read metadata of topic '{topic}'", exc) from exc
         t = md.topics.get(topic)
         if t is None or t.error is not None or not t.partitions:
             raise ChannelError(f"topic '{topic}' has no partitions ({t.error if t else 'absent'})")
@@ -255,7 +291,7 @@ class KafkaClients:
                 timeout=self.timeout
             )
         except KafkaException as exc:
-            raise ChannelError(f"cannot describe topic '{topic}': {exc}") from exc
+            raise self.admin_failed(f"cannot describe topic '{topic}'", exc) from exc
         topic_id = described.topic_id
         if topic_id is None:
             raise ChannelError(
@@ -271,9 +307,8 @@ class KafkaClients:
             wait = self.timeout if timeout_s is None else timeout_s
             return dict(self.admin().list_topics(timeout=wait).topics)
         except KafkaException as exc:
-            raise ChannelError(
-                f"cannot reach the Kafka cluster at {self.config.bootstrap_servers}: {exc}"
-            ) from exc
+            where = f"cannot reach the Kafka cluster at {self.config.bootstrap_servers}"
+            raise self.admin_failed(where, exc) from exc
 
     def wanted_topics(self) -> list[NewTopic]:
         c = self.config

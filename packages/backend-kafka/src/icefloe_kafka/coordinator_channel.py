@@ -131,6 +131,7 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
         self._data: Consumer | None = None
         self._ends: Consumer | None = None  # read_uncommitted, for end_position() only
         self._sought = False
+        self._from_start: dict[int, int | None] = {}  # sought from the log start: its offset
         self._epochs: EpochWatch | None = None  # drops answers of fenced writer instances
 
     # ------------------------------------------------------------------ election
@@ -312,10 +313,12 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
                     "%s: position names partitions %s that %s lacks", self._id, unknown, topic
                 )
             start = []
+            self._from_start = {}
             for p in parts:
                 offset = None if position is None else position.get(str(p))
                 if offset is None:
                     start.append(TopicPartition(topic, p, OFFSET_BEGINNING))
+                    self._from_start[p] = None
                     continue
                 self._check_in_log(topic, p, int(offset))
                 start.append(TopicPartition(topic, p, int(offset)))
@@ -518,8 +521,11 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
     def read_through(self) -> ChannelPosition | None:
         """The consumer's position per assigned partition: past the transaction markers that
         end every batch and broadcast (the high watermark counts them), unlike the offsets of
-        the records returned. Partitions without a valid position (nothing fetched yet) are
-        left out."""
+        the records returned. A partition read from the log start that has given no record yet
+        (the consumer has no position there) is read through its log start: nothing before it
+        can be read, and a log that retention emptied (log start = high watermark) is read
+        through to its end. Other partitions without a position (nothing fetched yet from a
+        sought offset) are left out: the caller knows that offset."""
         with self._lock:
             if self._data is None or not self._sought:
                 return None
@@ -527,11 +533,22 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
                 positions = self._data.position(self._data.assignment())
             except KafkaException as exc:
                 raise ChannelError(f"cannot read the consumer position: {exc}") from exc
-            return {
-                str(tp.partition): int(tp.offset)
-                for tp in positions
-                if tp.error is None and tp.offset is not None and tp.offset >= 0
-            }
+            out: dict[str, int] = {}
+            for tp in positions:
+                if tp.error is None and tp.offset is not None and tp.offset >= 0:
+                    out[str(tp.partition)] = int(tp.offset)
+                elif tp.partition in self._from_start:
+                    out[str(tp.partition)] = self._log_start(tp.partition)
+            return out
+
+    def _log_start(self, partition: int) -> int:
+        """The low watermark of a partition sought from the log start, asked once per seek
+        (it only grows, so an earlier answer stays true)."""
+        start = self._from_start.get(partition)
+        if start is None:
+            start = self._watermarks(self._clients.control_topic, partition)[0]
+            self._from_start[partition] = start
+        return start
 
     def close(self) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -71,9 +72,15 @@ def wait_for_port(host: str, port: int, timeout: float) -> None:
 class EmbeddedKafkaBroker:
     """A private broker on a free loopback port; use as a context manager."""
 
-    def __init__(self, port: int | None = None, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        log_path: Path | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.port = port or free_port()
         self.log_path = log_path
+        self.extra_args = tuple(extra_args)  # e.g. ("--authentication",): clients must use SASL
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -84,6 +91,7 @@ class EmbeddedKafkaBroker:
         binary = find_broker_binary()
         url = f"tcp://127.0.0.1:{self.port}"
         args = [str(binary), "broker", "--listener-url", url, "--advertised-listener-url", url]
+        args += self.extra_args
         if self.log_path:
             with open(self.log_path, "ab") as out:  # the child keeps its own copy of the fd
                 self.proc = subprocess.Popen(

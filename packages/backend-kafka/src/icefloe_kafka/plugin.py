@@ -22,5 +22,6 @@ def icefloe_register_backends() -> list[BackendSpec]:
             factory=create_backend,
             description="Kafka control topic: transactional writers, lease in a compacted "
             "state topic (the default)",
+            contract=2,  # docs/backend-authors.md, "Contract versions"
         )
     ]

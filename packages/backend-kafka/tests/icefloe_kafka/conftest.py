@@ -8,6 +8,7 @@ and use a fresh random group id each, so they never see each other's leases or p
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +39,18 @@ def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedK
         yield broker
     finally:
         broker.stop()
+
+
+def recreate_control_topic(backend: KafkaBackend) -> None:
+    """Delete the control topic and wait until the broker no longer lists it (the next
+    backend creates it anew, with a new topic id)."""
+    topic = backend.config.control_topic
+    for f in backend.clients.admin().delete_topics([topic]).values():
+        f.result(timeout=30)
+    deadline = time.monotonic() + 30
+    while topic in backend.clients.existing_topics():
+        assert time.monotonic() < deadline, f"{topic} still listed after deletion"
+        time.sleep(0.2)
 
 
 def backend_config_for(bootstrap_servers: str, **overrides: Any) -> KafkaBackendConfig:

@@ -19,7 +19,7 @@ from icefloe.testing.conformance import make_batch
 from icefloe_kafka.clients import record_key
 
 from .conftest import BackendMaker
-from .test_reset import recreate
+from .conftest import recreate_control_topic as recreate
 
 BEFORE, AFTER = 2, 6
 

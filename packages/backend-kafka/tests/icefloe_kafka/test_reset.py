@@ -19,19 +19,9 @@ from icefloe.testing.harness import RowSource, commit_batches, refused_restart
 from icefloe_kafka import KafkaBackend
 
 from .conftest import BackendMaker
+from .conftest import recreate_control_topic as recreate
 
 TABLE = "ns.t"
-
-
-def recreate(backend: KafkaBackend) -> None:
-    """Delete the control topic and wait until the broker no longer lists it."""
-    topic = backend.config.control_topic
-    for f in backend.clients.admin().delete_topics([topic]).values():
-        f.result(timeout=30)
-    deadline = time.monotonic() + 30
-    while topic in backend.clients.existing_topics():
-        assert time.monotonic() < deadline, f"{topic} still listed after deletion"
-        time.sleep(0.2)
 
 
 def test_recreated_topic_is_a_new_channel_and_refuses_positions_past_its_end(

@@ -38,8 +38,20 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
     # ------------------------------------------------------------------ reading
 
     def seek(self, position: ChannelPosition | None) -> None:
-        # None: offsets start at 0 and pruned rows are simply absent
+        """None: offsets start at 0 and pruned rows are simply absent. A position past the
+        end of the log was reached in a schema that held more events: refuse it (rule End
+        position of docs/backend-authors.md)."""
         self._next = 0 if position is None else int(position.get(PARTITION, 0))
+        if position is None:
+            return
+        end = self.end_position()[PARTITION]
+        if self._next > end:
+            raise ChannelResetError(
+                f"the stored position {self._next} of pipeline '{self._ctx.group_id}' lies past "
+                f"the end of its log ({end}) in schema '{self._ctx.schema}': the schema was "
+                "restored from an older backup or its counter rolled back, and events published "
+                "before are gone. Do not restart as is: see docs/operations.md (channel reset)"
+            )
 
     def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:
         ctx = self._ctx

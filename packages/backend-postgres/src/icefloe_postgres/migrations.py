@@ -24,6 +24,10 @@ class SchemaVersionError(IcefloeError):
     """The schema was migrated by a newer icefloe than this one; refusing to touch it."""
 
 
+class SchemaPermissionError(IcefloeError):
+    """The schema needs a migration the connecting role is not allowed to run."""
+
+
 @dataclass(frozen=True)
 class Migration:
     """One schema version: statements with ``{s}`` standing for the quoted schema name."""
@@ -178,16 +182,40 @@ def migrate(
 ) -> list[int]:
     """Bring ``schema`` to the newest version; return the versions applied by this call.
 
+    A schema already at the newest version is only read, so a role with nothing but the
+    grants of :func:`icefloe_postgres.permissions.runtime_grants` can start; an existing
+    schema is not created again, so its owner needs no CREATE on the database. A migration
+    the role may not run raises :class:`SchemaPermissionError` naming the fix.
+
     ``conn`` must be in autocommit mode (the whole upgrade is one explicit transaction).
     """
     versions = [m.version for m in migrations]
     if versions != sorted(set(versions)):
         raise ValueError("migration versions must be unique and ascending")
+    try:
+        if schema_version(conn, schema) == latest_version(migrations):
+            return []
+        return _migrate_locked(conn, schema, migrations)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        role = conn.info.parameter_status("session_authorization") or conn.info.user
+        raise SchemaPermissionError(
+            f"role '{role}' cannot create or migrate schema '{schema}' ({exc}). Start icefloe "
+            "once as the schema's owner (or a role with CREATE on the database) to migrate "
+            "it, then give this role the grants of docs/operations.md (least privilege)"
+        ) from None
+
+
+def _migrate_locked(
+    conn: psycopg.Connection[Any], schema: str, migrations: Sequence[Migration]
+) -> list[int]:
+    """The migrations, under the schema's advisory lock, in one transaction."""
     ident = sql.Identifier(schema)
     applied: list[int] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_key(schema),))
-        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident))
+        exists = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,))
+        if exists.fetchone() is None:  # CREATE SCHEMA checks CREATE on the database first
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(ident))
         conn.execute(
             sql.SQL(
                 "CREATE TABLE IF NOT EXISTS {}.schema_migrations ("

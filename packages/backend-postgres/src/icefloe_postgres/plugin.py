@@ -20,5 +20,6 @@ def icefloe_register_backends() -> list[BackendSpec]:
             config_model=PostgresConfig,
             factory=create_backend,
             description="PostgreSQL tables: ordered event log, fenced writers, lease row",
+            contract=2,  # docs/backend-authors.md, "Contract versions"
         )
     ]

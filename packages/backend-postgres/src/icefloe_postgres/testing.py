@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from icefloe.testing.tls import TlsFiles, self_signed_cert
 from icefloe_postgres.backend import PostgresBackend
 from icefloe_postgres.config import PostgresConfig
 
@@ -68,30 +69,43 @@ class PrivatePostgres:
     """A throw-away PostgreSQL server on a free port, for tests that stop and start it.
 
     initdb refuses to run as root, so as root the server runs as the ``postgres`` user in a
-    directory that user owns."""
+    directory that user owns.
 
-    def __init__(self) -> None:
+    With ``secured``, TCP clients must use TLS (a self-signed certificate, :attr:`tls`) and a
+    SCRAM-SHA-256 password (``hostssl ... scram-sha-256`` is the only TCP line of pg_hba.conf);
+    :attr:`dsn` (the superuser, for setting up) then goes through the Unix socket."""
+
+    def __init__(self, secured: bool = False) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="icefloe-pg-"))
         self.data = self.dir / "data"
         self.port = free_port()
         self.dsn = f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres"
+        self.tls: TlsFiles | None = None
         self._as_user: list[str] = []
+        if secured:
+            self.dsn = f"host={self.dir} port={self.port} user=postgres dbname=postgres"
+            self.tls = self_signed_cert(self.dir / "tls")
         if os.geteuid() == 0:
             pw = pwd.getpwnam("postgres")
-            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+            for path in (self.dir, *self.dir.rglob("*")):  # the server must own its key
+                os.chown(path, pw.pw_uid, pw.pw_gid)
             self._as_user = ["runuser", "-u", "postgres", "--"]
+        auth = ["--auth-local=trust", "--auth-host=scram-sha-256"] if secured else ["-A", "trust"]
         self._run(
             _pg_bin("initdb"),
             "-D",
             str(self.data),
-            "-A",
-            "trust",
+            *auth,
             "-U",
             "postgres",
             "-E",
             "UTF8",
             "--no-sync",
         )
+        if secured:
+            (self.data / "pg_hba.conf").write_text(
+                "local all all trust\nhostssl all all 127.0.0.1/32 scram-sha-256\n"
+            )
 
     def _run(self, *args: str) -> None:
         subprocess.run(
@@ -103,6 +117,11 @@ class PrivatePostgres:
             f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1"
             " -c max_connections=60 -c shared_buffers=16MB"
         )
+        if self.tls is not None:
+            opts += (
+                f" -c ssl=on -c ssl_cert_file={self.tls.cert} -c ssl_key_file={self.tls.key}"
+                " -c password_encryption=scram-sha-256"
+            )
         self._run(
             _pg_bin("pg_ctl"),
             "-D",

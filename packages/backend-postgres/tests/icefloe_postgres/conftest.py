@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -14,6 +15,7 @@ from psycopg import sql
 
 from icefloe.events import WriterRef
 from icefloe_postgres import PostgresBackend, PostgresCoordinatorChannel, PostgresWriterChannel
+from icefloe_postgres.permissions import runtime_grants
 from icefloe_postgres.testing import BackendMaker, PrivatePostgres, drop_schema, make_test_config
 
 DSN = os.environ.get(
@@ -106,5 +108,87 @@ def private_pg() -> Iterator[PrivatePostgres]:
     server.start()
     try:
         yield server
+    finally:
+        server.close()
+
+
+#: the roles of the secured server: the schema's owner migrates it and grants the app role
+#: exactly runtime_grants(); pipelines run as the app role
+OWNER, OWNER_PASSWORD = "icefloe_owner", "owner-pw-Sekrit-5432"
+APP, APP_PASSWORD = "icefloe_app", "app-pw-Sekrit-5432"
+SECURED_SCHEMA = "icefloe"
+
+
+@dataclass(frozen=True)
+class SecuredPostgres:
+    """A server that takes only TLS with SCRAM passwords over TCP, and its roles."""
+
+    server: PrivatePostgres
+    database: str
+
+    def dsn(self, role: str, password: str, **extra: str) -> str:
+        """A DSN for ``role`` that verifies the server's certificate and host name."""
+        assert self.server.tls is not None
+        params = {
+            "host": "127.0.0.1",
+            "port": str(self.server.port),
+            "dbname": self.database,
+            "user": role,
+            "password": password,
+            "sslmode": "verify-full",
+            "sslrootcert": str(self.server.tls.ca),
+            **extra,
+        }
+        return psycopg.conninfo.make_conninfo(**params)
+
+    @property
+    def app_dsn(self) -> str:
+        return self.dsn(APP, APP_PASSWORD)
+
+    @property
+    def owner_dsn(self) -> str:
+        return self.dsn(OWNER, OWNER_PASSWORD)
+
+    def admin(self) -> psycopg.Connection[Any]:
+        """The superuser on the pipelines database, through the Unix socket."""
+        dsn = psycopg.conninfo.make_conninfo(self.server.dsn, dbname=self.database)
+        return psycopg.connect(dsn, autocommit=True)
+
+
+@pytest.fixture(scope="session")
+def secured_pg() -> Iterator[SecuredPostgres]:
+    """A private server set up as docs/operations.md says: a database only the two roles may
+    connect to, a schema the owner role owns and has migrated, and the app role with exactly
+    :func:`runtime_grants` on it."""
+    server = PrivatePostgres(secured=True)
+    try:
+        server.start()
+        secured = SecuredPostgres(server, "pipelines")
+        with psycopg.connect(server.dsn, autocommit=True) as su:
+            for role, password in ((OWNER, OWNER_PASSWORD), (APP, APP_PASSWORD)):
+                su.execute(
+                    sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                        sql.Identifier(role), sql.Literal(password)
+                    )
+                )
+            su.execute("CREATE DATABASE pipelines")
+            su.execute("REVOKE ALL ON DATABASE pipelines FROM PUBLIC")
+            su.execute(
+                sql.SQL("GRANT CONNECT ON DATABASE pipelines TO {}, {}").format(
+                    sql.Identifier(OWNER), sql.Identifier(APP)
+                )
+            )
+        with secured.admin() as su:
+            su.execute(
+                sql.SQL("CREATE SCHEMA {} AUTHORIZATION {}").format(
+                    sql.Identifier(SECURED_SCHEMA), sql.Identifier(OWNER)
+                )
+            )
+        # the owner's first start migrates the schema; then it grants the app role
+        PostgresBackend(make_test_config(secured.owner_dsn, SECURED_SCHEMA), "setup").close()
+        with psycopg.connect(secured.owner_dsn, autocommit=True) as owner:
+            for statement in runtime_grants(SECURED_SCHEMA, APP):
+                owner.execute(statement.encode())
+        yield secured
     finally:
         server.close()

@@ -7,6 +7,7 @@ The ends take a :class:`RedisConnection` rather than the backend, as the Kafka e
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,9 +50,20 @@ def stream_entries(reply: Any) -> list[Any]:
     return entries
 
 
+def _without_client_setinfo() -> dict[str, Any]:
+    """What stops redis-py from sending CLIENT SETINFO on connect (Redis 7.2+): a command the
+    least-privileged user of :mod:`icefloe_redis.permissions` is not granted, whose refusal on
+    every connection would fill the server's ACL LOG. redis-py 8 takes ``driver_info=None``
+    and warns about the older ``lib_name``/``lib_version``, which 5 to 7 take."""
+    parameters = inspect.signature(redis.connection.AbstractConnection.__init__).parameters
+    if "driver_info" in parameters:
+        return {"driver_info": None}
+    return {"lib_name": None, "lib_version": None}
+
+
 def connect(config: RedisConfig) -> Client:
     """A redis-py client for ``config``; errors name the key and never show the password."""
-    kwargs = config.client_kwargs()
+    kwargs = {**config.client_kwargs(), **_without_client_setinfo()}
     try:
         if config.cluster:
             return RedisCluster.from_url(config.url, **kwargs)

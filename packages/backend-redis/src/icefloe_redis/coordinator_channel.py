@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from icefloe.channel import ChannelPosition, ChannelRecord, CoordinatorChannel, Lease
-from icefloe.errors import ChannelError, EventDecodeError, NotLeaderError
+from icefloe.errors import ChannelError, ChannelResetError, EventDecodeError, NotLeaderError
 from icefloe.events import Event, decode_event, encode_event
 from icefloe_redis.connection import RedisConnection, redis_errors, reply_text
 
@@ -113,7 +113,17 @@ class RedisCoordinatorChannel(CoordinatorChannel):
             )
 
     def seek(self, position: ChannelPosition | None) -> None:
+        """A position past the end of the stream was reached in a store that held more events
+        (an older RDB snapshot loaded, the counter rolled back): refuse it (rule End position
+        of docs/backend-authors.md)."""
         nxt = 0 if position is None else int(position.get(PARTITION, 0))
+        if position is not None and nxt > (end := self.end_position()[PARTITION]):
+            raise ChannelResetError(
+                f"the stored position {nxt} lies past the end of {self._keys.events} ({end}): "
+                "the keys were restored from an older snapshot or the event counter rolled "
+                "back, and events published before are gone. Do not restart as is: see "
+                "docs/operations.md (channel reset)"
+            )
         self._after = f"0-{nxt - 1}" if nxt > 0 else "0-0"
 
     def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:

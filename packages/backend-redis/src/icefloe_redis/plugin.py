@@ -22,5 +22,6 @@ def icefloe_register_backends() -> Sequence[BackendSpec]:
             config_model=RedisConfig,
             factory=_factory,
             description="Redis streams and Lua scripts (redis-py); light and fast",
+            contract=2,  # docs/backend-authors.md, "Contract versions"
         )
     ]

@@ -3,6 +3,7 @@ afterwards), and private redis-server processes for tests that restart or reconf
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from pydantic import SecretStr
 from redis.exceptions import RedisError
 
 from icefloe.channel import WriterBatch
@@ -26,7 +28,9 @@ from icefloe.events import (
     SourcePosition,
     WriterRef,
 )
+from icefloe.testing.tls import TlsFiles, self_signed_cert
 from icefloe_redis import RedisBackend, RedisConfig
+from icefloe_redis.permissions import acl_rules
 
 REDIS_URL = os.environ.get("ICEFLOE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -143,17 +147,26 @@ def _free_port() -> int:
 
 class PrivateRedis:
     """A redis-server of our own on a free port (no persistence unless asked), for tests
-    that restart it or need a particular configuration."""
+    that restart it or need a particular configuration; with ``tls`` it takes only TLS
+    connections, on that port."""
 
-    def __init__(self, workdir: Path, args: tuple[str, ...]) -> None:
+    def __init__(self, workdir: Path, args: tuple[str, ...], tls: TlsFiles | None = None) -> None:
         self.workdir = workdir
-        self.args = args
         self.port = _free_port()
+        if tls is not None:
+            args = (
+                *("--port", "0", "--tls-port", str(self.port), "--tls-auth-clients", "no"),
+                *("--tls-cert-file", str(tls.cert), "--tls-key-file", str(tls.key)),
+                *("--tls-ca-cert-file", str(tls.ca), *args),
+            )
+        self.args = args
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "redis" if self.tls is None else "rediss"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
     def start(self) -> PrivateRedis:
         binary = shutil.which("redis-server")
@@ -205,3 +218,31 @@ def private_redis(tmp_path: Path) -> Iterator[Callable[..., PrivateRedis]]:
     yield start
     for s in servers:
         s.stop()
+
+
+#: the user, password and key prefix of the secured server's only enabled user
+ACL_USER = "icefloe"
+ACL_PASSWORD = "acl-pw-Sekrit-6379"
+ACL_PREFIX = "icefloe-acl"
+
+
+@pytest.fixture(scope="session")
+def secured_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisConfig]:
+    """A private redis-server that takes only TLS connections (a self-signed certificate) and
+    only the ACL user ``icefloe`` with exactly :func:`acl_rules` (the default user is off);
+    yields the backend settings that reach it (verifying the certificate)."""
+    workdir = tmp_path_factory.mktemp("secured-redis")
+    tls = self_signed_cert(workdir / "tls")
+    digest = hashlib.sha256(ACL_PASSWORD.encode()).hexdigest()  # the file holds no password
+    aclfile = workdir / "users.acl"
+    aclfile.write_text(f"user default off\nuser {ACL_USER} on #{digest} {acl_rules(ACL_PREFIX)}\n")
+    server = PrivateRedis(workdir / "server", ("--aclfile", str(aclfile)), tls=tls).start()
+    yield RedisConfig(
+        url=server.url,
+        username=ACL_USER,
+        password=SecretStr(ACL_PASSWORD),
+        key_prefix=ACL_PREFIX,
+        ssl_ca_certs=str(tls.ca),
+        max_block_s=0.5,
+    )
+    server.stop()

@@ -11,17 +11,160 @@ A backend (Kafka control topic, PostgreSQL, Redis, or a third party's) provides 
 
 Positions are ``{channel partition: next offset to read}``. Backends with a single ordered log
 use the partition ``"0"``. Offsets only grow within a partition.
+
+The contract has a version (:data:`CONTRACT_VERSION`). A backend declares the one it was written
+for in its ``BackendSpec``; core refuses, when it loads the backend, one it cannot drive, naming
+what changed (:data:`CONTRACT_CHANGES`) and the section of docs/backend-authors.md to read.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Self
 
+from icefloe.errors import MissingBackendMethodError
 from icefloe.events import Event, SourcePosition, WriterRef
 
 ChannelPosition = Mapping[str, int]
+
+# ------------------------------------------------------------------ the contract's version
+
+#: The version of the backend contract this module defines: the abstract classes below, the
+#: rules of docs/backend-authors.md and the test hooks. It moves with every change a backend
+#: has to follow, and icefloe-core's minor version (its major version from 1.0 on) moves with
+#: it. A backend declares the version it implements as a number in ``BackendSpec(contract=2)``,
+#: never as this constant: that would claim every future contract without reading it.
+CONTRACT_VERSION = 2
+#: The oldest contract this core still drives; a backend of an older one is refused at load.
+OLDEST_CONTRACT_VERSION = 2
+#: What a backend that declares no version implements: the contract before it had versions.
+UNVERSIONED_CONTRACT = 1
+#: The guide to the contract and its versions.
+CONTRACT_DOCS = "docs/backend-authors.md"
+
+
+@dataclass(frozen=True)
+class ContractChange:
+    """One change a backend has to follow to implement a new contract version: the rule of
+    docs/backend-authors.md it belongs to (None: no rule of the conformance suite), what to
+    do, and the methods it adds (qualified, e.g. ``CoordinatorChannel.channel_id``)."""
+
+    rule: str | None
+    what: str
+    methods: tuple[str, ...] = ()
+
+
+#: What each contract version changed from the one before, as the refusal of an outdated
+#: backend lists it (docs/backend-authors.md has the upgrade guide, CHANGELOG.md the history).
+CONTRACT_CHANGES: Mapping[int, tuple[ContractChange, ...]] = {
+    2: (
+        ContractChange(
+            "Identity",
+            "implement CoordinatorChannel.channel_id(), an identity created with the storage",
+            ("CoordinatorChannel.channel_id",),
+        ),
+        ContractChange(
+            "End position",
+            "implement CoordinatorChannel.end_position(), exactly past the newest event; seek "
+            "past it raises ChannelResetError",
+            ("CoordinatorChannel.end_position",),
+        ),
+        ContractChange(
+            "Bytes",
+            "poll returns the events before an undecodable record, then raises "
+            "EventDecodeError at it; implement the test hook Backend.inject_undecodable()",
+            ("Backend.inject_undecodable",),
+        ),
+        ContractChange(
+            "Numbering",
+            "issue epochs and fencing tokens (and offsets) from the clock, so a recreated "
+            "store never issues numbers again",
+        ),
+        ContractChange(
+            "Probe and describe",
+            "probe() and describe() tell the truth and change nothing (both stay optional)",
+        ),
+        ContractChange(
+            None,
+            "resolve relative paths of the backend's section with BackendContext.resolve()",
+        ),
+        ContractChange(None, "declare the contract version: BackendSpec(..., contract=2)"),
+    ),
+}
+
+#: The rule of docs/backend-authors.md each required method carries: a missing method is
+#: reported under it (by the conformance suite and in :class:`MissingBackendMethodError`).
+METHOD_RULES: Mapping[str, str] = {
+    "Backend.writer": "Shared store",
+    "Backend.coordinator": "Shared store",
+    "Backend.inject_undecodable": "Bytes",
+    "WriterChannel.open": "Epochs and fencing",
+    "WriterChannel.publish": "Atomic batches",
+    "WriterChannel.respond": "Epochs and fencing",
+    "WriterChannel.poll_broadcasts": "Broadcasts",
+    "WriterChannel.close": "Epochs and fencing",
+    "CoordinatorChannel.acquire": "One leader",
+    "CoordinatorChannel.renew": "One leader",
+    "CoordinatorChannel.release": "One leader",
+    "CoordinatorChannel.close": "One leader",
+    "CoordinatorChannel.seek": "Order and positions",
+    "CoordinatorChannel.poll": "Order and positions",
+    "CoordinatorChannel.store_position": "Order and positions",
+    "CoordinatorChannel.stored_position": "Order and positions",
+    "CoordinatorChannel.broadcast": "Broadcasts",
+    "CoordinatorChannel.prune": "Retention",
+    "CoordinatorChannel.channel_id": "Identity",
+    "CoordinatorChannel.end_position": "End position",
+}
+
+
+def upgrade_section(version: int) -> str:
+    """Where docs/backend-authors.md says how to upgrade a backend to contract ``version``."""
+    return f"{CONTRACT_DOCS}#from-contract-{version - 1}-to-contract-{version}"
+
+
+def introduced_in(method: str) -> int | None:
+    """The contract version that added ``method`` (None: it was there from the start)."""
+    for version, changes in CONTRACT_CHANGES.items():
+        if any(method in change.methods for change in changes):
+            return version
+    return None
+
+
+def missing_methods_error(cls: type, missing: Iterable[str]) -> MissingBackendMethodError:
+    """The error naming the methods ``cls`` lacks, the rule each carries and where to read."""
+    names = tuple(missing)
+    parts = []
+    for name in names:
+        rule = METHOD_RULES.get(name)
+        added = introduced_in(name)
+        part = f"{name}()" + (f" (rule '{rule}')" if rule else "")
+        if added is not None:
+            part += f", new in contract {added}: see {upgrade_section(added)}"
+        parts.append(part)
+    return MissingBackendMethodError(
+        f"{cls.__module__}.{cls.__qualname__} does not implement "
+        + "; ".join(parts)
+        + f" (backend contract {CONTRACT_VERSION}: see {CONTRACT_DOCS}#1-implement-the-channel)",
+        names,
+    )
+
+
+class _ContractClass(abc.ABC):  # noqa: B024 - abstract through its three subclasses
+    """Base of the three contract classes: instantiating a backend's class that lacks an
+    abstract method raises :class:`MissingBackendMethodError` naming the methods and their
+    rules, instead of Python's bare ``TypeError`` (which named neither the rule nor the
+    upgrade guide, and reached users of an outdated plugin as a traceback)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        if cls.__abstractmethods__:
+            base = next(k.__name__ for k in cls.__mro__ if k in _CONTRACT_CLASSES)
+            raise missing_methods_error(
+                cls, [f"{base}.{m}" for m in sorted(cls.__abstractmethods__)]
+            )
+        return super().__new__(cls)
 
 
 @dataclass(frozen=True)
@@ -81,7 +224,7 @@ class BackendStatus:
     stored_position: Mapping[str, int] | None = None
 
 
-class WriterChannel(abc.ABC):
+class WriterChannel(_ContractClass):
     """One writer instance's end of the channel."""
 
     @abc.abstractmethod
@@ -111,7 +254,7 @@ class WriterChannel(abc.ABC):
         """Release connections. Never fences or deletes anything."""
 
 
-class CoordinatorChannel(abc.ABC):
+class CoordinatorChannel(_ContractClass):
     """The coordinator's end of the channel."""
 
     @abc.abstractmethod
@@ -190,14 +333,14 @@ class CoordinatorChannel(abc.ABC):
         past a transaction marker."""
         return None
 
-    def simulate_crash(self) -> None:  # noqa: B027 - optional test hook
+    def simulate_crash(self) -> None:
         """Test hook (the conformance suite's only crash simulation): make this channel look
         like its process died - cut its connections, never release the lease, so another
         coordinator takes over only after the lease expires. The default abandons the channel,
         which is what a dead process does for backends without live connections."""
 
 
-class Backend(abc.ABC):
+class Backend(_ContractClass):
     """A configured coordination backend for one pipeline."""
 
     @abc.abstractmethod
@@ -224,7 +367,7 @@ class Backend(abc.ABC):
         """Warnings about the server's setup that weaken guarantees (shown by `icefloe doctor`)."""
         return []
 
-    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless pools exist
+    def close(self) -> None:
         """Release shared resources (pools)."""
 
     def inject_undecodable(self, data: bytes, writer_id: str) -> None:
@@ -233,8 +376,9 @@ class Backend(abc.ABC):
         ``writer_id``'s next event would go (its partition, where there are several),
         bypassing every check, as a corrupt record or a foreign client would. The suite uses
         it to check that ``poll`` stops at such a record (raises EventDecodeError) instead of
-        skipping it; a backend that does not implement it fails that test."""
-        raise NotImplementedError(
-            f"{type(self).__name__}.inject_undecodable is not implemented: the conformance "
-            "suite needs it to check that poll stops at undecodable bytes"
-        )
+        skipping it; a backend that does not implement it fails that test (rule Bytes)."""
+        raise missing_methods_error(type(self), ["Backend.inject_undecodable"])
+
+
+#: The classes a backend subclasses (what :class:`_ContractClass` names a missing method by).
+_CONTRACT_CLASSES = (WriterChannel, CoordinatorChannel, Backend)

@@ -5,8 +5,11 @@ are lower-cased), so a deployment can change any key without editing the file: e
 ``ICEFLOE__COORDINATION__BACKEND=redis``. Values stay strings and are converted by the field's
 type (``"2.5"`` for a float, ``"true"`` for a bool), so a password made of digits stays a
 string; a value starting with ``[`` or ``{`` that parses as a TOML array or inline table is
-used as a list or table. Hand-written because pydantic-settings binds its TOML source at
-class-definition time and we want the file path chosen at run time.
+used as a list or table. A value that is exactly ``${env:NAME}`` or ``${file:PATH}``, in the
+file or in a variable, is read from that variable or file, so secrets stay out of the pipeline
+file (``icefloe show-config`` shows the reference, not the value). Hand-written because
+pydantic-settings binds its TOML source at class-definition time and we want the file path
+chosen at run time.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -380,6 +384,9 @@ class PipelineConfig(_Model):
     # JSON), so a backend's relative paths mean the same everywhere; set by load_config
     config_dir: str | None = None
     errors: ErrorsConfig = Field(default_factory=ErrorsConfig)
+    # key path -> the ``${env:...}``/``${file:...}`` reference its value was read from, so
+    # show-config shows where a secret comes from instead of the value (set by load_config)
+    _references: dict[tuple[str | int, ...], str] = PrivateAttr(default_factory=dict)
 
     @field_validator("errors")
     @classmethod
@@ -559,6 +566,88 @@ def config_from_dict(data: Mapping[str, Any]) -> PipelineConfig:
         raise config_error_from(exc) from None
 
 
+# --------------------------------------------------------------------------- references
+
+#: a value that is exactly ``${env:NAME}`` or ``${file:PATH}`` (Kafka Connect's config-provider
+#: syntax) is read from that variable or file when the configuration is loaded
+_REFERENCE = re.compile(r"^\$\{(?P<kind>env|file):(?P<name>[^}]+)\}$")
+KeyPath = tuple[str | int, ...]
+
+
+def _dotted(path: KeyPath) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _read_reference(
+    kind: str, name: str, path: KeyPath, environ: Mapping[str, str], base: Path
+) -> str:
+    key = _dotted(path)
+    if kind == "env":
+        if name not in environ:
+            raise ConfigError(
+                key,
+                f"refers to environment variable {name}, which is not set",
+                f"export {name} in the environment of every icefloe process, or give the value",
+            )
+        return environ[name]
+    file = base / Path(name).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            key,
+            f"refers to file {file}, which cannot be read ({reason})",
+            "give the path of a readable file (a relative path starts at the pipeline "
+            "file's directory)",
+        ) from None
+    # secret files usually end with the newline `echo` or an editor added
+    return text.removesuffix("\n").removesuffix("\r")
+
+
+def resolve_references(
+    data: Mapping[str, Any], environ: Mapping[str, str], base: Path
+) -> tuple[dict[str, Any], dict[KeyPath, str]]:
+    """``data`` with every ``${env:NAME}`` / ``${file:PATH}`` value replaced by the variable's
+    value or the file's text (one final newline dropped; relative paths start at ``base``),
+    and the references found, by key path. Raises ConfigError naming the key."""
+    found: dict[KeyPath, str] = {}
+
+    def walk(value: Any, path: KeyPath) -> Any:
+        if isinstance(value, Mapping):
+            return {k: walk(v, (*path, k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, (*path, i)) for i, v in enumerate(value)]
+        match = _REFERENCE.match(value) if isinstance(value, str) else None
+        if match is None:
+            return value
+        found[path] = value
+        return _read_reference(match["kind"], match["name"].strip(), path, environ, base)
+
+    return walk(data, ()), found
+
+
+def _child(node: Any, part: str | int) -> Any:
+    """``node[part]`` when ``node`` is a table with that key or a list with that index."""
+    if isinstance(node, dict):
+        return node.get(part)
+    if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+        return node[part]
+    return None
+
+
+def show_references(data: dict[str, Any], config: PipelineConfig) -> dict[str, Any]:
+    """``data`` (a dump of ``config``) with each value read from a reference replaced by the
+    reference itself: where a secret comes from, never the secret."""
+    for path, reference in config._references.items():
+        node: Any = data
+        for part in path[:-1]:
+            node = _child(node, part)
+        if _child(node, path[-1]) is not None:
+            node[path[-1]] = reference
+    return data
+
+
 def load_config(
     path: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
@@ -584,9 +673,18 @@ def load_config(
     data = apply_env(data, env)
     if overrides:
         data = deep_merge(data, overrides)
+    data, references = resolve_references(data, env, Path(data.get("config_dir") or "."))
     try:
-        return config_from_dict(data)
+        config = config_from_dict(data)
     except ConfigError as exc:
+        shown = {_dotted(p): r for p, r in references.items()}
+        if exc.key in shown:  # the value may be a secret: name where it came from instead
+            raise ConfigError(
+                exc.key,
+                exc.problem,
+                f"{exc.fix} (the value comes from {shown[exc.key]})",
+                shown[exc.key],
+            ) from None
         parts = exc.key.split(".")
         for n in range(len(parts), 0, -1):  # the variable may set the key or a table above it
             var = env_var_for(".".join(parts[:n]))
@@ -595,6 +693,8 @@ def load_config(
                     exc.key, exc.problem, f"{exc.fix} (the value comes from {var})", exc.value
                 ) from None
         raise
+    config._references = references
+    return config
 
 
 # --------------------------------------------------------------------------- redaction

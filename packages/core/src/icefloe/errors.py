@@ -83,6 +83,25 @@ class DuplicateBackendError(PluginError):
         )
 
 
+class BackendContractError(PluginError):
+    """An installed backend implements another version of the backend contract than this
+    icefloe-core drives (``icefloe.channel.CONTRACT_VERSION``), so it is refused when it is
+    loaded rather than failing later with a raw ``TypeError``. The message names the backend,
+    its distribution and version, what to implement and the section of
+    docs/backend-authors.md to read."""
+
+
+class MissingBackendMethodError(BackendContractError, TypeError, NotImplementedError):
+    """A backend class lacks a method of the contract (abstract, or a required test hook left
+    at its default). A ``TypeError`` (what instantiating an abstract class always raised) and
+    a ``NotImplementedError`` (what the test hooks raised), so older callers still catch it.
+    ``missing`` holds qualified names such as ``CoordinatorChannel.channel_id``."""
+
+    def __init__(self, message: str, missing: tuple[str, ...]) -> None:
+        self.missing = missing
+        super().__init__(message)
+
+
 class UnknownCodecError(PluginError):
     """No installed codec handles the configured record format."""
 
@@ -107,6 +126,12 @@ class WriterFencedError(ChannelError):
 
 class NotLeaderError(ChannelError):
     """This coordinator does not (or no longer) hold the leadership lease."""
+
+
+class ChannelStalledError(ChannelError):
+    """A read of the channel did not reach the end the channel reported before it began, in
+    the time allowed (e.g. a Kafka transaction left open holds read_committed readers back).
+    Nothing is decided from a read cut short: it would miss published batches."""
 
 
 class CommitError(IcefloeError):
@@ -143,6 +168,12 @@ class FileOutsideTableError(RefusedFileError):
 class InvalidDataFileError(RefusedFileError):
     """A file's announced metadata cannot be described against the table (bad partition or
     statistics for the table's schema)."""
+
+
+class NotADataFileError(RefusedFileError):
+    """A file announced as data is not a data file of its table: its Parquet schema holds
+    Iceberg's reserved delete columns (a position-delete file) or field ids no schema of the
+    table has. Merging it would invent rows; committing it as data would too."""
 
 
 class DataFileMissingError(RefusedFileError):
@@ -276,6 +307,12 @@ class RowDeltaTableError(RowDeltaNotSupportedError):
 
 class PartitionSpecChangedError(RefusedFileError):
     """A data file was written with a partition spec that is no longer the table's default."""
+
+
+class KeyedBatchRefusedError(RefusedFileError):
+    """A file of an upsert/CDC writer batch the table would take by itself, refused because
+    another file of the same batch is: a keyed batch's keys and row images are committed
+    together or not at all (one half alone loses or duplicates keys)."""
 
 
 class CommitHistoryLostError(PermanentTableError):

@@ -45,12 +45,19 @@ class BackendContext:
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """A coordination backend: its config name, typed config model and factory."""
+    """A coordination backend: its config name, typed config model and factory, and the
+    version of the backend contract (``icefloe.channel.CONTRACT_VERSION``) it implements.
+
+    Write ``contract`` as a number (``contract=2``), never as the constant: a backend must
+    claim a new contract only once it follows it. None (the default) is what backends written
+    before contracts had versions declare, contract 1; core refuses, when it loads a backend,
+    one of a contract it cannot drive (``icefloe.plugins.backends``)."""
 
     name: str
     config_model: type[BaseModel]
     factory: Callable[[Any, BackendContext], Backend]
     description: str = ""
+    contract: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,8 @@ class IcefloeHookSpecs:
 
     @hookspec
     def icefloe_register_backends(self) -> Sequence[BackendSpec]:
-        """Return the coordination backends this plugin provides."""
+        """Return the coordination backends this plugin provides, each declaring the backend
+        contract it implements (``BackendSpec.contract``)."""
 
     @hookspec
     def icefloe_register_codecs(self) -> Sequence[CodecSpec]:

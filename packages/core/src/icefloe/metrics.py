@@ -56,6 +56,12 @@ FILES_QUARANTINED = Counter(
     "Announced files recorded in the quarantine instead of committed, per table.",
     ["table"],
 )
+TABLE_FAILING = Gauge(
+    "icefloe_table_failing",
+    "Commits of a table that failed in a row, once they reached "
+    "coordination.quarantine_after_failures (0: below that, or committing again).",
+    ["table"],
+)
 PENDING_FILES = Gauge("icefloe_pending_files", "Data files read by the coordinator, uncommitted.")
 PENDING_BYTES = Gauge("icefloe_pending_bytes", "Bytes of data files read, uncommitted.")
 SOURCE_LAG = Gauge(

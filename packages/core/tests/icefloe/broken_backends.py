@@ -4,6 +4,9 @@
 that the suite fails it, in the test of the rule that is broken (the suite's own mutation
 test). Each variant is the reference backend with the smallest change that breaks one rule of
 ``docs/backend-authors.md``; ``MUTANTS`` maps its name to (factory maker, tests that must fail).
+``MISSING`` holds variants that lack part of the contract (a method, the ``recreate_store``
+fixture): the suite must report each missing part once, under the rule that needs it, and
+skip the other tests that need it instead of failing them all.
 """
 
 from __future__ import annotations
@@ -12,7 +15,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from icefloe.channel import ChannelRecord, CoordinatorChannel, Lease, WriterBatch, WriterChannel
+from icefloe.channel import (
+    BackendStatus,
+    ChannelPosition,
+    ChannelRecord,
+    CoordinatorChannel,
+    Lease,
+    WriterBatch,
+    WriterChannel,
+)
 from icefloe.errors import EventDecodeError
 from icefloe.events import decode_event
 from icefloe.testing.conformance import BackendFactory
@@ -105,6 +116,19 @@ class _ReleaseDoesNothing(MemoryServer):
         pass
 
 
+class _NumbersFromOne(MemoryServer):
+    """Counts epochs and fencing tokens from 1 in every new store, as contract 1 allowed."""
+
+    def _group(self, group_id: str) -> _Group:
+        return self._groups.setdefault(group_id, _Group(token=0))
+
+    def open_writer(self, group_id: str, writer_id: str) -> tuple[int, int]:
+        with self._cond:
+            g = self._group(group_id)
+            g.epochs[writer_id] = g.epochs.get(writer_id, 0) + 1
+            return g.epochs[writer_id], len(g.broadcasts)
+
+
 # --------------------------------------------------------------------------- channels
 
 
@@ -123,6 +147,35 @@ class _SkippingCoordinator(MemoryCoordinatorChannel):
         return out
 
 
+class _ConstantIdCoordinator(MemoryCoordinatorChannel):
+    """Names the channel by configuration (a constant here), not by its storage."""
+
+    def channel_id(self) -> str:
+        return "memory:the-pipeline-channel"
+
+
+class _EndTooFarCoordinator(MemoryCoordinatorChannel):
+    """Reports an end past the newest event (e.g. the next offset to allocate, plus one)."""
+
+    def end_position(self) -> ChannelPosition:
+        return {p: o + 1 for p, o in super().end_position().items()}
+
+
+class _SeekAnywhereCoordinator(MemoryCoordinatorChannel):
+    """Seeks past the end without a word, as contract 1 allowed."""
+
+    def seek(self, position: ChannelPosition | None) -> None:
+        self._next = 0 if position is None else int(position.get(PARTITION, 0))
+
+
+class _Contract1Coordinator(MemoryCoordinatorChannel):
+    """A coordinator end of contract 1: no channel_id, no end_position (the upgrade trial's
+    SQLite backend)."""
+
+    channel_id = CoordinatorChannel.channel_id  # abstract again
+    end_position = CoordinatorChannel.end_position
+
+
 class _WallClockCoordinator(MemoryCoordinatorChannel):
     """Returns ``expires_at`` on the wall clock, meaningless to the monotonic deadline readers."""
 
@@ -139,6 +192,13 @@ class _SameHolderCoordinator(MemoryCoordinatorChannel):
     ) -> None:
         super().__init__(server, group_id, coordinator_id, lease_ttl_s)
         self._holder = coordinator_id
+
+
+class _EndOutOfReach(MemoryCoordinatorChannel):
+    """Reports an end one past its newest event, which no reader ever reaches."""
+
+    def end_position(self) -> dict[str, int]:
+        return {p: o + 1 for p, o in super().end_position().items()}
 
 
 class _ThreadBoundError(Exception):
@@ -169,6 +229,25 @@ class _ThreadBoundWriter(MemoryWriterChannel):
 # --------------------------------------------------------------------------- backends
 
 
+class _StaleDescribeBackend(MemoryBackend):
+    """``describe`` answers from a cache filled once: after a takeover it names the old leader
+    and token."""
+
+    _cached: BackendStatus | None = None
+
+    def describe(self) -> BackendStatus:
+        if self._cached is None or self._cached.leader is None:
+            self._cached = super().describe()
+        return self._cached
+
+
+class _WritingProbeBackend(MemoryBackend):
+    """``probe`` checks the server by appending a record to the pipeline's log."""
+
+    def probe(self) -> None:
+        self.server.inject(self.group_id, b"ping")
+
+
 class _Backend(MemoryBackend):
     """The reference backend with replaceable channel classes."""
 
@@ -186,10 +265,11 @@ def _with(
     server_class: type[MemoryServer] = MemoryServer,
     coordinator: type[MemoryCoordinatorChannel] = MemoryCoordinatorChannel,
     writer: type[MemoryWriterChannel] = MemoryWriterChannel,
+    backend: type[MemoryBackend] = MemoryBackend,
 ) -> Callable[[], BackendFactory]:
     """A maker of factories: one server per test, shared by every Backend the factory makes."""
 
-    class Variant(_Backend):
+    class Variant(_Backend, backend):  # type: ignore[misc, valid-type]
         coordinator_class = coordinator
         writer_class = writer
 
@@ -198,6 +278,18 @@ def _with(
         return lambda group_id, ttl: Variant(server, group_id, ttl)
 
     return make
+
+
+def _served(
+    coordinator: type[MemoryCoordinatorChannel],
+) -> Callable[[MemoryServer], BackendFactory]:
+    """A maker of factories on a served reference server (the whole channel suite runs against
+    these, its forked publishers included)."""
+
+    class Variant(_Backend):
+        coordinator_class = coordinator
+
+    return lambda server: lambda group_id, ttl: Variant(server, group_id, ttl)
 
 
 def _unshared() -> BackendFactory:
@@ -262,9 +354,64 @@ MUTANTS: dict[str, tuple[Callable[[], BackendFactory], list[str], str]] = {
         ["test_lease_expires_at_is_a_local_monotonic_deadline"],
         "Lease clock",
     ),
+    "end_out_of_reach": (
+        _with(coordinator=_EndOutOfReach),
+        ["test_a_reader_that_read_everything_reaches_end_position"],
+        "End position",
+    ),
     "thread_bound_channels": (
         _with(writer=_ThreadBoundWriter),
         ["test_channels_work_from_threads_other_than_their_creator"],
         "Threading",
+    ),
+    # the rules of contract 2 (docs/backend-authors.md, "From contract 1 to contract 2")
+    "constant_channel_id": (
+        _with(coordinator=_ConstantIdCoordinator),
+        ["test_a_recreated_store_is_a_new_channel"],
+        "Identity",
+    ),
+    "numbers_from_one": (
+        _with(_NumbersFromOne),
+        ["test_epochs_and_tokens_grow_across_a_recreated_store"],
+        "Numbering",
+    ),
+    "end_past_the_newest_event": (
+        _with(coordinator=_EndTooFarCoordinator),
+        ["test_end_position_is_not_past_the_newest_event"],
+        "End position",
+    ),
+    "seek_past_the_end_accepted": (
+        _with(coordinator=_SeekAnywhereCoordinator),
+        ["test_seek_past_the_end_raises_channel_reset"],
+        "End position",
+    ),
+    "stale_describe": (
+        _with(backend=_StaleDescribeBackend),
+        ["test_describe_tells_the_leader_token_writers_and_position"],
+        "Probe and describe",
+    ),
+    "writing_probe": (
+        _with(backend=_WritingProbeBackend),
+        ["test_probe_and_describe_change_nothing"],
+        "Probe and describe",
+    ),
+}
+
+#: name -> (factory maker on a served server, whether the test class provides
+#: ``recreate_store``, the tests that must fail -> the rule each names); every other test of
+#: the channel suite must pass or be skipped naming the test that reports what is missing
+MISSING: dict[str, tuple[Callable[[MemoryServer], BackendFactory], bool, dict[str, str]]] = {
+    "contract_1_coordinator": (
+        _served(_Contract1Coordinator),
+        True,
+        {
+            "test_channel_id_is_one_per_storage_and_stable": "Identity",
+            "test_end_position_is_past_every_event_read": "End position",
+        },
+    ),
+    "no_recreate_store": (
+        _served(MemoryCoordinatorChannel),
+        False,
+        {"test_a_recreated_store_is_a_new_channel": "Identity"},
     ),
 }

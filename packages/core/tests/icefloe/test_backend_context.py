@@ -48,7 +48,7 @@ def _open(config: PipelineConfig) -> tuple[BackendContext, Path]:
     class Plugin:
         @hookimpl
         def icefloe_register_backends(self) -> list[BackendSpec]:
-            return [BackendSpec("ctx", _Options, factory)]
+            return [BackendSpec("ctx", _Options, factory, contract=2)]
 
     plugins = new_plugins(autoload=False)
     plugins.pm.register(Plugin())

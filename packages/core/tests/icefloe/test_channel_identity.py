@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
+from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.summary import drained_property
@@ -23,18 +24,36 @@ from icefloe.ops.drain import DrainResult, drain
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once, create_rows_table, write_rows
 from icefloe.testing.harness import RowSource, drive, lead, wait_pending
-from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.testing.memory import MemoryBackend, MemoryCoordinatorChannel, MemoryServer
 
 GROUP = "pipe"
 TABLE = "ns.t"
 SETTINGS = CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=5.0)
 
 
+class _BeforeIdentities(MemoryBackend):
+    """The reference channel as a backend of contract 1 left it in the tables: summaries
+    without ``icefloe.channel-id`` (what a core before channel identities recorded)."""
+
+    def coordinator(self, coordinator_id: str) -> CoordinatorChannel:
+        class Unnamed(MemoryCoordinatorChannel):
+            def channel_id(self) -> str:
+                return None  # type: ignore[return-value]
+
+        return Unnamed(self.server, self.group_id, coordinator_id, self.lease_ttl_s)
+
+
 class Pipeline:
     """One pipeline's writer and coordinator on one channel (a MemoryServer)."""
 
-    def __init__(self, server: MemoryServer, catalog: SqlCatalog, name: str) -> None:
-        self.backend = MemoryBackend(server, GROUP, lease_ttl_s=5.0)
+    def __init__(
+        self,
+        server: MemoryServer,
+        catalog: SqlCatalog,
+        name: str,
+        backend: type[MemoryBackend] = MemoryBackend,
+    ) -> None:
+        self.backend = backend(server, GROUP, lease_ttl_s=5.0)
         self.writer = WriterClient(self.backend.writer("w"), GROUP, "w")
         self.writer.start()
         self.coordinator = Coordinator(
@@ -64,8 +83,13 @@ def closers() -> Iterator[list[Pipeline]]:
         p.close()
 
 
-def run_on(server: MemoryServer, catalog: SqlCatalog, closers: list[Pipeline]) -> Pipeline:
-    p = Pipeline(server, catalog, f"c{len(closers)}")
+def run_on(
+    server: MemoryServer,
+    catalog: SqlCatalog,
+    closers: list[Pipeline],
+    backend: type[MemoryBackend] = MemoryBackend,
+) -> Pipeline:
+    p = Pipeline(server, catalog, f"c{len(closers)}", backend)
     closers.append(p)
     return p
 
@@ -249,3 +273,54 @@ def test_drain_under_the_memory_bound_commits_every_batch_before_marking(
     assert result.marked == (TABLE,)
     assert_exactly_once(sqlite_catalog, TABLE, source.expected[TABLE])
     assert result.cycles >= 4  # one batch per cycle under the bound
+
+
+def _committed_before_identities(
+    server: MemoryServer, catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
+) -> list[int]:
+    """Batches 0-2 committed by a core that recorded no channel id; batch 3 published, not
+    committed, when the pipeline stops. Returns the committed ids."""
+    old = run_on(server, catalog, closers, _BeforeIdentities)
+    commit_batches(old, source, range(3))
+    state = IcebergCommitter(catalog, GROUP).state(TABLE)
+    assert state is not None
+    assert state.boundary.channel_id is None
+    committed = list(source.expected[TABLE])
+    source.publish(old.writer, 3)
+    old.close()
+    closers.remove(old)
+    return committed
+
+
+def test_a_table_committed_before_channel_ids_is_adopted_by_the_channel_that_reads_it(
+    sqlite_catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
+) -> None:
+    """docs/backend-authors.md ("Tables committed before a backend had ids"): positions
+    without an identity are taken to belong to the channel that reads them, and the first
+    commit records its id. An upgrade in place (same store) loses and repeats nothing."""
+    server = MemoryServer()
+    _committed_before_identities(server, sqlite_catalog, source, closers)
+    upgraded = run_on(server, sqlite_catalog, closers)
+    lead(upgraded.coordinator, 10)
+    wait_pending(upgraded.coordinator, 1, 10)  # batch 3; batches 0-2 are recognised
+    assert not upgraded.coordinator.commit_now().failed
+    assert_exactly_once(sqlite_catalog, TABLE, source.expected[TABLE])
+    state = IcebergCommitter(sqlite_catalog, GROUP).state(TABLE)
+    assert state is not None
+    assert state.boundary.channel_id == f"memory:{server.identity()}"
+
+
+def test_a_table_committed_before_channel_ids_refuses_a_store_that_lost_its_events(
+    sqlite_catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
+) -> None:
+    """The same adoption on a store recreated during the upgrade: its log ends before the
+    recorded positions, so the coordinator stops (it cannot tell the new events from the
+    committed ones). A store numbering offsets from the clock never gets here silently."""
+    server = MemoryServer()
+    committed = _committed_before_identities(server, sqlite_catalog, source, closers)
+    server.recreate()  # batch 3 is lost with it
+    upgraded = run_on(server, sqlite_catalog, closers)
+    source.publish(upgraded.writer, 4)  # numbered from 0 again, below the recorded positions
+    with pytest.raises(ChannelResetError, match="reset or rolled back"):
+        drive(upgraded.coordinator, lambda: False, "the refusal", 10)
+    assert_exactly_once(sqlite_catalog, TABLE, committed)

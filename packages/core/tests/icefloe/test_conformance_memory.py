@@ -9,8 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from icefloe.testing.conformance import BackendConformance, BackendFactory
-from icefloe.testing.memory import MemoryBackend, MemoryServer, serve_memory_server
+from icefloe.testing.conformance import BackendConformance, BackendFactory, StoreRecreator
+from icefloe.testing.memory import (
+    MemoryBackend,
+    MemoryServer,
+    recreate_memory_store,
+    serve_memory_server,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +29,10 @@ class TestMemoryBackendConformance(BackendConformance):
     @pytest.fixture
     def backend_factory(self, served_server: MemoryServer) -> BackendFactory:
         return lambda group_id, ttl: MemoryBackend(served_server, group_id, ttl)
+
+    @pytest.fixture
+    def recreate_store(self) -> StoreRecreator:
+        return recreate_memory_store
 
 
 class _NoWriterFencing(MemoryServer):

@@ -1,6 +1,8 @@
 """The conformance suite's own mutation test: run it, in a separate pytest process, against the
 reference backend (must pass everything) and against each deliberately broken variant of
-``broken_backends.py`` (must fail the test of the broken rule, with a message naming it)."""
+``broken_backends.py`` (must fail the test of the broken rule, with a message naming it), and
+against variants that lack part of the contract (must report each missing part once, under
+the rule that needs it, and skip the other tests that need it)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,22 +28,32 @@ from collections.abc import Iterator
 
 import pytest
 
-from broken_backends import MUTANTS
-from icefloe.testing.conformance import BackendConformance, BackendFactory
-from icefloe.testing.memory import MemoryBackend, MemoryServer, serve_memory_server
+from broken_backends import MISSING, MUTANTS
+from icefloe.testing.conformance import BackendConformance, BackendFactory, StoreRecreator
+from icefloe.testing.memory import (
+    MemoryBackend,
+    MemoryServer,
+    recreate_memory_store,
+    serve_memory_server,
+)
+from icefloe.testing.rules.support import SuiteBase
 
 
 class Quick(BackendConformance):
     lease_ttl_s = 1.0
     read_timeout_s = 4.0
 
-
-class TestReference(Quick):
     @pytest.fixture(scope="class")
     def served(self) -> Iterator[MemoryServer]:
         with serve_memory_server() as (proxy, _):
             yield proxy
 
+    @pytest.fixture
+    def recreate_store(self) -> StoreRecreator:
+        return recreate_memory_store
+
+
+class TestReference(Quick):
     @pytest.fixture
     def backend_factory(self, served: MemoryServer) -> BackendFactory:
         return lambda group_id, ttl: MemoryBackend(served, group_id, ttl)
@@ -54,36 +67,66 @@ class TestMutant_{name}(Quick):
         return MUTANTS["{name}"][0]()
 """
 
+MISSING_CLASS = """
 
-def _mutants() -> dict[str, tuple[list[str], str]]:
-    """Names, expected failing tests and rules, read without importing the module here (it is
-    imported by the generated suite, from this directory)."""
+class TestMissing_{name}(Quick):
+    @pytest.fixture
+    def backend_factory(self, served: MemoryServer) -> BackendFactory:
+        return MISSING["{name}"][0](served)
+"""
+
+#: what a test class that does not provide ``recreate_store`` has: the suite's default
+WITHOUT_RECREATE = """
+    recreate_store = SuiteBase.recreate_store
+"""
+
+
+def _broken_backends() -> Any:
+    """The variants' module, imported without leaving this directory on sys.path (the
+    generated suite imports it itself, from this directory)."""
     sys.path.insert(0, str(HERE))
     try:
         import broken_backends  # type: ignore[import-not-found]
 
-        return {n: (tests, r) for n, (_, tests, r) in broken_backends.MUTANTS.items()}
+        return broken_backends
     finally:
         sys.path.remove(str(HERE))
 
 
-def _outcomes(junit: Path) -> dict[tuple[str, str], str | None]:
-    """(class, test) -> None when it passed, else the failure message."""
-    out: dict[tuple[str, str], str | None] = {}
+def _mutants() -> dict[str, tuple[list[str], str]]:
+    """Names, expected failing tests and rules."""
+    return {n: (tests, r) for n, (_, tests, r) in _broken_backends().MUTANTS.items()}
+
+
+def _missing() -> dict[str, tuple[bool, dict[str, str]]]:
+    """Names, whether the class provides ``recreate_store``, expected failing tests: rules."""
+    return {n: (fixture, fails) for n, (_, fixture, fails) in _broken_backends().MISSING.items()}
+
+
+def _outcomes(junit: Path) -> dict[tuple[str, str], tuple[str, str | None]]:
+    """(class, test) -> ("passed", None), or ("failed" | "skipped", the message)."""
+    out: dict[tuple[str, str], tuple[str, str | None]] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         cls = case.get("classname", "").rsplit(".", 1)[-1]
-        failure = case.find("failure")
-        if failure is None:
-            failure = case.find("error")
+        status, found = "passed", None
+        for tag, meaning in (("failure", "failed"), ("error", "failed"), ("skipped", "skipped")):
+            element = case.find(tag)
+            if element is not None and found is None:
+                status, found = meaning, element
         out[(cls, case.get("name", ""))] = (
-            None if failure is None else (failure.get("message") or "") + (failure.text or "")
+            status,
+            None if found is None else (found.get("message") or "") + (found.text or ""),
         )
     return out
 
 
 def test_suite_passes_the_reference_and_fails_every_broken_variant(tmp_path: Path) -> None:
-    mutants = _mutants()
+    mutants, missing = _mutants(), _missing()
     module = MODULE + "".join(CLASS.format(name=n) for n in mutants)
+    module += "".join(
+        MISSING_CLASS.format(name=n) + ("" if fixture else WITHOUT_RECREATE)
+        for n, (fixture, _) in missing.items()
+    )
     (tmp_path / "test_generated_suite.py").write_text(textwrap.dedent(module))
     junit = tmp_path / "junit.xml"
     env = dict(os.environ)
@@ -95,6 +138,7 @@ def test_suite_passes_the_reference_and_fails_every_broken_variant(tmp_path: Pat
         for name, (tests, _) in mutants.items()
         for test in tests
     ]
+    nodes += [f"{suite}::TestMissing_{name}" for name in missing]
     run = subprocess.run(
         [
             sys.executable,
@@ -110,19 +154,45 @@ def test_suite_passes_the_reference_and_fails_every_broken_variant(tmp_path: Pat
     )
     assert junit.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     outcomes = _outcomes(junit)
-    reference = {t: msg for (cls, t), msg in outcomes.items() if cls == "TestReference"}
+    reference = {t: out for (cls, t), out in outcomes.items() if cls == "TestReference"}
     assert len(reference) >= 20, f"the generated suite did not run: {run.stdout[-2000:]}"
-    assert {t: m for t, m in reference.items() if m is not None} == {}, (
+    assert {t: out for t, out in reference.items() if out[0] != "passed"} == {}, (
         "the reference backend must pass the suite"
     )
     for name, (tests, rule) in mutants.items():
         cls = f"TestMutant_{name}"
         for test in tests:
             assert (cls, test) in outcomes, f"{test} did not run for {name}"
-            message = outcomes[(cls, test)]
-            assert message is not None, f"the suite passed broken variant {name!r} ({test})"
-            assert f"rule '{rule}' of docs/backend-authors.md is broken" in message, (
-                f"{name}: {test} failed without naming rule {rule!r}: {message[:500]}"
+            status, message = outcomes[(cls, test)]
+            assert status == "failed", f"the suite passed broken variant {name!r} ({test})"
+            assert f"rule '{rule}' of docs/backend-authors.md is broken" in str(message), (
+                f"{name}: {test} failed without naming rule {rule!r}: {str(message)[:500]}"
+            )
+    for name, (_, fails) in missing.items():
+        _check_reported_once(name, fails, outcomes, set(reference))
+
+
+def _check_reported_once(
+    name: str,
+    fails: dict[str, str],
+    outcomes: dict[tuple[str, str], tuple[str, str | None]],
+    tests: set[str],
+) -> None:
+    """The variant's missing parts fail exactly the tests that report them, each naming its
+    rule and what is missing; every other test passes or is skipped naming the reporter."""
+    got = {t: out for (cls, t), out in outcomes.items() if cls == f"TestMissing_{name}"}
+    assert set(got) == tests, f"{name}: not every channel test ran"
+    failed = {t: message for t, (status, message) in got.items() if status == "failed"}
+    assert set(failed) == set(fails), f"{name}: failed {sorted(failed)}, not {sorted(fails)}"
+    for test, rule in fails.items():
+        assert f"rule '{rule}' of docs/backend-authors.md is broken" in str(failed[test]), (
+            f"{name}: {test} does not name rule {rule!r}: {str(failed[test])[:500]}"
+        )
+        assert "not implemented" in str(failed[test]) or "not provided" in str(failed[test])
+    for test, (status, message) in got.items():
+        if status == "skipped":
+            assert any(reporter in str(message) for reporter in fails), (
+                f"{name}: {test} skipped without naming the test that reports it: {message}"
             )
 
 
@@ -134,3 +204,30 @@ def test_every_variant_names_a_test_that_exists(name: str) -> None:
     tests, _ = _mutants()[name]
     for test in tests:
         assert callable(getattr(BackendConformance, test, None)), test
+
+
+def test_every_part_of_the_contract_is_reported_by_one_test_of_its_rule() -> None:
+    """What makes "a missing method is reported once, under its rule" hold for every method:
+    each required method (and fixture) has one reporting test, of the rule the contract
+    gives it, and every rule the contract names is one the suite checks."""
+    from icefloe.channel import (
+        CONTRACT_CHANGES,
+        METHOD_RULES,
+        Backend,
+        CoordinatorChannel,
+        WriterChannel,
+    )
+    from icefloe.testing.conformance import RULES, BackendConformance
+    from icefloe.testing.rules.support import FIXTURE_RULES, REPORTED_BY
+
+    abstract = {
+        f"{cls.__name__}.{method}"
+        for cls in (Backend, WriterChannel, CoordinatorChannel)
+        for method in cls.__abstractmethods__
+    }
+    assert set(METHOD_RULES) == abstract | {"Backend.inject_undecodable"}
+    for name, rule in {**METHOD_RULES, **FIXTURE_RULES}.items():
+        test = getattr(BackendConformance, REPORTED_BY[name])
+        assert (test.rule, name in test.reports) == (rule, True), name
+    named = {c.rule for changes in CONTRACT_CHANGES.values() for c in changes} - {None}
+    assert named <= set(RULES)

@@ -7,6 +7,7 @@ corrupt events, and a coordinator process killed by SIGKILL."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import os
 import signal
@@ -26,7 +27,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 from icefloe.channel import ChannelRecord, WriterBatch, WriterChannel
 from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.summary import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
-from icefloe.config import CoordinationConfig
+from icefloe.config import CoordinationConfig, config_from_dict
 from icefloe.coordination.coordinator import (
     Coordinator,
     CoordinatorHooks,
@@ -45,6 +46,7 @@ from icefloe.events import (
     encode_event,
 )
 from icefloe.hookspecs import TableCommitted, hookimpl
+from icefloe.ops.status import PipelineStatus, TableStatus, render_lines, table_status
 from icefloe.plugins.manager import DISABLE_AUTOLOAD_ENV, Plugins, new_plugins
 from icefloe.testing.fixtures import (
     assert_exactly_once,
@@ -790,6 +792,97 @@ def test_missing_table_backs_off_then_is_quarantined_and_the_others_keep_committ
     source.tables = list(TABLES)
     wait_pending(coord, source.publish(w, 1).file_count)
     coord.commit_now()
+    assert_every_table_exact(make, source)
+
+
+class _GremlinError(Exception):
+    """An exception type nothing in icefloe expects (neither permanent nor a refusal)."""
+
+
+def test_a_table_failing_quarantine_after_failures_times_in_a_row_is_loud(
+    make: _Factory, source: RowSource, group_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever the exception, the failure that reaches ``quarantine_after_failures`` in a row
+    logs one ERROR naming the table and the error, sets ``icefloe_table_failing`` and shows in
+    ``icefloe status``; the files stay pending (nothing lost) until the table commits again."""
+    table, other = TABLES
+    broken = [True]
+
+    def gremlin(t: str) -> None:
+        if t == table and broken[0]:
+            raise _GremlinError("the table's storage refuses writes")
+
+    attempts = 3
+    w = make.writer("w")
+    coord = make.coordinator(
+        hooks=CoordinatorHooks(before_table_commit=gremlin),
+        **_fault_settings(quarantine_after_failures=attempts),
+    )
+    config = config_from_dict(
+        {
+            "name": group_id,
+            "source": {"topics": ["source"]},
+            "tables": [{"name": table}, {"name": other}],
+        }
+    )
+    lead(coord)
+    b0 = source.publish(w, 0)
+    wait_pending(coord, b0.file_count)
+    started_ms = time.time() * 1000
+
+    def gauge() -> float | None:
+        return REGISTRY.get_sample_value("icefloe_table_failing", {"table": table})
+
+    def alarms() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.ERROR and "commits in a row" in r.getMessage()
+        ]
+
+    def status() -> TableStatus:
+        return table_status(make.catalog, config, table, None, time.time() * 1000)
+
+    with caplog.at_level(logging.INFO, logger="icefloe.coordinator"):
+        for _ in range(attempts - 1):
+            assert set(coord.commit_now().failed) == {table}
+        assert alarms() == []
+        assert gauge() in (None, 0.0)
+        assert status().failing_commits is None
+        third = coord.commit_now()
+        assert set(third.failed) == {table}
+        assert alarms() == [
+            f"table {table} failed {attempts} commits in a row "
+            f"(coordination.quarantine_after_failures = {attempts}), the last with _GremlinError: "
+            f"the table's storage refuses writes. Its {len(b0.files[table])} pending file(s) "
+            "stay pending and hold the channel position; retrying every 0s until it commits. "
+            "Fix the cause (`icefloe status` shows it)"
+        ]
+        assert gauge() == attempts
+        failing = status()
+        assert failing.failing_commits == attempts
+        assert failing.failing_error == "_GremlinError: the table's storage refuses writes"
+        assert failing.failing_since_ms is not None
+        assert started_ms <= failing.failing_since_ms <= time.time() * 1000
+        assert failing.stuck
+        lines = render_lines(PipelineStatus(group_id, "memory", None, None, [failing]))
+        assert lines[-1] == (
+            f"    FAILING: {attempts} commits in a row failed, the last with _GremlinError: the "
+            "table's storage refuses writes"
+        )
+        # nothing quarantined, nothing lost: the files wait for the table
+        assert third.quarantined == {}
+        assert Quarantine(make.catalog).list(group_id) == []
+        assert coord.pending_files() == {table: len(b0.files[table])}
+        coord.commit_now()
+        assert len(alarms()) == 1  # raised once, not every attempt
+        assert gauge() == attempts + 1
+        broken[0] = False
+        healed = coord.commit_now()
+    assert healed.failed == {}
+    assert gauge() == 0
+    assert status().failing_commits is None
+    assert not status().stuck
     assert_every_table_exact(make, source)
 
 

@@ -13,6 +13,7 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.config import config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
@@ -22,20 +23,29 @@ from icefloe.ops.maintenance import (
     RECOMMENDED_TABLE_PROPERTIES,
     announced_files,
     expire_snapshots,
+    maintain,
     parse_age,
     recommended_properties,
     remove_orphan_files,
     table_property_advice,
 )
+from icefloe.plugins.manager import Plugins, new_plugins
 from icefloe.testing.fixtures import (
     ROWS_SCHEMA,
+    assert_exactly_once,
     create_rows_table,
+    make_sqlite_catalog,
     sqlite_catalog_properties,
     table_ids,
     write_rows,
 )
 from icefloe.testing.harness import RowSource, lead, wait_pending
-from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.testing.memory import (
+    MemoryBackend,
+    MemoryServer,
+    memory_backend_options,
+    serve_memory_server,
+)
 
 TABLE = "db.events"
 
@@ -206,3 +216,69 @@ def test_ages_parse_and_bad_ones_are_config_errors() -> None:
     assert parse_age("90") == 90
     with pytest.raises(ConfigError, match="not an age"):
         parse_age("soon")
+
+
+# --- issue 23 §2: maintain never deletes a quarantined file ---------------------------------
+
+
+def test_maintain_keeps_quarantined_files_so_add_files_recovers_them(
+    tmp_path: Path, memory_plugins: Plugins
+) -> None:
+    """A batch in flight while the table's partition spec changes is quarantined; the
+    channel's position moves past it, so no batch announces its file any more and no snapshot
+    names it. ``icefloe maintain`` (age limit 0) must still keep it: the quarantine promises
+    the rows back with ``add_files``."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    source = RowSource.create(catalog, [TABLE])
+    with serve_memory_server() as (server, address):
+        backend = MemoryBackend(server, "pipe")
+        writer = WriterClient(backend.writer("w1"), "pipe", "w1")
+        writer.start()
+        coordinator = Coordinator(
+            "pipe",
+            backend.coordinator("c1"),
+            catalog,
+            CoordinatorSettings(3600, 30, table_retry_base_s=0.0, table_retry_max_s=0.0),
+            plugins=new_plugins(autoload=False),
+        )
+        try:
+            lead(coordinator)
+            in_flight = source.publish(writer, 0)  # written under the old (unpartitioned) spec
+            with catalog.load_table(TABLE).update_spec() as update:
+                update.add_identity("writer")
+            wait_pending(coordinator, in_flight.file_count)
+            first = coordinator.commit_now()
+            assert (first.failed, first.quarantined) == ({}, {TABLE: in_flight.file_count})
+            wait_pending(coordinator, source.publish(writer, 1).file_count)
+            assert not coordinator.commit_now().failed
+            assert server.stored_position("pipe") == coordinator.read_position
+        finally:
+            writer.close()
+            coordinator.close()
+        entries = Quarantine(catalog).list("pipe", TABLE)
+        quarantined = [f.path for f in in_flight.files[TABLE]]
+        assert [(e.file_path, e.error_type) for e in entries] == [
+            (p, "PartitionSpecChangedError") for p in quarantined
+        ]
+        rows_out = in_flight.ids[TABLE]
+        committed = [i for i in source.expected[TABLE] if i not in rows_out]
+        assert_exactly_once(catalog, TABLE, committed)
+
+        config = config_from_dict(
+            {
+                "name": "pipe",
+                "source": {"topics": ["source"]},
+                "tables": [{"name": TABLE}],
+                "catalog": {"name": catalog.name, "properties": props},
+                "coordination": {"backend": "memory", "memory": memory_backend_options(address)},
+            }
+        )
+        lines = maintain(config, expire_older_than_s=0.0, orphans_older_than_s=0.0)
+
+    assert all(Path(_key(p)).exists() for p in quarantined), lines
+    assert any(line.endswith(f", {len(quarantined)} quarantined") for line in lines), lines
+    # the operator's recovery, as the quarantine docs say: add the files, drop the entries
+    catalog.load_table(TABLE).add_files(quarantined)
+    Quarantine(catalog).drop("pipe", TABLE)
+    assert_exactly_once(catalog, TABLE, source.expected[TABLE])

@@ -192,27 +192,35 @@ def test_crash_after_the_merged_commit_replays_nothing(pipe: Pipe) -> None:
     assert_exactly_once(catalog, MERGED, pipe.source.expected[MERGED])
 
 
-def test_a_merged_file_announced_again_is_quarantined_not_committed(pipe: Pipe) -> None:
+def test_a_merged_file_announced_again_is_held_then_quarantined_not_committed(
+    pipe: Pipe,
+) -> None:
     """The live-path rule (a file the branch references is never appended again) cannot see
-    originals that were merged away; they no longer exist, so screening quarantines them."""
+    originals that were merged away. The summary lists them, so announced again right after
+    (another writer id) they are held as committed; once deleted and dropped from the list by
+    the next commit, they no longer exist, so screening quarantines them."""
     catalog = pipe.catalog
     first = pipe.source.publish(pipe.writer, 0)
     coordinator = publish(pipe, "c1", range(1, 2))  # two batches: a file each per bucket
+    clients: list[WriterClient] = []
     try:
         assert not coordinator.commit_now().failed
-        # the same files announced again by another writer id
-        other = pipe.backend.writer("w2")
-        again = WriterClient(other, pipe.group_id, "w2")
-        again.start()
-        try:
+        results = []
+        for writer_id in ("w2", "w3"):  # the same files announced again by other writer ids
+            again = WriterClient(pipe.backend.writer(writer_id), pipe.group_id, writer_id)
+            again.start()
+            clients.append(again)
             again.publish(0, {MERGED: first.files[MERGED]}, first.positions)
             wait_pending(coordinator, len(first.files[MERGED]))
-            result = coordinator.commit_now()
-        finally:
-            again.close()
+            results.append(coordinator.commit_now())
+            # a commit that drops the deleted originals from the list
+            wait_pending(coordinator, pipe.source.publish(pipe.writer, len(results) + 1).file_count)
+            assert not coordinator.commit_now().failed
     finally:
+        for client in clients:
+            client.close()
         coordinator.close()
-    assert result.quarantined == {MERGED: len(first.files[MERGED])}
+    assert [r.quarantined for r in results] == [{}, {MERGED: len(first.files[MERGED])}]
     assert_exactly_once(catalog, MERGED, pipe.source.expected[MERGED])
     entries = Quarantine(catalog, pipe.settings.quarantine_table).list(pipe.group_id)
     assert {e.error_type for e in entries} == {"DataFileMissingError"}
@@ -228,7 +236,7 @@ def test_a_commit_retried_after_a_conflict_writes_its_merged_files_once(
     files = [
         PendingFile(m, "w", seq, "0", seq)
         for seq in range(3)
-        for m in write_rows(table, range(seq * 40, seq * 40 + 40), "w", seq)
+        for m in write_rows(table, range(seq * 40, seq * 40 + 40), "w", seq, group_id="pipe")
     ]
     conflicts: list[int] = []
 

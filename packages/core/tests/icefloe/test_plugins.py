@@ -17,12 +17,17 @@ from typing import Any
 import pluggy
 import pytest
 from pydantic import BaseModel
+from typer.testing import CliRunner
 
 from icefloe import hookspecs
-from icefloe.channel import Backend, WriterBatch
+from icefloe.channel import CONTRACT_VERSION, Backend, CoordinatorChannel, WriterBatch
+from icefloe.cli.main import app as cli_app
 from icefloe.config import config_from_dict
 from icefloe.errors import (
+    BackendContractError,
     DuplicateBackendError,
+    IcefloeError,
+    MissingBackendMethodError,
     PluginError,
     UnknownBackendError,
     UnknownCodecError,
@@ -32,7 +37,7 @@ from icefloe.hookspecs import BackendContext, BackendSpec, TableCommitted, hooki
 from icefloe.plugins import manager as plugins_module
 from icefloe.plugins.backends import backend_config, open_backend
 from icefloe.plugins.manager import Plugins, load_entry_points, new_plugins
-from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.testing.memory import MemoryBackend, MemoryCoordinatorChannel, MemoryServer
 
 
 class NoOptions(BaseModel):
@@ -42,7 +47,13 @@ class NoOptions(BaseModel):
 
 
 def _spec(name: str, factory: Any = None) -> BackendSpec:
-    return BackendSpec(name, NoOptions, factory or (lambda c, ctx: None), f"{name} backend")  # type: ignore[arg-type]
+    return BackendSpec(
+        name,
+        NoOptions,
+        factory or (lambda c, ctx: None),  # type: ignore[arg-type]
+        f"{name} backend",
+        contract=CONTRACT_VERSION,
+    )
 
 
 class TwoBackends:
@@ -110,7 +121,7 @@ class Options(BaseModel):
 
 @hookimpl
 def icefloe_register_backends():
-    return [BackendSpec({name!r}, Options, lambda c, ctx: None, "from a distribution")]
+    return [BackendSpec({name!r}, Options, lambda c, ctx: None, "from a distribution", contract=2)]
 """
 
 
@@ -485,3 +496,150 @@ def test_after_table_commit_goes_through_pluggy_with_wrappers_and_tryfirst() -> 
     plugins = _plugins(First(), Late(), Around())
     plugins.after_table_commit(COMMITTED)
     assert calls == ["wrap", "first", "wrap", "late"]
+
+
+# --------------------------------------------------------------------------- contract versions
+
+#: A backend as written from the docs of the first contract (before versions existed): it
+#: declares no version, and its coordinator channel has no channel_id / end_position.
+CONTRACT_1_MODULE = """
+from pydantic import BaseModel
+from icefloe.hookspecs import BackendSpec, hookimpl
+
+class Options(BaseModel):
+    pass
+
+def make(config, context):
+    raise AssertionError("core must refuse the backend before building it")
+
+@hookimpl
+def icefloe_register_backends():
+    return [BackendSpec("sqlite", Options, make, "a channel in a SQLite file"{contract})]
+"""
+
+
+def _contract_dist(root: Path, dist: str, contract: str = "") -> Plugins:
+    mod = _module_name()
+    make_dist(root, dist, {"sqlite": mod}, {mod: CONTRACT_1_MODULE.format(contract=contract)})
+    return _load(root)
+
+
+def test_a_backend_of_the_previous_contract_is_refused_at_load_in_one_line(
+    dist_root: Path,
+) -> None:
+    """What the upgrade trial met as a TypeError under 13 unrelated rules: one line naming the
+    backend, its distribution and version, what to implement (with the rules) and where the
+    upgrade is documented, before the backend is built."""
+    plugins = _contract_dist(dist_root, "icefloe-backend-sqlite")
+    with pytest.raises(BackendContractError) as info:
+        open_backend(_config("sqlite"), plugins)
+    text = str(info.value)
+    assert "\n" not in text
+    assert "coordination backend 'sqlite' of icefloe-backend-sqlite 1.0" in text
+    assert "declares no contract version (so contract 1)" in text
+    assert f"drives backend contract {CONTRACT_VERSION}" in text
+    for needed in (
+        "CoordinatorChannel.channel_id()",
+        "(rule 'Identity')",
+        "CoordinatorChannel.end_position()",
+        "(rule 'End position')",
+        "Backend.inject_undecodable()",
+        "(rule 'Bytes')",
+        "BackendContext.resolve()",
+        "contract=2",
+    ):
+        assert needed in text, needed
+    assert "docs/backend-authors.md#from-contract-1-to-contract-2" in text
+    with pytest.raises(BackendContractError):  # `icefloe show-config` and doctor's check
+        backend_config(_config("sqlite"), plugins)
+
+
+def test_a_backend_of_a_newer_contract_is_refused_asking_for_a_newer_core(
+    dist_root: Path,
+) -> None:
+    plugins = _contract_dist(
+        dist_root, "icefloe-backend-sqlite", f", contract={CONTRACT_VERSION + 1}"
+    )
+    with pytest.raises(BackendContractError) as info:
+        open_backend(_config("sqlite"), plugins)
+    text = str(info.value)
+    assert f"implements backend contract {CONTRACT_VERSION + 1}, newer than" in text
+    assert "upgrade icefloe-core" in text
+    assert "icefloe-backend-sqlite 1.0" in text
+
+
+def test_a_channel_missing_a_method_is_refused_naming_it_its_rule_and_the_upgrade() -> None:
+    """A backend that declares the current contract but still lacks a method of it: the error
+    names the methods and their rules, is typed (one clean line from the CLI) and is still the
+    TypeError Python raised before."""
+
+    class HalfUpgraded(MemoryCoordinatorChannel):  # contract 1's methods only
+        channel_id = CoordinatorChannel.channel_id
+        end_position = CoordinatorChannel.end_position
+
+    with pytest.raises(MissingBackendMethodError) as info:
+        HalfUpgraded(MemoryServer(), "grp", "c", 1.0)
+    err = info.value
+    assert isinstance(err, TypeError)
+    assert isinstance(err, IcefloeError)
+    assert err.missing == ("CoordinatorChannel.channel_id", "CoordinatorChannel.end_position")
+    text = str(err)
+    assert "HalfUpgraded does not implement CoordinatorChannel.channel_id() (rule 'Identity')" in (
+        text
+    )
+    assert "CoordinatorChannel.end_position() (rule 'End position')" in text
+    assert "new in contract 2: see docs/backend-authors.md#from-contract-1-to-contract-2" in text
+
+
+def test_backends_command_shows_contract_and_origin_and_flags_the_outdated(
+    dist_root: Path,
+) -> None:
+    plugins = _contract_dist(dist_root, "icefloe-backend-sqlite")
+    plugins.pm.register(TwoBackends(), name="in-code")
+    plugins_module.reset_plugins(plugins)
+    try:
+        result = CliRunner().invoke(cli_app, ["backends"])
+    finally:
+        plugins_module.reset_plugins(None)
+    assert result.exit_code == 0, result.output
+    lines = {
+        line.split()[1]: line for line in result.stdout.splitlines() if line.startswith("backend")
+    }
+    assert f"contract {CONTRACT_VERSION}" in lines["alpha"]
+    assert "in-code" in lines["alpha"]
+    assert "contract 1" in lines["sqlite"]
+    assert "icefloe-backend-sqlite 1.0" in lines["sqlite"]
+    assert "OUTDATED" in lines["sqlite"]
+    assert "OUTDATED" not in lines["alpha"]
+    refusals = [line for line in result.stderr.splitlines() if "'sqlite'" in line]
+    assert len(refusals) == 1
+    assert "docs/backend-authors.md#from-contract-1-to-contract-2" in refusals[0]
+
+
+def test_doctor_fails_the_selected_outdated_backend_and_warns_about_other_outdated_ones(
+    dist_root: Path,
+) -> None:
+    from icefloe.ops.doctor import run_checks
+
+    class Alpha:
+        @hookimpl
+        def icefloe_register_backends(self) -> list[BackendSpec]:
+            return [_spec("alpha", lambda c, ctx: MemoryBackend(MemoryServer(), ctx.group_id))]
+
+    plugins = _contract_dist(dist_root, "icefloe-backend-sqlite")
+    plugins.pm.register(Alpha(), name="in-code")
+    plugins_module.reset_plugins(plugins)
+    try:
+        selected = run_checks(_config("sqlite"))
+        other = run_checks(_config("alpha"))
+    finally:
+        plugins_module.reset_plugins(None)
+    failed = [c for c in selected if c.status == "fail" and "sqlite" in c.name]
+    assert [c.name for c in failed] == ["backend sqlite"], selected
+    assert "icefloe-backend-sqlite 1.0" in failed[0].detail
+    assert "#from-contract-1-to-contract-2" in failed[0].detail
+    plugin_lines = {c.name: c for c in other if c.name.startswith("plugin")}
+    assert plugin_lines["plugin icefloe-backend-sqlite"].status == "warn"
+    assert "not selected" in plugin_lines["plugin icefloe-backend-sqlite"].detail
+    ok = next(c for c in other if c.name == "plugins")
+    assert f"alpha (contract {CONTRACT_VERSION}" in ok.detail

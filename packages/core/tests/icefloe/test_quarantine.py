@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from pathlib import Path
@@ -11,7 +12,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 from typer.testing import CliRunner
 
 from icefloe.cli.main import app
-from icefloe.commit.quarantine import Quarantine, QuarantineEntry
+from icefloe.commit.quarantine import FailingTable, Quarantine, QuarantineEntry
 from icefloe.testing.fixtures import make_sqlite_catalog, sqlite_catalog_properties
 
 GROUP = "pipe-q"
@@ -51,6 +52,20 @@ def test_entries_are_recorded_once_per_pipeline_table_and_path(sqlite_catalog: S
     assert q.drop(GROUP, "db.a", "/x/1") == 1
     assert q.paths(GROUP, "db.a") == {"/x/2"}
     assert q.paths("other", "db.a") == {"/x/1"}
+
+
+def test_failing_marks_are_kept_per_pipeline_and_table(sqlite_catalog: SqlCatalog) -> None:
+    q = Quarantine(sqlite_catalog)
+    assert q.failing(GROUP) == {}
+    mark = FailingTable(failures=10, error="OSError: " + "x" * 5000, since_ms=1, marked_ms=2)
+    q.mark_failing(GROUP, "db.a", mark)
+    q.mark_failing(f"{GROUP}.x", "db.a", mark)  # a pipeline whose name extends this one's
+    assert q.failing(GROUP) == {"db.a": dataclasses.replace(mark, error=mark.error[:2000])}
+    assert list(q.failing(f"{GROUP}.x")) == ["db.a"]
+    q.clear_failing(GROUP, "db.a")
+    q.clear_failing(GROUP, "db.b")  # never marked: nothing to do
+    assert q.failing(GROUP) == {}
+    assert list(q.failing(f"{GROUP}.x")) == ["db.a"]
 
 
 def test_cli_lists_and_drops_entries(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The pure rules of seamless rollback (icefloe.commit.rollback): detection, replay ranges, writer
-ids. The committer's side is in test_committer.py, the whole path in tests/test_e2e_rollback.py."""
+ids; ``icefloe rollback``; a replay refused whole by a real coordinator. The committer's side is
+in test_committer.py, the whole path in tests/test_e2e_rollback.py."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from typer.testing import CliRunner
 
 from icefloe.cli.main import app
 from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.commit.rollback import (
+    REPLAY_BATCH_SEQ,
     ReplayRange,
     Rollback,
     describe,
@@ -24,13 +27,21 @@ from icefloe.commit.rollback import (
     keyed_refusal,
     replay_writer_id,
 )
+from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ConfigError, RollbackNotReplayableError
+from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import (
+    assert_exactly_once,
     create_rows_table,
     make_sqlite_catalog,
     sqlite_catalog_properties,
     write_rows,
 )
+from icefloe.testing.harness import RowSource, lead, wait_pending
+from icefloe.testing.memory import MemoryBackend, MemoryServer
+
+ROWS = "db.rows"
 
 
 @dataclass(frozen=True)
@@ -116,9 +127,12 @@ def test_describe_says_what_happens() -> None:
 # --- icefloe rollback ---------------------------------------------------------------------
 
 
-def pipeline_file(tmp_path: Path, mode: str = "append") -> tuple[Path, SqlCatalog]:
+def pipeline_file(
+    tmp_path: Path, mode: str = "append", dead_letter: bool = False
+) -> tuple[Path, SqlCatalog]:
     """A pipeline file over a real SQLite catalog whose table the pipeline committed to twice
-    (ids 1 and 2, source offsets 1 and 2)."""
+    (ids 1 and 2, source offsets 1 and 2); with ``dead_letter`` that table is the pipeline's
+    dead-letter table (``[[tables]]`` lists another)."""
     catalog = make_sqlite_catalog(tmp_path / "iceberg", name="cli")
     table = create_rows_table(catalog, "db.t")
     committer = IcebergCommitter(catalog, "p")
@@ -141,6 +155,9 @@ def pipeline_file(tmp_path: Path, mode: str = "append") -> tuple[Path, SqlCatalo
         },
         "coordination": {"backend": "memory"},
     }
+    if dead_letter:
+        data["tables"] = [{"name": "db.listed"}]
+        data["errors"] = {"policy": "dead_letter", "dead_letter_table": "db.t"}
     path = tmp_path / "pipeline.toml"
     path.write_text(tomli_w.dumps(data))
     return path, catalog
@@ -173,6 +190,21 @@ def test_cli_no_replay_accepts_the_rollback(tmp_path: Path) -> None:
     assert IcebergCommitter(catalog, "p").rollback("db.t") is None
 
 
+def test_cli_rolls_back_the_dead_letter_table_too(tmp_path: Path) -> None:
+    """The dead-letter table is committed like the listed tables, so it can be rolled back
+    and replayed, or the rollback accepted (``--no-replay``: the way out for a rollback
+    another tool made)."""
+    path, catalog = pipeline_file(tmp_path, dead_letter=True)
+    first, second = snapshot_ids(catalog)
+    result = CliRunner().invoke(app, ["rollback", "-c", str(path), "db.t", str(first)])
+    assert result.exit_code == 0, result.output
+    assert f"rolled back from snapshot {second} to {first}" in result.stdout
+    args = ["rollback", "-c", str(path), "db.t", str(first), "--no-replay"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert IcebergCommitter(catalog, "p").rollback("db.t") is None
+
+
 def test_cli_refuses_to_replay_a_keyed_table_naming_the_fix(tmp_path: Path) -> None:
     path, catalog = pipeline_file(tmp_path, mode="upsert")
     first, second = snapshot_ids(catalog)
@@ -202,3 +234,52 @@ def test_status_shows_a_rollback_waiting_for_its_replay(tmp_path: Path) -> None:
     IcebergCommitter(catalog, "p").roll_back("db.t", first)
     shown = table_status(catalog, config, "db.t", None, 0)
     assert f"rolled back from snapshot {second} to {first}" in shown.rollback
+
+
+# --- a replay that brings no file ---------------------------------------------------------
+
+
+def test_a_replay_refused_whole_does_not_hold_the_table_back(tmp_path: Path) -> None:
+    """The replay batch came, but screening refused every file of it (the table's partition
+    spec changed while it was in flight), so no request ever carries a replay file. Its rows
+    are in the quarantine (recoverable with ``add_files``) and the rollback is done: the live
+    files commit instead of waiting for good for a replay that came already."""
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    source = RowSource.create(catalog, [ROWS])
+    backend = MemoryBackend(MemoryServer(), "pipe")
+    writer = WriterClient(backend.writer("w1"), "pipe", "w1")
+    writer.start()
+    settings = CoordinatorSettings(3600, 30, table_retry_base_s=0.0, table_retry_max_s=0.0)
+    coordinator = Coordinator(
+        "pipe", backend.coordinator("c1"), catalog, settings, plugins=new_plugins(autoload=False)
+    )
+    try:
+        lead(coordinator)
+        kept = source.publish(writer, 0)
+        wait_pending(coordinator, kept.file_count)
+        [first] = coordinator.commit_now().tables
+        wait_pending(coordinator, source.publish(writer, 1).file_count)
+        assert not coordinator.commit_now().failed
+        assert first.snapshot_id is not None
+        rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, first.snapshot_id)
+        assert rollback is not None
+        lost = source.expected_ids_of("w1", 1)
+        replayed = source.batch(rollback.writer_id, REPLAY_BATCH_SEQ, ids=lost)
+        replayer = WriterClient(backend.writer(rollback.writer_id), "pipe", rollback.writer_id)
+        replayer.start()
+        replayer.publish(REPLAY_BATCH_SEQ, replayed.files, ())
+        replayer.close()
+        with catalog.load_table(ROWS).update_spec() as update:
+            update.add_identity("writer")
+        live = source.publish(writer, 2)  # written under the new spec
+        wait_pending(coordinator, live.file_count + replayed.file_count)
+        cycles = [coordinator.commit_now() for _ in range(3)]
+    finally:
+        writer.close()
+        coordinator.close()
+    assert [c.failed for c in cycles] == [{}, {}, {}]
+    assert sorted(e.file_path for e in Quarantine(catalog).list("pipe", ROWS)) == sorted(
+        f.path for f in replayed.files[ROWS]
+    )
+    assert_exactly_once(catalog, ROWS, kept.ids[ROWS] + live.ids[ROWS])
+    assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None

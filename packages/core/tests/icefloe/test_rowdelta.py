@@ -33,7 +33,11 @@ from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
 from icefloe.commit.summary import COMMIT_ID_KEY
-from icefloe.errors import RowDeltaNotSupportedError, RowDeltaTableError
+from icefloe.errors import (
+    KeyedBatchRefusedError,
+    RowDeltaNotSupportedError,
+    RowDeltaTableError,
+)
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.ops.maintenance import remove_orphan_files
 from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
@@ -378,10 +382,16 @@ def test_v1_table_refuses_key_files_with_a_typed_error(catalog: SqlCatalog) -> N
     committer = IcebergCommitter(catalog, GROUP)
 
     screening = committer.screen(NAME, cycle.files)
-    [(refused, error)] = screening.refused
+    assert screening.accepted == ()
+    [(refused, error), (sibling, batch_error)] = sorted(
+        screening.refused, key=lambda r: r[0].meta.content != FileContent.EQUALITY_DELETES
+    )
     assert refused.meta.content == FileContent.EQUALITY_DELETES
     assert isinstance(error, RowDeltaTableError)
     assert "format version 2" in str(error)
+    # the batch's row images go with its keys: alone they would duplicate key 1
+    assert sibling.meta.content == FileContent.DATA
+    assert isinstance(batch_error, KeyedBatchRefusedError)
     with pytest.raises(RowDeltaTableError, match="format version 2"):
         committer.commit(cycle.request())
     assert catalog.load_table(NAME).snapshots() == []
@@ -392,9 +402,12 @@ def test_key_files_on_other_columns_and_position_deletes_are_refused(
 ) -> None:
     cycle = Cycle(table).batch("w1", 0, upserts=[(1, "a")])
     [data, key] = cycle.files
-    wrong_ids = dataclasses.replace(key, meta=dataclasses.replace(key.meta, equality_ids=(2,)))
+    # each in a batch of its own: a keyed batch is refused whole
+    wrong_ids = dataclasses.replace(
+        key, batch_seq=1, meta=dataclasses.replace(key.meta, equality_ids=(2,))
+    )
     positional = dataclasses.replace(
-        key, meta=dataclasses.replace(key.meta, content=FileContent.POSITION_DELETES)
+        key, batch_seq=2, meta=dataclasses.replace(key.meta, content=FileContent.POSITION_DELETES)
     )
     screening = IcebergCommitter(catalog, GROUP).screen(NAME, [data, key, wrong_ids, positional])
     assert screening.accepted == (data, key)

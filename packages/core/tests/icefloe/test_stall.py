@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from icefloe.coordination.stall import StallWatch
-from icefloe.ops.status import stalled_read
 
 
 def test_a_read_position_left_behind_by_a_moving_end_is_a_stall_after_the_limit() -> None:
@@ -41,11 +40,3 @@ def test_an_end_standing_one_marker_ahead_for_good_is_no_stall() -> None:
 def test_bad_limit_is_refused() -> None:
     with pytest.raises(ValueError, match="after_s"):
         StallWatch(after_s=0)
-
-
-def test_status_read_that_stops_short_of_the_end_is_named() -> None:
-    assert stalled_read({"0": 10, "1": 4}, {"0": 10, "1": 5}) is None  # one marker short
-    assert stalled_read({}, {}) is None
-    why = stalled_read({"0": 10}, {"0": 10, "1": 7})
-    assert why is not None
-    assert "partition 1: read to 0, end 7" in why

@@ -1,11 +1,14 @@
 """Replaying a rolled-back table, in the driver (the rules are in :mod:`icefloe.commit.rollback`).
 
-The driver checks its tables every ``spark.rollback_check_interval_s``. For a table rolled back
-below what the pipeline committed, it reads the lost source range again with the ``ranges``
-path's own reader (:func:`icefloe_spark.kafka.reading.read_range`), converts and routes the records
-as a write task does but keeps only that table's rows (:func:`icefloe_spark.sink.task.write_task`
-with ``only``), and publishes the files as one writer batch under the rollback's replay writer
-id. The coordinator then commits them, with the table's waiting live files, in one snapshot.
+The driver checks every table the pipeline commits to (``[[tables]]``, the dead-letter table,
+the ``[dynamic_tables]`` tables it committed to: :func:`icefloe.ops.tables.pipeline_tables`)
+every ``spark.rollback_check_interval_s``. For a table rolled back below what the pipeline
+committed, it reads the lost source range again with the ``ranges`` path's own reader
+(:func:`icefloe_spark.kafka.reading.read_range`), converts and routes the records as a write task
+does but keeps only that table's rows (:func:`icefloe_spark.sink.task.write_task` with ``only``;
+for the dead-letter table, the range's bad records), and publishes the files as one writer
+batch under the rollback's replay writer id. The coordinator then commits them, with the table's
+waiting live files, in one snapshot.
 
 Why in the driver and not as a Spark job: a replay is rare and bounded (the rolled-back
 snapshots' range of one table), and the driver already holds the catalog and the backend;
@@ -28,6 +31,7 @@ from icefloe.config import ErrorsConfig, PipelineConfig
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import RollbackNotReplayableError
 from icefloe.events import DataFileMeta
+from icefloe.ops.tables import change_options, pipeline_tables
 from icefloe_spark.kafka.options import EARLIEST, SourceOptions, parse_offsets_json
 from icefloe_spark.kafka.planning import KafkaInputPartition, KafkaOffsetPlanner, flat_offsets
 from icefloe_spark.kafka.reading import read_range
@@ -80,9 +84,13 @@ def replay(
     of the table is accepted instead (nothing to publish). Raises RollbackNotReplayableError
     for a keyed table or an unknown start."""
     table = rollback.table
-    entry = next((t for t in config.tables if t.name == table), None)
-    if entry is not None and entry.keyed:
-        raise keyed_refusal(table, entry.mode)
+    changes = change_options(config, table)
+    if changes is not None and changes.keyed:
+        raise keyed_refusal(table, changes.mode)
+    # the dead-letter table's rows are the range's bad records; every other table's are good
+    # ones, its bad records set aside the first time (skipped now, not dead-lettered again)
+    dead_letters = table == config.errors.dead_letter_table
+    errors = config.errors if dead_letters else ErrorsConfig(policy="skip")
     options = SourceOptions.parse(reader_options)
     pieces = _pieces(rollback.ranges(beginnings(options, rollback)), config)
     resolver = TableResolver(catalog, config)
@@ -100,7 +108,7 @@ def replay(
             data,
             tables,
             converter,
-            errors=ErrorsConfig(policy="skip"),  # bad records were set aside the first time
+            errors=errors,
             pipeline=config.name,
             only=table,
         )
@@ -184,14 +192,16 @@ class RollbackWatcher:
                 log.exception("checking the tables for rollbacks failed; retrying")
 
     def check(self) -> list[Rollback]:
-        """Replay every rollback not replayed yet; returns those replayed now."""
+        """Replay every rollback not replayed yet, of every table the pipeline commits to (its
+        dead-letter table and ``[dynamic_tables]`` tables too: a rolled-back table nobody
+        replays holds its new files back for good); returns those replayed now."""
         committer = IcebergCommitter.for_pipeline(self.catalog, self.config)
         done: list[Rollback] = []
-        for entry in self.config.tables:
-            if self._stop.is_set() or not self.catalog.table_exists(entry.name):
+        for name in pipeline_tables(self.catalog, self.config):
+            if self._stop.is_set() or not self.catalog.table_exists(name):
                 continue
             try:
-                rollback = committer.rollback(entry.name)
+                rollback = committer.rollback(name)
                 if rollback is None or rollback.writer_id in self.replayed:
                     continue
                 replay(self.config, self.catalog, self.backend, rollback, self.reader_options)
@@ -201,7 +211,7 @@ class RollbackWatcher:
                     log.error("rollback not replayed: %s", exc)
                 continue
             except Exception as exc:  # e.g. DataLossError: the other tables go on
-                log.warning("replaying the rollback of %s failed, retrying: %s", entry.name, exc)
+                log.warning("replaying the rollback of %s failed, retrying: %s", name, exc)
                 continue
             self.replayed.add(rollback.writer_id)
             done.append(rollback)

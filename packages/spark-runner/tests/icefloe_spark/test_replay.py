@@ -19,7 +19,9 @@ from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.commit.rollback import Rollback
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
 from icefloe.errors import RollbackNotReplayableError
+from icefloe.records.datafiles import write_data_files
 from icefloe.testing.fixtures import (
     EVENTS_SCHEMA,
     EVENTS_SPEC,
@@ -34,10 +36,10 @@ from icefloe_spark.kafka.options import SourceOptions, source_options
 from icefloe_spark.kafka.planning import KafkaInputPartition
 from icefloe_spark.kafka.reading import read_range
 from icefloe_spark.replay import RollbackWatcher, replay
-from icefloe_spark.sink.tables import TableResolver
+from icefloe_spark.sink.tables import TableResolver, ensure_dead_letter_table
 from icefloe_spark.sink.task import write_task
 
-A, B = "db.rolled", "db.bystander"
+A, B, DEAD, DYN = "db.rolled", "db.bystander", "db.dead_letters", "dyn.a"
 PROBE = {"probeHighWatermark": "true", "pollTimeoutMs": "10000"}
 
 
@@ -48,7 +50,10 @@ def routed(table: str, ids: range) -> list[int]:
 class Scene:
     """A topic of 30 JSON records (one partition), tables A (kinds a, b) and B (kind c), and
     a pipeline that committed A twice: offsets [0, 10) and [10, 30). With ``foreign_first``
-    another writer appended id 1000 to A before the pipeline's first commit."""
+    another writer appended id 1000 to A before the pipeline's first commit. With
+    ``dead_letter`` no table takes kind c: those records went to the dead-letter table DEAD,
+    committed twice as well. With ``dynamic`` no table is listed: ``[dynamic_tables]`` routes
+    each record to ``dyn.<kind>``, and the pipeline committed DYN (kind a) instead of A."""
 
     def __init__(
         self,
@@ -57,6 +62,8 @@ class Scene:
         produce: Any,
         topic: str,
         foreign_first: bool = False,
+        dead_letter: bool = False,
+        dynamic: bool = False,
     ) -> None:
         self.group = f"replay-{uuid.uuid4().hex[:8]}"
         props = {"type": "sql", **sqlite_catalog_properties(tmp / "iceberg")}
@@ -78,6 +85,17 @@ class Scene:
             "catalog": {"name": "replay", "properties": props},
             "coordination": {"backend": "memory"},
         }
+        if dynamic:
+            self.data["tables"] = []
+            self.data["dynamic_tables"] = {
+                "route_field": "kind",
+                "namespace": "dyn",
+                "auto_create": True,
+            }
+        if dead_letter:
+            self.data["tables"] = self.data["tables"][:1]
+            self.data["errors"] = {"policy": "dead_letter", "dead_letter_table": DEAD}
+            ensure_dead_letter_table(self.catalog, self.config)
         self.topic = topic
         values = [
             json.dumps({"id": i, "name": f"n{i}", "kind": "abc"[i % 3]}).encode() for i in range(30)
@@ -90,29 +108,40 @@ class Scene:
             loaded = self.catalog.load_table(A)
             loaded.append(pa.table(row, schema=loaded.schema().as_arrow()))
             self.foreign = loaded.refresh().metadata.current_snapshot_id
-        self.snapshots = [self.commit(0, 10, seq=0), self.commit(10, 30, seq=1)]
+        self.rolled = DYN if dynamic else A
+        self.snapshots = [
+            self.commit(0, 10, seq=0, table=self.rolled),
+            self.commit(10, 30, seq=1, table=self.rolled),
+        ]
+        if dead_letter:
+            self.dead_letter_snapshots = [
+                self.commit(0, 10, seq=0, table=DEAD),
+                self.commit(10, 30, seq=1, table=DEAD),
+            ]
 
     @property
     def config(self) -> PipelineConfig:
         return config_from_dict(self.data)
 
-    def commit(self, start: int, end: int, seq: int) -> int:
-        """What the pipeline does for source offsets [start, end): A's rows, committed."""
+    def commit(self, start: int, end: int, seq: int, table: str = A) -> int:
+        """What the pipeline does for source offsets [start, end): ``table``'s rows (the
+        dead-letter table's: the records set aside under ``[errors]``), committed."""
         options = SourceOptions.parse(source_options(self.config))
         part = KafkaInputPartition(self.topic, 0, start, end)
         data = pa.Table.from_batches(list(read_range(options, part)))
         tables, converter = TableResolver(self.catalog, self.config).prepare(data)
-        out = write_task(data, tables, converter, only=A)
+        config = self.config
+        out = write_task(data, tables, converter, errors=config.errors, pipeline=self.group)
         # announced on another channel than the test's: no channel positions to record
-        files = tuple(PendingFile(m, "live", seq, "0", seq) for m in out.files[A])
+        files = tuple(PendingFile(m, "live", seq, "0", seq) for m in out.files[table])
         result = self.committer.commit(
-            TableCommitRequest(A, f"c{seq}", files, {}, {self.topic: {0: end}}, 1)
+            TableCommitRequest(table, f"c{seq}", files, {}, {self.topic: {0: end}}, 1)
         )
         assert result.snapshot_id is not None
         return result.snapshot_id
 
     def roll_back(self, snapshot_id: int) -> Rollback:
-        rollback = self.committer.roll_back(A, snapshot_id)
+        rollback = self.committer.roll_back(self.rolled, snapshot_id)
         assert rollback is not None
         return rollback
 
@@ -124,8 +153,11 @@ def make_scene(
     produce: Any,
     new_topic: Callable[..., str],
 ) -> Callable[..., Scene]:
-    def make(foreign_first: bool = False) -> Scene:
-        return Scene(kafka_broker, tmp_path, produce, new_topic(partitions=1), foreign_first)
+    def make(
+        foreign_first: bool = False, dead_letter: bool = False, dynamic: bool = False
+    ) -> Scene:
+        topic = new_topic(partitions=1)
+        return Scene(kafka_broker, tmp_path, produce, topic, foreign_first, dead_letter, dynamic)
 
     return make
 
@@ -223,3 +255,72 @@ def test_unknown_start_is_refused(make_scene: Callable[..., Scene]) -> None:
     backend = MemoryBackend(MemoryServer(), scene.group)
     with pytest.raises(RollbackNotReplayableError, match=r"records no offset.*--no-replay"):
         replay(scene.config, scene.catalog, backend, rollback, reader_options(scene))
+
+
+def test_a_replay_without_rows_for_the_table_accepts_the_rollback(
+    scene: Scene, backend: MemoryBackend
+) -> None:
+    """The rolled-back range holds no row of A any more: its records are routed elsewhere now
+    (kind a to B) or set aside (kind b is routed nowhere: dead-lettered in a live run, skipped
+    by the replay). Nothing is published; the rollback is accepted, and A's live files commit
+    instead of waiting for a replay that never comes."""
+    scene.roll_back(scene.snapshots[0])
+    scene.data["tables"] = [
+        {"name": A, "route_field": "kind", "route_values": ["z"]},
+        {"name": B, "route_field": "kind", "route_values": ["a", "c"]},
+    ]
+    scene.data["errors"] = {"policy": "dead_letter", "dead_letter_table": DEAD}
+    ensure_dead_letter_table(scene.catalog, scene.config)
+    watcher = RollbackWatcher(scene.config, scene.catalog, backend, reader_options(scene))
+    assert [r.table for r in watcher.check()] == [A]
+    assert scene.committer.rollback(A) is None
+    live = WriterClient(backend.writer("w2"), scene.group, "w2")
+    live.start()
+    try:
+        table = scene.catalog.load_table(A)
+        row = pa.table({"id": [5000], "name": ["x"], "kind": ["a"]}, table.schema().as_arrow())
+        live.publish(0, {A: write_data_files(table, row)}, ())
+        commit_cycle(scene, backend, 1)  # the writer answers the cycle
+    finally:
+        live.close()
+    assert_exactly_once(scene.catalog, A, [*routed(A, range(10)), 5000])
+
+
+def dead_letter_offsets(scene: Scene) -> list[int]:
+    rows = scene.catalog.load_table(DEAD).scan(selected_fields=("offset",)).to_arrow()
+    return sorted(rows["offset"].to_pylist())
+
+
+def test_a_rolled_back_dead_letter_table_gets_its_dead_letters_again(
+    make_scene: Callable[..., Scene],
+) -> None:
+    """The dead-letter table is a table the pipeline commits to like any other. Rolled back
+    (by any tool), it gets the dead letters of the lost range again, once; before, no driver
+    checked it and its new files waited for a replay for good."""
+    scene = make_scene(dead_letter=True)
+    bad = [i for i in range(30) if i % 3 == 2]  # kind c: routed nowhere
+    assert dead_letter_offsets(scene) == bad
+    first, _ = scene.dead_letter_snapshots
+    assert scene.committer.roll_back(DEAD, first) is not None
+    backend = MemoryBackend(MemoryServer(), scene.group)
+    watcher = RollbackWatcher(scene.config, scene.catalog, backend, reader_options(scene))
+    assert [r.table for r in watcher.check()] == [DEAD]
+    commit_cycle(scene, backend, 1)
+    assert dead_letter_offsets(scene) == bad
+    assert scene.committer.rollback(DEAD) is None
+
+
+def test_a_rolled_back_dynamic_table_gets_its_rows_again(make_scene: Callable[..., Scene]) -> None:
+    """A table of ``[dynamic_tables]`` is listed nowhere; the drivers find it in the catalog
+    (the pipeline committed to it) and replay it like a ``[[tables]]`` entry; before, none
+    checked it and its new files waited for a replay for good."""
+    scene = make_scene(dynamic=True)
+    kind_a = [i for i in range(30) if i % 3 == 0]
+    assert sorted(table_ids(scene.catalog, DYN)) == kind_a
+    scene.roll_back(scene.snapshots[0])
+    backend = MemoryBackend(MemoryServer(), scene.group)
+    watcher = RollbackWatcher(scene.config, scene.catalog, backend, reader_options(scene))
+    assert [r.table for r in watcher.check()] == [DYN]
+    commit_cycle(scene, backend, 1)
+    assert_exactly_once(scene.catalog, DYN, kind_a)
+    assert scene.catalog.load_table("dyn.b").current_snapshot() is None

@@ -19,11 +19,14 @@ from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.transforms import IdentityTransform
-from pyiceberg.types import LongType, NestedField, StringType
+from pyiceberg.types import LongType, NestedField, StringType, StructType
 
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.config import ErrorsConfig, PipelineConfig, config_from_dict
 from icefloe.errors import KeyedTableError, RecordConversionError
 from icefloe.events import DataFileMeta, FileContent
+from icefloe.records.datafiles import written_for
 from icefloe.testing.fixtures import kafka_rows, make_sqlite_catalog
 from icefloe_spark.sink.tables import TableResolver, ensure_tables
 from icefloe_spark.sink.task import TaskOutput, write_task
@@ -116,6 +119,11 @@ def test_a_cdc_task_writes_final_rows_and_a_key_file(catalog: Catalog) -> None:
     assert key.upper_bounds[1] == (4).to_bytes(8, "little")
     # next to the data files, in the table's data directory
     assert Path(key.path).parent == Path(data[0].path).parent
+    # data files are named for the pipeline (merge_small_files may delete them once merged);
+    # a key file never is, so it is never merged as data
+    name = pipeline().name
+    assert all(written_for(f.path, name) for f in data)
+    assert not written_for(key.path, name)
     assert catalog.load_table("db.users").current_snapshot() is None  # a task never commits
 
 
@@ -283,3 +291,57 @@ def test_a_table_created_from_a_declared_debezium_schema_takes_the_row_columns(
     rows, keys = split(out.files["db.users"])
     assert read(rows) == [{"id": 5, "email": "b@x"}]
     assert read(keys) == [{"id": 5}, {"id": 6}]
+
+
+# identifier fields nested in a struct (Iceberg allows them in required structs); the struct
+# holds a field that is not part of the key
+NESTED = Schema(
+    NestedField(
+        1,
+        "key",
+        StructType(
+            NestedField(2, "tenant", StringType(), required=True),
+            NestedField(3, "id", LongType(), required=True),
+            NestedField(4, "label", StringType(), required=False),
+        ),
+        required=True,
+    ),
+    NestedField(5, "name", StringType(), required=False),
+    identifier_field_ids=[2, 3],
+)
+
+
+def _key(tenant: str, id_: int, name: str | None = None) -> dict[str, Any]:
+    row: dict[str, Any] = {"key": {"tenant": tenant, "id": id_, "label": f"{tenant}{id_}"}}
+    return row if name is None else {**row, "name": name}
+
+
+@pytest.mark.parametrize("created_by", ["catalog", "auto_create"])
+def test_a_table_keyed_by_fields_nested_in_a_struct_takes_upserts_and_deletes(
+    catalog: Catalog, created_by: str
+) -> None:
+    if created_by == "catalog":
+        catalog.create_table("db.users", schema=NESTED)
+    config = pipeline(id_columns=["key.tenant", "key.id"], auto_create=created_by != "catalog")
+    committer = IcebergCommitter(catalog, config.name)
+
+    def cycle(seq: int, changes: list[tuple[str, Any, Any]]) -> None:
+        out = run(catalog, config, debezium(changes))
+        uid = str(catalog.load_table("db.users").metadata.table_uuid)
+        files = tuple(PendingFile(m, "w", seq, "0", seq, uid) for m in out.files["db.users"])
+        request = TableCommitRequest("db.users", f"c{seq}", files, {"0": seq + 1}, {}, 1)
+        assert committer.commit(request).snapshot_id is not None
+
+    cycle(0, [("c", None, _key("a", 1, "ann")), ("c", None, _key("b", 1, "bob"))])
+    cycle(1, [("u", _key("a", 1), _key("a", 1, "anna")), ("c", None, _key("a", 2, "al"))])
+    cycle(2, [("d", _key("b", 1), None), ("u", _key("a", 2), _key("a", 2, "alf"))])
+
+    table = catalog.load_table("db.users")
+    tenant, id_ = (table.schema().find_field(n) for n in ("key.tenant", "key.id"))
+    assert table.schema().identifier_field_ids == [tenant.field_id, id_.field_id]
+    assert [f.required for f in (tenant, id_, table.schema().find_field("key"))] == [True] * 3
+    rows = table.scan().to_arrow().to_pylist()  # pyiceberg applies the position deletes
+    assert sorted((r["key"]["tenant"], r["key"]["id"], r["name"]) for r in rows) == [
+        ("a", 1, "anna"),
+        ("a", 2, "alf"),
+    ]

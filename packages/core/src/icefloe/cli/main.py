@@ -19,10 +19,10 @@ from icefloe.cli.logs import LogFormatOption, LogLevelOption, VerboseOption, res
 from icefloe.cli.logs import configure as configure_logging
 from icefloe.cli.new_backend import new_backend_command
 from icefloe.cli.quarantine import app as quarantine_app
-from icefloe.config import load_config, redact, redacted_dict
+from icefloe.config import load_config, redact, redacted_dict, show_references
 from icefloe.errors import ConfigError, IcefloeError
 from icefloe.metrics import MetricsPortOption, start_metrics
-from icefloe.plugins.backends import backend_config, open_backend
+from icefloe.plugins.backends import backend_config, installed_backends, open_backend
 from icefloe.plugins.manager import get_plugins
 
 app = typer.Typer(
@@ -82,6 +82,7 @@ def show_config(
         )
     except IcefloeError as exc:
         _say("warning: ", "yellow", f"backend section not validated: {exc}")
+    data = show_references(data, cfg)
     if as_json:
         typer.echo(json.dumps(data, indent=2, default=str))
     else:
@@ -99,12 +100,24 @@ def _toml_ready(value: Any) -> Any:
 
 @app.command()
 def backends() -> None:
-    """List the installed coordination backends and record codecs."""
+    """List the installed coordination backends, each with the backend contract it implements
+    and the distribution that provides it, and the record codecs. A backend of a contract
+    this icefloe cannot drive is marked OUTDATED and explained on stderr."""
     plugins = get_plugins()
-    for name, spec in sorted(plugins.backends().items()):
-        typer.echo(f"backend  {name:10s} {spec.description}")
+    refusals: list[str] = []
+    for b in installed_backends(plugins):
+        refusal = b.refusal()
+        flag = "OUTDATED " if refusal else ""
+        typer.echo(
+            f"backend  {b.spec.name:10s} contract {b.contract}  {b.origin:34s} "
+            f"{flag}{b.spec.description}"
+        )
+        if refusal:
+            refusals.append(refusal)
     for name, cspec in sorted(plugins.codecs().items()):
         typer.echo(f"codec    {name:10s} {cspec.description}")
+    for refusal in refusals:
+        _say("outdated: ", "red", refusal)
 
 
 @app.command()
@@ -246,9 +259,10 @@ def drain_command(
         float, typer.Option("--timeout", help="Give up after this many seconds.")
     ] = 600.0,
 ) -> None:
-    """Commit everything the configured channel still holds, then mark the pipeline's tables
-    as drained of it, so the pipeline may continue on another backend. Stop the pipeline
-    (`icefloe run`) first. Exits 0 once drained."""
+    """Commit everything the configured channel still holds, then mark every table the
+    pipeline commits to ([[tables]], the dead-letter table, dynamic tables) as drained of it,
+    so the pipeline may continue on another backend. Stop the pipeline (`icefloe run`)
+    first. Exits 0 once drained."""
     import logging
     import os
     import socket
@@ -258,6 +272,7 @@ def drain_command(
     from icefloe.commit.committer import IcebergCommitter
     from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
     from icefloe.ops.drain import drain
+    from icefloe.ops.tables import pipeline_tables
 
     cfg = load_config(config)
     logging.basicConfig(
@@ -278,7 +293,7 @@ def drain_command(
             result = drain(
                 coordinator,
                 IcebergCommitter.for_pipeline(catalog, cfg),
-                [t.name for t in cfg.tables],
+                lambda: pipeline_tables(catalog, cfg),
                 timeout_s=timeout_s,
             )
         finally:
@@ -317,19 +332,21 @@ def rollback_command(
 
     from icefloe.commit.committer import IcebergCommitter
     from icefloe.commit.rollback import describe, keyed_refusal
+    from icefloe.ops.tables import change_options, pipeline_tables
 
     cfg = load_config(config)
-    entry = next((t for t in cfg.tables if t.name == table), None)
-    if entry is None:
+    catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
+    if table not in pipeline_tables(catalog, cfg):
         raise ConfigError(
             "tables",
-            f"'{table}' is not one of the pipeline's [[tables]]",
-            "name a table listed in the pipeline file",
+            f"'{table}' is not a table the pipeline commits to",
+            "name one of its [[tables]], its dead-letter table or a [dynamic_tables] table "
+            "it committed to",
             table,
         )
-    if entry.keyed and not no_replay:
-        raise keyed_refusal(table, entry.mode)
-    catalog = load_catalog(cfg.catalog.name, **cfg.catalog.properties)
+    options = change_options(cfg, table)
+    if options is not None and options.keyed and not no_replay:
+        raise keyed_refusal(table, options.mode)
     committer = IcebergCommitter.for_pipeline(catalog, cfg)
     rollback = committer.roll_back(table, snapshot_id, replay=not no_replay)
     typer.echo(describe(rollback, table, replay=not no_replay))

@@ -19,6 +19,8 @@ from typing import Annotated
 
 import typer
 
+from icefloe import __version__
+from icefloe.channel import CONTRACT_VERSION
 from icefloe.errors import ConfigError
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -33,11 +35,12 @@ name = "$dist"
 version = "0.1.0"
 description = "icefloe coordination backend '$name'"
 requires-python = ">=3.11"
-dependencies = ["icefloe-core", "pydantic>=2.7"]
+# the icefloe-core releases of backend contract $contract (core's minor version moves with it)
+dependencies = ["icefloe-core$core_pin", "pydantic>=2.7"]
 
 [project.optional-dependencies]
 # the conformance suite (pytest, a real Iceberg catalog) comes with icefloe-core's test extra
-test = ["icefloe-core[test]"]
+test = ["icefloe-core[test]$core_pin"]
 
 # how icefloe finds the backend: `coordination.backend = "$name"`
 [project.entry-points.icefloe]
@@ -96,8 +99,14 @@ def _factory(config: ${cls}Config, context: BackendContext) -> ${cls}Backend:
 
 @hookimpl
 def icefloe_register_backends() -> list[BackendSpec]:
-    """One backend, selected with ``coordination.backend = "$name"``."""
-    return [BackendSpec("$name", ${cls}Config, _factory, "coordination backend $name")]
+    """One backend, selected with ``coordination.backend = "$name"``. ``contract``: the
+    backend contract it implements, as a number (docs/backend-authors.md, "Contract
+    versions"); raise it only after following the upgrade guide."""
+    return [
+        BackendSpec(
+            "$name", ${cls}Config, _factory, "coordination backend $name", contract=$contract
+        )
+    ]
 '''
 
 _BACKEND = '''\
@@ -226,8 +235,9 @@ import os
 
 import pytest
 
+from icefloe.channel import Backend
 from icefloe.hookspecs import BackendContext
-from icefloe.testing.conformance import BackendConformance, BackendFactory
+from icefloe.testing.conformance import BackendConformance, BackendFactory, StoreRecreator
 from $module.backend import ${cls}Backend, ${cls}Config
 
 
@@ -238,7 +248,29 @@ class Test${cls}Conformance(BackendConformance):
         url = os.environ.get("ICEFLOE_BACKEND_${upper}_URL", "unset://")
         config = ${cls}Config(url=url)
         return lambda group_id, ttl: ${cls}Backend(config, BackendContext(group_id, ttl))
+
+    @pytest.fixture
+    def recreate_store(self) -> StoreRecreator:
+        def recreate(backend: Backend) -> None:
+            # delete the store backend's pipeline lives in, as an operator dropping it would
+            raise NotImplementedError(
+                "$module: recreate_store is not implemented yet "
+                "(see docs/backend-authors.md)"
+            )
+
+        return recreate
 '''
+
+
+def core_pin(version: str = __version__) -> str:
+    """The icefloe-core releases of this backend contract: this minor version (0.x) or major
+    version (from 1.0), since core's version moves with every contract change."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        return ""
+    major, minor = int(found[1]), int(found[2])
+    upper = f"{major}.{minor + 1}" if major == 0 else f"{major + 1}"
+    return f">={major}.{minor},<{upper}"
 
 
 def generate(name: str, parent: Path) -> Path:
@@ -259,6 +291,8 @@ def generate(name: str, parent: Path) -> Path:
         "module": module,
         "cls": "".join(part.capitalize() for part in name.split("_")),
         "upper": name.upper(),
+        "contract": str(CONTRACT_VERSION),
+        "core_pin": core_pin(),
     }
     root = parent / dist
     if root.exists():

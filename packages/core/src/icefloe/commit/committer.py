@@ -28,8 +28,11 @@ coordinator can neither cause a loss nor a duplicate.
 Each table is committed to its own branch (:class:`~icefloe.commit.policy.TablePolicies`:
 ``tables.branch``, else ``coordination.branch``); every step above reads and writes that
 branch's state. Tables with ``merge_small_files`` have the cycle's small data files rewritten
-per partition before step 4 (:mod:`icefloe.commit.merge`); the snapshot adds the merged files, the
-summary is unchanged, and the originals are deleted once the snapshot landed.
+per partition before step 4 (:mod:`icefloe.commit.merge`), only files the pipeline provably
+owns (:mod:`icefloe.commit.ownership`); the snapshot adds the merged files, the summary is that
+of the announced files plus the list of merged originals not yet deleted (the dedupe rule holds
+those by path), and the originals are deleted once the snapshot is known to have landed, if
+still provably owned.
 
 A branch that does not exist yet is created in the same transaction as the append, from the
 table's current snapshot, or from an empty root snapshot the committer adds to an empty table
@@ -70,10 +73,11 @@ from pyiceberg.table.update.snapshot import ManageSnapshots
 from icefloe.commit import branches, rowdelta, screening
 from icefloe.commit.dedupe import CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
-from icefloe.commit.merge import Merge, SmallFileMerger
+from icefloe.commit.merge import Merge, SmallFileMerger, merged_originals
+from icefloe.commit.ownership import Ownership
 from icefloe.commit.policy import TablePolicies
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult, table_name
-from icefloe.commit.retirement import RetiredWriters, next_boundary
+from icefloe.commit.retirement import SideFiles, next_boundary
 from icefloe.commit.rollback import Rollback, detect, is_replay_writer
 from icefloe.commit.screening import Screening
 from icefloe.commit.summary import (
@@ -115,8 +119,9 @@ class _Plan:
     raise_token: bool
     fork_from: int | None  # create the branch from this snapshot first
     clear_drained: bool = False  # the drained channel is in use again: its mark is stale
-    retired: tuple[str, bytes] | None = None  # a new retired-writers file: location, content
+    side_files: tuple[tuple[str, bytes], ...] = ()  # new side files: location, content
     merge: Merge | None = None  # small files merged: what to append instead, what it replaces
+    merged: frozenset[str] = frozenset()  # merged originals the summary lists (to delete)
 
     def appended(self) -> list[DataFileMeta]:
         """The data files the snapshot adds (merged ones instead of what they replace)."""
@@ -158,7 +163,10 @@ class IcebergCommitter:
         self._retry_wait_s = retry_wait_s
         self._max_retry_wait_s = max_retry_wait_s
         self._live_files = LiveFiles()
-        self._retired = RetiredWriters()
+        self._side_files = SideFiles()
+        self._ownership = Ownership(group_id)
+        # per table: the merged originals deleted after its last commit here (not to look for)
+        self._deleted: dict[str, set[str]] = {}
 
     @classmethod
     def for_pipeline(
@@ -332,7 +340,9 @@ class IcebergCommitter:
                     last_error = e  # the next attempt looks for the root again
                     continue
                 table = self._load(request.table)
-            plan = self._plan(table, request)
+            # merges before the lease check: a leader that lost its lease meanwhile commits
+            # nothing, and what it merged is an orphan
+            plan = self._plan(table, request, merger)
             if not plan.files:
                 logger.info(
                     "%s: nothing new to commit for %s (%d files skipped)",
@@ -341,18 +351,6 @@ class IcebergCommitter:
                     plan.skipped,
                 )
                 return _result(request, plan, None)
-            if merger is not None and not any(f.is_key_file for f in plan.files):
-                # before the lease check: a leader that lost its lease meanwhile commits
-                # nothing, and what it merged is an orphan
-                merge = merger.merge(table, [f.meta for f in plan.files])
-                plan = replace(plan, merge=merge)
-                logger.info(
-                    "%s: %d file(s) to add for %d announced (small files merged) for %s",
-                    request.table,
-                    len(merge.appended),
-                    len(plan.files),
-                    request.commit_id,
-                )
             if self._before_commit is not None:
                 self._before_commit()
             tx, snapshot_id = self._stage(table, plan)
@@ -404,14 +402,29 @@ class IcebergCommitter:
     def _landed(
         self, table: Table, request: TableCommitRequest, plan: _Plan, snapshot_id: int
     ) -> TableCommitResult:
-        """The result of ``plan``'s snapshot, which is in the table: now (never before) the
-        originals its merged files replace can go. One that cannot be deleted, or one left by a
-        crash before this point, is an orphan for ``icefloe maintain``."""
-        for path in () if plan.merge is None else plan.merge.replaced:
+        """The result of ``plan``'s snapshot, which is known to be in ``table``: now (never
+        before, and never on an unknown outcome) the merged originals its summary lists can
+        go, those :class:`~icefloe.commit.ownership.Ownership` still proves the pipeline's.
+        One that cannot be deleted stays listed, so it is never committed twice, and is tried
+        again after the next commit; one left by a crash before this point is deleted by the
+        next commit of any coordinator of the group."""
+        owned = self._ownership.deletable(table, plan.merged) if plan.merged else set()
+        deleted: set[str] = set()
+        for path in sorted(plan.merged):
+            if path not in owned:
+                logger.warning(
+                    "%s: not deleting merged file %s: a snapshot names it now", request.table, path
+                )
+                continue
             try:
                 table.io.delete(path)
+            except FileNotFoundError:
+                pass  # deleted already (by an earlier attempt, or by `icefloe maintain`)
             except Exception as exc:  # committed either way: the file is only garbage now
                 logger.warning("%s: cannot delete merged file %s: %s", request.table, path, exc)
+                continue
+            deleted.add(path)
+        self._deleted[request.table] = deleted
         return _result(request, plan, snapshot_id)
 
     def _load(self, name: str) -> Table:
@@ -498,10 +511,16 @@ class IcebergCommitter:
                 "branch history; keep the group's last snapshot when expiring snapshots, or remove "
                 f"the table property {fencing_token_property(self._group_id)} to start over"
             )
-        if state is None or state.boundary.retired_file is None:
+        if state is None:
             return state, rollback
-        retired = self._retired.read(table, state.boundary.retired_file, self._group_id)
-        return replace(state, boundary=replace(state.boundary, retired=retired)), rollback
+        boundary = state.boundary
+        if boundary.retired_file is not None:
+            retired = self._side_files.retired(table, boundary.retired_file, self._group_id)
+            boundary = replace(boundary, retired=retired)
+        if boundary.merged_file is not None:
+            merged = self._side_files.merged(table, boundary.merged_file, self._group_id)
+            boundary = replace(boundary, merged=merged)
+        return replace(state, boundary=boundary), rollback
 
     def _for_channel(
         self, table: Table, state: RecordedCommit | None, channel_id: str | None
@@ -536,7 +555,9 @@ class IcebergCommitter:
         switched = recorded not in (None, channel_id)
         return replace(state, boundary=state.boundary.for_channel(channel_id)), switched
 
-    def _plan(self, table: Table, request: TableCommitRequest) -> _Plan:
+    def _plan(
+        self, table: Table, request: TableCommitRequest, merger: SmallFileMerger | None
+    ) -> _Plan:
         head, fork_from = self._branch_head(table)
         own, rollback = self._states(table, head)
         replay = None if rollback is None else rollback.writer_id
@@ -581,13 +602,27 @@ class IcebergCommitter:
             stale_keys = [f for f in files if f.is_key_file and (f.writer_id, f.batch_seq) in done]
             files = tuple(f for f in files if f not in stale_keys)
             skipped += len(stale_keys)
+        merge = None
+        if merger is not None and files and not any(f.is_key_file for f in files):
+            merge = merger.merge(table, [f.meta for f in files], self._ownership)
+            logger.info(
+                "%s: %d file(s) to add for %d announced (small files merged) for %s",
+                request.table,
+                len(merge.appended),
+                len(files),
+                request.commit_id,
+            )
         prop = property_token(table, self._group_id)
         boundary, retired = next_boundary(table, request, state)
+        deleted = self._deleted.get(request.table, set())
+        boundary, merged = merged_originals(table, boundary, merge, deleted)
         return _Plan(
             files=files,
             skipped=skipped,
             summary=new_summary(self._group_id, request, state, boundary),
-            retired=retired,
+            side_files=tuple(f for f in (retired, merged) if f is not None),
+            merge=merge,
+            merged=boundary.merged,
             raise_token=switched or prop is None or request.fencing_token > prop,
             fork_from=fork_from,
             clear_drained=request.channel_id is not None
@@ -610,10 +645,9 @@ class IcebergCommitter:
             # committing through the drained channel again: it holds work once more, so a
             # later switch away from it needs a new drain
             tx.remove_properties(drained_property(self._group_id))
-        if plan.retired is not None:
+        for location, content in plan.side_files:
             # before the commit that names it; named by its content, so a retry rewrites the
             # same file, and one left by a failed attempt is an orphan for `icefloe maintain`
-            location, content = plan.retired
             with table.io.new_output(location).create(overwrite=True) as stream:
                 stream.write(content)
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=branch)
@@ -690,7 +724,8 @@ def _select(
     skipped = 0
     for f in files:
         stale = is_replay_writer(f.writer_id) and f.writer_id != replay
-        if f.meta.path in seen or f.meta.record_count <= 0 or stale or boundary.covers(f):
+        held = boundary.holds(f, f.meta.path)
+        if f.meta.path in seen or f.meta.record_count <= 0 or stale or held:
             skipped += 1
         else:
             keep.append(f)

@@ -12,6 +12,14 @@ of the summary into an immutable side file in the table's metadata directory, na
 summary (``icefloe.retired-writers``). Summaries (written on every snapshot, and every table
 metadata file repeats every retained snapshot's) then grow with the live writers only, while a
 replay of a retired writer's old batch is still covered: the rule reads both maps.
+
+A small file merged away (``merge_small_files``) is committed as much as any file, yet no
+snapshot names it and its batch is covered only under the writer id that announced it. Until
+the coordinator has deleted it, it is listed in another side file the summary names
+(``icefloe.merged-originals``), carried from commit to commit while the file exists, and the
+rule holds it by path (:meth:`CommitBoundary.holds`): the same file announced again under
+another writer id is not committed a second time. Once deleted, an announcement of it is
+quarantined as missing (:mod:`icefloe.commit.screening`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ POSITIONS_KEY = "icefloe.channel-positions"
 WATERMARKS_KEY = "icefloe.writer-watermarks"
 CHANNEL_ID_KEY = "icefloe.channel-id"
 RETIRED_KEY = "icefloe.retired-writers"
+MERGED_KEY = "icefloe.merged-originals"
 
 
 class Announced(Protocol):
@@ -60,6 +69,11 @@ class CommitBoundary:
     """``{writer_id: highest batch_seq committed}`` of writers gone from ``watermarks``; read
     from ``retired_file`` by whoever parsed the summary (:meth:`from_summary` leaves it empty
     and the committer loads it)."""
+    merged_file: str | None = None
+    """Location of the side file listing ``merged`` (None: no merged original is left)."""
+    merged: frozenset[str] = frozenset()
+    """Paths of small files merged into committed files and not yet known to be deleted; read
+    from ``merged_file`` by the committer, like ``retired``."""
 
     @classmethod
     def from_summary(cls, summary: Mapping[str, str | None]) -> CommitBoundary:
@@ -69,6 +83,7 @@ class CommitBoundary:
             watermarks=_int_map(json.loads(summary.get(WATERMARKS_KEY) or "{}")),
             channel_id=summary.get(CHANNEL_ID_KEY) or None,
             retired_file=summary.get(RETIRED_KEY) or None,
+            merged_file=summary.get(MERGED_KEY) or None,
         )
 
     def to_summary(self) -> dict[str, str]:
@@ -78,6 +93,8 @@ class CommitBoundary:
             out[CHANNEL_ID_KEY] = self.channel_id
         if self.retired_file is not None:
             out[RETIRED_KEY] = self.retired_file
+        if self.merged_file is not None:
+            out[MERGED_KEY] = self.merged_file
         return out
 
     def for_channel(self, channel_id: str | None) -> CommitBoundary:
@@ -94,13 +111,19 @@ class CommitBoundary:
         return replace(self, positions={}, channel_id=channel_id)
 
     def covers(self, f: Announced) -> bool:
-        """Whether the table already holds the file announced at ``f``."""
+        """Whether the table already holds what was announced at ``f`` (by its DataWritten's
+        place or writer batch; :meth:`holds` also knows files by path)."""
         if f.offset < self.positions.get(f.partition, 0):
             return True
         mark = self.watermarks.get(f.writer_id)
         if mark is None or f.batch_seq > mark:
             mark = self.retired.get(f.writer_id)
         return mark is not None and f.batch_seq <= mark
+
+    def holds(self, f: Announced, path: str) -> bool:
+        """Whether the table already holds the file at ``path`` announced at ``f``: its batch is
+        covered, or it is a merged original (committed inside a merged file)."""
+        return self.covers(f) or path in self.merged
 
     def retirable(self, keep: Iterable[str]) -> set[str]:
         """Writers in ``watermarks`` that are not in ``keep`` (the live ones)."""
@@ -155,3 +178,17 @@ def decode_retired(data: bytes) -> dict[str, int]:
     """Parse :func:`encode_retired`'s output. Raises ValueError/TypeError/AttributeError/KeyError
     when unreadable."""
     return _int_map(json.loads(data)["writers"])
+
+
+def encode_merged(paths: Iterable[str]) -> bytes:
+    """The merged-originals side file's content (JSON ``{"paths": [...]}``)."""
+    return _json({"paths": sorted(paths)}).encode()
+
+
+def decode_merged(data: bytes) -> frozenset[str]:
+    """Parse :func:`encode_merged`'s output. Raises ValueError/TypeError/KeyError when
+    unreadable."""
+    paths = json.loads(data)["paths"]
+    if not isinstance(paths, list):
+        raise TypeError(f"paths is a {type(paths).__name__}, not a list")
+    return frozenset(str(p) for p in paths)

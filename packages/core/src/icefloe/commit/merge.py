@@ -18,21 +18,31 @@ The rules that keep exactly-once:
   uuid): an attempt repeated with the same group rewrites the same names, never a second copy.
   A crashed cycle's merged files are never committed (its retry is a new cycle, with a new
   commit id) and are orphans for ``icefloe maintain``.
-* The originals are deleted only after the commit landed; a crash in between leaves them as
-  orphans. The snapshot summary (positions, watermarks, offsets) still comes from the
-  announced files, so the dedupe rule is unchanged.
+* Only files the pipeline provably owns are merged (:mod:`icefloe.commit.ownership`: named
+  for this pipeline, under the table's data location, really data, named by no snapshot of
+  any ref). Any other announced file is committed by reference, as announced: nothing is
+  copied out of it and it is never deleted.
+* The originals are deleted only after the commit landed, and only if still provably owned;
+  a crash in between leaves them as orphans. The snapshot summary (positions, watermarks,
+  offsets) still comes from the announced files, and it names a side file listing the merged
+  originals not yet known to be deleted (:func:`merged_originals`), carried from commit to
+  commit while they exist: the dedupe rule holds them by path, so an original announced again
+  under another writer id is not committed a second time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
 
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io.pyarrow import ArrowScan
 from pyiceberg.table import FileScanTask, Table
 
+from icefloe.commit.dedupe import CommitBoundary, encode_merged
+from icefloe.commit.ownership import Ownership
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.records.datafiles import DataFileBuilder, write_data_files
 
@@ -84,11 +94,14 @@ class SmallFileMerger:
         self._target = target_file_size
         self._written: dict[uuid.UUID, tuple[DataFileMeta, ...]] = {}
 
-    def merge(self, table: Table, files: Sequence[DataFileMeta]) -> Merge:
+    def merge(self, table: Table, files: Sequence[DataFileMeta], ownership: Ownership) -> Merge:
         """Write the merged files of ``files`` for ``table`` (the version this attempt loaded)
-        and return what to append instead of ``files``."""
-        to_merge, kept = groups(files, self._target)
-        appended = list(kept)
+        and return what to append instead of ``files``. Only files ``ownership`` proves the
+        pipeline's are merged; the others are appended as they are."""
+        candidates, _ = groups(files, self._target)
+        owned = ownership.mergeable(table, [m for g in candidates for m in g])
+        to_merge, kept = groups([m for m in files if m.path in owned], self._target)
+        appended = [m for m in files if m.path not in owned] + kept
         replaced: list[str] = []
         build = DataFileBuilder(table.metadata).build
         for group in to_merge:
@@ -102,3 +115,26 @@ class SmallFileMerger:
             appended.extend(written)
             replaced.extend(m.path for m in group)
         return Merge(tuple(appended), tuple(replaced))
+
+
+def merged_originals(
+    table: Table, boundary: CommitBoundary, merge: Merge | None, deleted: Collection[str]
+) -> tuple[CommitBoundary, tuple[str, bytes] | None]:
+    """``boundary`` listing the merged originals the new snapshot records, and the side file
+    to write first when that list changed (location, content).
+
+    The list is this commit's originals plus the earlier ones that may still exist: not in
+    ``deleted`` (what this committer saw deleted after the previous commit) and found in
+    storage (asked only after a failed delete, a crash or another coordinator's commit). A
+    deleted original needs no entry: announced again, it is quarantined as missing.
+    """
+    earlier = {p for p in boundary.merged if p not in deleted and table.io.new_input(p).exists()}
+    listed = frozenset(earlier.union(() if merge is None else merge.replaced))
+    if listed == boundary.merged:
+        return boundary, None
+    if not listed:
+        return replace(boundary, merged_file=None, merged=listed), None
+    content = encode_merged(listed)
+    name = f"icefloe-merged-{hashlib.sha256(content).hexdigest()[:40]}.json"
+    location = table.location_provider().new_metadata_location(name)
+    return replace(boundary, merged_file=location, merged=listed), (location, content)

@@ -16,14 +16,19 @@ and operators can query it with any Iceberg engine. The coordinator writes the r
 in between re-reads the event, finds the record and neither loses nor re-quarantines it
 (rows are keyed by pipeline, table and path). Operators list and drop entries with
 ``icefloe quarantine``.
+
+The same table keeps, as table properties, the tables whose commits keep failing
+(:class:`FailingTable`: ``coordination.quarantine_after_failures`` failures in a row with an
+error that quarantines nothing), so ``icefloe status`` can report them from any process.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
@@ -34,6 +39,10 @@ from pyiceberg.table import Table
 from pyiceberg.types import LongType, NestedField, StringType, TimestamptzType
 
 DEFAULT_QUARANTINE_TABLE = "icefloe.quarantine"
+# a table property of the quarantine table per failing table: icefloe.failing.<group>/<table>
+# (pipeline names may hold dots, never a slash)
+_FAILING_PREFIX = "icefloe.failing."
+_MAX_ERROR_CHARS = 2000  # a property, not a log: the start of a long message says enough
 
 log = logging.getLogger("icefloe.quarantine")
 
@@ -78,6 +87,17 @@ class QuarantineEntry:
 _FIELDS = tuple(f.name for f in _SCHEMA.fields)
 
 
+@dataclass(frozen=True)
+class FailingTable:
+    """A table whose commits failed ``coordination.quarantine_after_failures`` times in a row,
+    as the coordinator recorded it when that happened: what ``icefloe status`` reports."""
+
+    failures: int
+    error: str  # "<exception type>: <message>" of the failure that raised the alarm
+    since_ms: int  # when the first of the failures in a row happened
+    marked_ms: int  # when the alarm was recorded (a later commit of the table clears it)
+
+
 class Quarantine:
     """The quarantine table of one catalog; entries of every pipeline, filtered by group."""
 
@@ -101,6 +121,15 @@ class Quarantine:
         if t is None:
             return set()
         scan = t.scan(row_filter=_filter(group_id, table_name), selected_fields=("file_path",))
+        return set(scan.to_arrow().column("file_path").to_pylist())
+
+    def all_paths(self) -> set[str]:
+        """Paths of every quarantined file, of every pipeline and table: files that
+        ``icefloe maintain`` must never delete as orphans (the entry promises them back)."""
+        t = self._table(create=False)
+        if t is None:
+            return set()
+        scan = t.scan(selected_fields=("file_path",))
         return set(scan.to_arrow().column("file_path").to_pylist())
 
     def add(self, entries: Sequence[QuarantineEntry]) -> list[QuarantineEntry]:
@@ -131,6 +160,37 @@ class Quarantine:
         entries = [QuarantineEntry(**{k: r[k] for k in _FIELDS}) for r in rows]
         return sorted(entries, key=lambda e: (e.quarantined_at, e.table_name, e.file_path))
 
+    def mark_failing(self, group_id: str, table_name: str, failing: FailingTable) -> None:
+        """Record that ``table_name`` keeps failing (a property of the quarantine table, so
+        ``icefloe status`` sees it from any process, for any backend, even for a table that
+        cannot be loaded)."""
+        t = self._table(create=True)
+        assert t is not None
+        record = asdict(failing)
+        record["error"] = failing.error[:_MAX_ERROR_CHARS]
+        with t.transaction() as tx:
+            tx.set_properties({_failing_key(group_id, table_name): json.dumps(record)})
+
+    def clear_failing(self, group_id: str, table_name: str) -> None:
+        """Forget the failing mark of ``table_name`` (it committed again)."""
+        t = self._table(create=False)
+        key = _failing_key(group_id, table_name)
+        if t is not None and key in t.metadata.properties:
+            with t.transaction() as tx:
+                tx.remove_properties(key)
+
+    def failing(self, group_id: str) -> dict[str, FailingTable]:
+        """The failing marks of ``group_id``, per table."""
+        t = self._table(create=False)
+        if t is None:
+            return {}
+        prefix = _failing_key(group_id, "")
+        return {
+            key[len(prefix) :]: FailingTable(**json.loads(raw))
+            for key, raw in t.metadata.properties.items()
+            if key.startswith(prefix)
+        }
+
     def drop(
         self, group_id: str, table_name: str | None = None, file_path: str | None = None
     ) -> int:
@@ -145,6 +205,10 @@ class Quarantine:
         if count:
             t.delete(delete_filter=where)
         return count
+
+
+def _failing_key(group_id: str, table_name: str) -> str:
+    return f"{_FAILING_PREFIX}{group_id}/{table_name}"
 
 
 def _filter(group_id: str, table_name: str | None) -> BooleanExpression:

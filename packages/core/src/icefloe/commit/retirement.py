@@ -1,14 +1,23 @@
 """Retiring writers: when the committer moves the watermarks of writers that are gone out of the
 summary into a side file (:mod:`icefloe.commit.dedupe` has the rule), and reading them back,
-so summaries grow with the live writers only."""
+so summaries grow with the live writers only. The reader also reads the other side file a
+summary names, the merged originals (:mod:`icefloe.commit.merge`)."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import TypeVar
 
 from pyiceberg.table import Table
 
-from icefloe.commit.dedupe import CommitBoundary, decode_retired, encode_retired, max_merge
+from icefloe.commit.dedupe import (
+    CommitBoundary,
+    decode_merged,
+    decode_retired,
+    encode_retired,
+    max_merge,
+)
 from icefloe.commit.request import TableCommitRequest, table_name
 from icefloe.commit.summary import RecordedCommit
 from icefloe.errors import CommitError
@@ -16,8 +25,10 @@ from icefloe.errors import CommitError
 # Writers gone from the summary's watermarks before they are retired together: one side file
 # per this many, instead of one per writer that stops.
 RETIRE_AT = 32
-# Retired-writers files kept in memory (immutable, so cached by location).
-_RETIRED_CACHE_SIZE = 16
+# Side files kept in memory (immutable, so cached by location).
+_SIDE_FILE_CACHE_SIZE = 16
+
+_Content = TypeVar("_Content")
 
 
 def next_boundary(
@@ -39,27 +50,45 @@ def next_boundary(
     return boundary.retire(gone, location), (location, content)
 
 
-class RetiredWriters:
-    """Reads retired-writers side files, caching the few in use (they never change)."""
+class SideFiles:
+    """Reads the side files summaries name (retired writers' watermarks, merged originals),
+    caching the few in use (they never change)."""
 
     def __init__(self) -> None:
-        self._retired: dict[str, dict[str, int]] = {}  # retired-writers file -> its watermarks
+        self._files: dict[tuple[str, str], object] = {}  # (what, side file) -> its content
 
-    def read(self, table: Table, location: str, group_id: str) -> dict[str, int]:
+    def retired(self, table: Table, location: str, group_id: str) -> dict[str, int]:
         """The watermarks of retired writers, from the side file the summary names."""
-        cached = self._retired.get(location)
+        # without them a replay of a retired writer's batch would be committed again
+        return self._read(table, location, decode_retired, "retired writers' watermarks", group_id)
+
+    def merged(self, table: Table, location: str, group_id: str) -> frozenset[str]:
+        """The merged originals not yet known to be deleted, from the side file the summary
+        names."""
+        # without them an original announced again would be merged a second time
+        return self._read(table, location, decode_merged, "merged originals", group_id)
+
+    def _read(
+        self,
+        table: Table,
+        location: str,
+        decode: Callable[[bytes], _Content],
+        what: str,
+        group_id: str,
+    ) -> _Content:
+        key = (what, location)
+        cached = self._files.get(key)
         if cached is None:
             try:
                 with table.io.new_input(location).open() as stream:
-                    cached = decode_retired(stream.read())
+                    cached = decode(stream.read())
             except Exception as e:
-                # without them a replay of a retired writer's batch would be committed again
                 raise CommitError(
-                    f"table '{table_name(table)}': cannot read the retired writers' watermarks "
-                    f"of group '{group_id}' from {location} ({e}); restore that file (it is "
-                    "written once and never changed; `icefloe maintain` keeps it)"
+                    f"table '{table_name(table)}': cannot read the {what} of group "
+                    f"'{group_id}' from {location} ({e}); restore that file (it is written "
+                    "once and never changed; `icefloe maintain` keeps it)"
                 ) from e
-            if len(self._retired) >= _RETIRED_CACHE_SIZE:
-                self._retired.pop(next(iter(self._retired)))
-            self._retired[location] = cached
-        return cached
+            if len(self._files) >= _SIDE_FILE_CACHE_SIZE:
+                self._files.pop(next(iter(self._files)))
+            self._files[key] = cached
+        return cached  # type: ignore[return-value]  # what names the decoder that stored it

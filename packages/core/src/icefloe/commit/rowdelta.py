@@ -71,6 +71,7 @@ from pyiceberg.types import (
 )
 
 from icefloe.errors import RowDeltaTableError
+from icefloe.records.changes import comparable_type, leaf_fields
 
 FILE_PATH_FIELD_ID = 2147483546
 POS_FIELD_ID = 2147483545
@@ -155,9 +156,16 @@ def resolve(
 
     ``prune=False`` reads every live file (only to measure what pruning saves)."""
     fields = identifier_fields(table)
-    names = [f.name for f in fields]
+    # full names: an identifier field may be nested in a struct, and leaf names may repeat
+    names = [table.metadata.schema().find_column_name(f.field_id) or f.name for f in fields]
     ids = [f.field_id for f in fields]
-    arrow_schema = schema_to_pyarrow(Schema(*fields), include_field_ids=False)
+    # keys are matched by value: uuid columns as their 16 bytes (Arrow hashes no extension)
+    arrow_schema = pa.schema(
+        [
+            pa.field(name, comparable_type(schema_to_pyarrow(f.field_type)), nullable=False)
+            for name, f in zip(names, fields, strict=True)
+        ]
+    )
     io = table.io
     live: dict[str, DataFile] = {}
     dead: dict[str, np.ndarray[Any, np.dtype[np.bool_]]] = {}  # per data file: row deleted?
@@ -407,19 +415,26 @@ def _read_ids(
     io: FileIO, path: str, ids: Sequence[int], names: Sequence[str], schema: pa.Schema
 ) -> pa.Table:
     """The identifier columns of a Parquet file, found by field id (so renames do not
-    matter), named and typed as the table's current schema says."""
+    matter; inside structs too), as flat columns named and typed as ``schema`` says."""
     with io.new_input(path).open() as stream:
         parquet = pq.ParquetFile(stream)
-        by_id: dict[int, str] = {}
-        for column in parquet.schema_arrow:
-            raw = (column.metadata or {}).get(_FIELD_ID)
-            if raw is not None:
-                by_id[int(raw)] = column.name
+        by_id = {
+            int(raw): path
+            for path, column in leaf_fields(parquet.schema_arrow)
+            if (raw := (column.metadata or {}).get(_FIELD_ID)) is not None
+        }
         missing = [i for i in ids if i not in by_id]
         if missing:
             raise ValueError(f"{path} has no column with field id(s) {missing}")
-        rows = parquet.read(columns=[by_id[i] for i in ids])
-    return rows.rename_columns(list(names)).cast(schema)
+        rows = parquet.read(columns=sorted({by_id[i][0] for i in ids}))
+    columns = []
+    for i in ids:
+        top, *inner = by_id[i]
+        column = rows.column(top)
+        if inner:
+            column = pc.struct_field(column, inner)
+        columns.append(column)
+    return pa.table(columns, names=list(names)).cast(schema)
 
 
 def _distinct(keys: pa.Table) -> pa.Table:

@@ -1,7 +1,15 @@
 """The file rules: why a table can never take an announced file (another incarnation of the
 table, outside its location, an old partition spec, a delete file, a key file it cannot
-resolve, metadata it cannot describe, a small file already merged away). Each reason concerns
-one file alone, so the coordinator quarantines just that file and commits the rest."""
+resolve, metadata it cannot describe, a small file already merged away, a file to merge that is
+not a data file of the table). Each reason concerns one file alone, so the coordinator
+quarantines just that file and commits the rest.
+
+One exception: the files of a *keyed batch* (one writer batch of an upsert/CDC table, that is
+the files of one ``(writer_id, batch_seq)`` for one table, with at least one key file) are
+accepted or refused together (:func:`screen`). Its key file deletes the rows its data files
+replace: keys applied without the new images lose the keys, images committed without the keys
+duplicate them. A writer publishes one DataWritten per table and batch, so these files share
+one channel offset too, and the dedupe rule covers all of them or none."""
 
 from __future__ import annotations
 
@@ -11,6 +19,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyiceberg.schema import index_by_id
 from pyiceberg.table import Table
 
 from icefloe.commit import rowdelta
@@ -21,6 +32,8 @@ from icefloe.errors import (
     DataFileMissingError,
     FileOutsideTableError,
     InvalidDataFileError,
+    KeyedBatchRefusedError,
+    NotADataFileError,
     PartitionSpecChangedError,
     RefusedFileError,
     RowDeltaNotSupportedError,
@@ -38,6 +51,10 @@ _DATA_PATH_PROPERTIES = (
 )
 # URI schemes that name the same storage.
 _SCHEME_ALIASES = {"": "file", "s3a": "s3", "s3n": "s3"}
+# Iceberg reserves field ids from Integer.MAX_VALUE - 200 up for metadata and delete columns
+# (a position-delete file's file_path and pos are 2147483546 and 2147483545)
+_RESERVED_FIELD_IDS = 2**31 - 1 - 200
+_FIELD_ID = b"PARQUET:field_id"
 
 
 @dataclass(frozen=True)
@@ -52,20 +69,51 @@ def screen(
     table: Table, files: Iterable[PendingFile], boundary: CommitBoundary, policy: TablePolicy
 ) -> Screening:
     """Sort ``files`` into those ``table`` may take and those it refuses for good. Files
-    ``boundary`` covers count as accepted (the commit drops them)."""
-    accepted: list[PendingFile] = []
-    refused: list[tuple[PendingFile, RefusedFileError]] = []
+    ``boundary`` covers count as accepted (the commit drops them). A keyed batch is refused
+    whole when any of its files is (see the module docstring)."""
     rules = _FileRules.of(table)
+    verdicts: list[tuple[PendingFile, RefusedFileError | None]] = []
     for f in files:
-        covered = boundary.covers(f)
+        covered = boundary.holds(f, f.meta.path)
         error = None if covered else _refusal(table, f, rules)
         if error is None and not covered and policy.merge_small_files:
-            error = _missing(table, f, policy.target_file_size_bytes)
+            error = _unmergeable(table, f, policy.target_file_size_bytes)
+        verdicts.append((f, error))
+    sunk = _sunk_keyed_batches(verdicts)
+    accepted: list[PendingFile] = []
+    refused: list[tuple[PendingFile, RefusedFileError]] = []
+    for f, error in verdicts:
+        cause = sunk.get(batch_of(f)) if error is None else None
+        if cause is not None:
+            error = KeyedBatchRefusedError(
+                f"table '{table_name(table)}': {f.meta.path} is refused with the rest of its "
+                f"keyed batch (writer {f.writer_id} batch {f.batch_seq}), because "
+                f"{cause[0].meta.path} is: {cause[1]}. A keyed batch is committed whole or not "
+                "at all; recover the batch's files together (see docs/upsert.md)"
+            )
         if error is None:
             accepted.append(f)
         else:
             refused.append((f, error))
     return Screening(tuple(accepted), tuple(refused))
+
+
+def batch_of(f: PendingFile) -> tuple[str, int]:
+    """The writer batch ``f`` was announced in: per table, one DataWritten of one
+    ``(writer_id, batch_seq)`` (a replay under the same key is dropped before it gets here)."""
+    return f.writer_id, f.batch_seq
+
+
+def _sunk_keyed_batches(
+    verdicts: Iterable[tuple[PendingFile, RefusedFileError | None]],
+) -> dict[tuple[str, int], tuple[PendingFile, RefusedFileError]]:
+    """Per keyed batch with a refused file, its first refused file and why."""
+    keyed = {batch_of(f) for f, _ in verdicts if f.is_key_file}
+    sunk: dict[tuple[str, int], tuple[PendingFile, RefusedFileError]] = {}
+    for f, error in verdicts:
+        if error is not None and batch_of(f) in keyed:
+            sunk.setdefault(batch_of(f), (f, error))
+    return sunk
 
 
 def first_refusal(table: Table, files: Iterable[PendingFile]) -> RefusedFileError | None:
@@ -161,19 +209,82 @@ def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileErro
     return None
 
 
-def _missing(table: Table, f: PendingFile, target: int) -> RefusedFileError | None:
+def _unmergeable(table: Table, f: PendingFile, target: int) -> RefusedFileError | None:
     """Why a file a merge would read cannot be committed: it no longer exists (merged and
-    deleted by an earlier cycle, so the live-path check cannot see it in the table)."""
+    deleted by an earlier cycle, so the live-path check cannot see it in the table), or it is
+    not a data file of the table (:func:`content_refusal`)."""
     if f.meta.content != FileContent.DATA or f.meta.file_size_in_bytes >= target:
         return None
-    if table.io.new_input(f.meta.path).exists():
+    if not table.io.new_input(f.meta.path).exists():
+        return DataFileMissingError(
+            f"table '{table_name(table)}': {f.meta.path} no longer exists. merge_small_files "
+            "deletes the files it merged once their commit landed, so this file was most likely "
+            "committed already (merged) and is announced again (under another writer id?); "
+            "otherwise it was lost. Refusing to commit a reference to a missing file"
+        )
+    return content_refusal(table, f.meta)
+
+
+def content_refusal(table: Table, meta: DataFileMeta) -> RefusedFileError | None:
+    """Why the Parquet file ``meta`` announces as data is no data file of ``table``, or None.
+
+    Reads the file's footer, so only files a merge reads anyway are checked: a merge reads
+    columns by field id, and would turn a position-delete file (Iceberg's reserved
+    ``file_path``/``pos`` ids) or another table's file into rows of nulls. An equality-delete
+    file holds table columns and cannot be told from data by its footer; icefloe's own key
+    files are never named for the pipeline, so they are never merged
+    (:mod:`icefloe.commit.ownership`). An unreadable footer (not Parquet) is refused; an I/O
+    error is raised.
+    """
+    if meta.file_format != "PARQUET":
         return None
-    return DataFileMissingError(
-        f"table '{table_name(table)}': {f.meta.path} no longer exists. merge_small_files "
-        "deletes the files it merged once their commit landed, so this file was most likely "
-        "committed already (merged) and is announced again (under another writer id?); "
-        "otherwise it was lost. Refusing to commit a reference to a missing file"
+    try:
+        with table.io.new_input(meta.path).open() as stream:
+            schema = pq.read_schema(stream)
+    except pa.ArrowInvalid as e:
+        return NotADataFileError(
+            f"table '{table_name(table)}': {meta.path} is announced as a Parquet data file "
+            f"but cannot be read as one ({e}); refusing to merge or commit it"
+        )
+    why = _not_data(_field_ids(schema), {i for s in table.metadata.schemas for i in index_by_id(s)})
+    if why is None:
+        return None
+    return NotADataFileError(
+        f"table '{table_name(table)}': {meta.path} is announced as a data file, but its "
+        f"Parquet schema holds {why}: it is not a data file of this table; refusing to merge "
+        "or commit it as data"
     )
+
+
+def _not_data(ids: set[int], known: set[int]) -> str | None:
+    """What in a file's field ids ``ids`` shows it is no data file of a table whose schemas
+    have the field ids ``known``, or None."""
+    reserved = sorted(i for i in ids if i >= _RESERVED_FIELD_IDS)
+    if reserved:
+        return f"Iceberg's reserved field ids {reserved} (a delete file)"
+    foreign = sorted(ids - known)
+    if foreign:
+        return f"field ids {foreign} that no schema of the table has"
+    return None if ids else "no Iceberg field ids"
+
+
+def _field_ids(schema: pa.Schema) -> set[int]:
+    """Every Iceberg field id in a Parquet file's Arrow schema, nested fields included."""
+    found: set[int] = set()
+    stack: list[pa.Field] = list(schema)
+    while stack:
+        field = stack.pop()
+        raw = (field.metadata or {}).get(_FIELD_ID)
+        if raw is not None:
+            found.add(int(raw))
+        kind = field.type
+        if pa.types.is_struct(kind):
+            stack.extend(kind.field(i) for i in range(kind.num_fields))
+        elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
+            stack.append(kind.value_field)
+        elif pa.types.is_map(kind):
+            stack.extend([kind.key_field, kind.item_field])
+    return found
 
 
 def _same_uuid(text: str, table_uuid: uuid.UUID) -> bool:
@@ -196,6 +307,12 @@ def _split_root(root: str) -> _Root:
     """``root`` prepared for :func:`_inside`."""
     scheme, netloc, path = _split(root)
     return root.rstrip("/") + "/", scheme, netloc, path.rstrip("/") + "/"
+
+
+def lies_under(path: str, root: str) -> bool:
+    """Whether ``path`` lies under the directory ``root`` ('..' normalised, so it cannot
+    escape; ``s3a``/``s3n`` name ``s3``)."""
+    return _inside(path, _split_root(root))
 
 
 def _inside(path: str, root: _Root) -> bool:

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 
 from pyiceberg.catalog import Catalog
 
@@ -86,6 +87,7 @@ class Coordinator:
         quarantine = Quarantine(catalog, self.settings.quarantine_table)
         self._reader = EventReader(group_id, channel, committer, self.settings, quarantine)
         self._stall = StallWatch(self.settings.stall_after_s)
+        self._failing_gauged: set[str] = set()  # tables icefloe_table_failing reports
         self._stall_check_at = 0.0  # monotonic time of the next end_position() look-up
         self.channel_stalled_s: float | None = None
         """How long the channel has been stalled (see :mod:`icefloe.coordination.stall`)."""
@@ -228,7 +230,15 @@ class Coordinator:
         for table, n in cycle.quarantined.items():
             metrics.FILES_QUARANTINED.labels(table).inc(n)
         self._update_pending_gauges()
+        self._update_failing_gauges(cycle.failing)
         return cycle
+
+    def _update_failing_gauges(self, failing: Mapping[str, int]) -> None:
+        for table in self._failing_gauged - failing.keys():
+            metrics.TABLE_FAILING.labels(table).set(0)
+        for table, failures in failing.items():
+            metrics.TABLE_FAILING.labels(table).set(failures)
+        self._failing_gauged = set(failing)
 
     def _watch_stall(self) -> None:
         """Compare the read position with the channel's end, a few times per ``stall_after_s``
@@ -308,6 +318,7 @@ class Coordinator:
         self._stall = StallWatch(self.settings.stall_after_s)  # a new leader judges anew
         self.channel_stalled_s = None
         metrics.CHANNEL_STALLED_SECONDS.set(0.0)
+        self._update_failing_gauges({})  # the next leader reports them
 
     def _release(self) -> None:
         metrics.IS_LEADER.set(0)

@@ -9,6 +9,11 @@ One table's trouble never stops the others, nor the position:
 * a failing table is retried with an exponential backoff instead of every cycle, and after
   ``quarantine_after_failures`` attempts failing with a
   :class:`~icefloe.errors.PermanentTableError` its pending files are quarantined;
+* a table failing ``quarantine_after_failures`` times in a row with any other exception is
+  *failing*: one ERROR names the table and the error, ``icefloe status`` shows it (a mark
+  kept with the quarantine) and the ``icefloe_table_failing`` metric counts its failures
+  until it commits again. Its files stay pending: a transient fault (catalog or storage
+  down) must not quarantine data, and an upsert/CDC table's batches must commit in order;
 * the stored position is the read position lowered to the oldest file still pending, so it
   advances (and the channel is pruned) while a table fails.
 """
@@ -25,8 +30,10 @@ from dataclasses import dataclass
 
 from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
-from icefloe.commit.quarantine import Quarantine, QuarantineEntry
+from icefloe.commit.quarantine import FailingTable, Quarantine, QuarantineEntry
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
+from icefloe.commit.rollback import is_replay_writer
+from icefloe.commit.screening import Screening
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
@@ -50,6 +57,8 @@ class _TableBackoff:
 
     failures: int
     retry_at: float
+    since_ms: int  # wall clock of the first failure in a row
+    alarmed: bool = False  # reached quarantine_after_failures: reported as failing
 
 
 class CommitCycle:
@@ -79,6 +88,8 @@ class CommitCycle:
         self._plugins = plugins
         self._quarantine = quarantine
         self._trouble: dict[str, _TableBackoff] = {}
+        # tables marked failing in the quarantine (by any leader), read at the first commit
+        self._marked: set[str] | None = None
         self.quarantined_files = 0  # since this coordinator started (a metric)
         reader.backing_off = self.backing_off
         self.stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
@@ -89,6 +100,10 @@ class CommitCycle:
     def restart_clock(self) -> None:
         """The interval counts from now (after recovery, or after losing leadership)."""
         self.last_end = time.monotonic()
+
+    def failing(self) -> dict[str, int]:
+        """Tables failing ``quarantine_after_failures`` times in a row or more: failures."""
+        return {t: b.failures for t, b in self._trouble.items() if b.alarmed}
 
     def backing_off(self, table: str) -> bool:
         """Whether ``table`` failed recently and waits for its next attempt."""
@@ -181,6 +196,7 @@ class CommitCycle:
                     self._hooks.before_table_commit(table)
                 screening = self._committer.screen(table, files, reader.channel_id)
                 if screening.refused:
+                    self._replays_refused(table, screening)
                     quarantined[table] = self._isolate(commit_id, table, screening.refused)
                 accepted = screening.accepted
                 if accepted:
@@ -211,9 +227,16 @@ class CommitCycle:
                 if n:
                     quarantined[table] = quarantined.get(table, 0) + n
                 continue
-            self._trouble.pop(table, None)
+            self._committing(table)
         cycle = CycleResult(
-            commit_id, complete, vtts, tuple(results), failed, quarantined, tuple(deferred)
+            commit_id,
+            complete,
+            vtts,
+            tuple(results),
+            failed,
+            quarantined,
+            tuple(deferred),
+            self.failing(),
         )
         if self._hooks.after_iceberg_commits is not None:
             self._hooks.after_iceberg_commits(cycle)
@@ -252,10 +275,11 @@ class CommitCycle:
         return cycle
 
     def _failed(self, commit_id: str, table: str, exc: Exception) -> int:
-        """Count a table failure and set its backoff; quarantine its pending files once a
-        permanent error repeated often enough. Returns how many files were quarantined."""
+        """Count a table failure and set its backoff; once ``quarantine_after_failures`` are
+        reached, quarantine its pending files (a permanent error) or raise the alarm (any
+        other). Returns how many files were quarantined."""
         s = self._settings
-        trouble = self._trouble.get(table) or _TableBackoff(0, 0.0)
+        trouble = self._trouble.get(table) or _TableBackoff(0, 0.0, _now_ms())
         trouble.failures += 1
         # a rolled-back table waits for its replay, which comes soon: no growing backoff
         waiting = isinstance(exc, RollbackPendingError)
@@ -272,18 +296,90 @@ class CommitCycle:
             wait,
             exc,
         )
-        if not isinstance(exc, PermanentTableError) or trouble.failures < (
-            s.quarantine_after_failures
-        ):
+        if trouble.failures < s.quarantine_after_failures:
             return 0
-        files = tuple(self._reader.pending.get(table, ()))
+        if isinstance(exc, PermanentTableError):
+            files = tuple(self._reader.pending.get(table, ()))
+            try:
+                n = self._isolate(commit_id, table, [(f, exc) for f in files])
+            except Exception as qexc:  # the files stay pending; retried after the backoff
+                log.error("commit %s: cannot quarantine files of %s: %s", commit_id, table, qexc)
+            else:
+                self._committing(table)  # nothing of it is pending any more
+                return n
+        if not trouble.alarmed:
+            self._alarm(table, trouble, exc, wait)
+        return 0
+
+    def _alarm(self, table: str, trouble: _TableBackoff, exc: Exception, wait: float) -> None:
+        """Report ``table`` as failing: once in the log, and as a mark ``icefloe status`` reads."""
+        trouble.alarmed = True
+        error = f"{type(exc).__name__}: {exc}"
+        log.error(
+            "table %s failed %d commits in a row (coordination.quarantine_after_failures = %d), "
+            "the last with %s. Its %d pending file(s) stay pending and hold the channel "
+            "position; retrying every %.0fs until it commits. Fix the cause (`icefloe status` "
+            "shows it)",
+            table,
+            trouble.failures,
+            self._settings.quarantine_after_failures,
+            error,
+            len(self._reader.pending.get(table, ())),
+            wait,
+        )
+        mark = FailingTable(trouble.failures, error, trouble.since_ms, _now_ms())
         try:
-            n = self._isolate(commit_id, table, [(f, exc) for f in files])
-        except Exception as qexc:  # the files stay pending; retried after the backoff
-            log.error("commit %s: cannot quarantine files of %s: %s", commit_id, table, qexc)
-            return 0
-        del self._trouble[table]
-        return n
+            self._quarantine.mark_failing(self._group_id, table, mark)
+        except Exception as mexc:  # the log line and the metric still say it
+            log.warning("cannot record failing table %s for `icefloe status`: %s", table, mexc)
+
+    def _committing(self, table: str) -> None:
+        """``table`` committed (or has nothing left pending): forget its failures, and clear
+        a failing mark (this leader's, or one an earlier leader left)."""
+        trouble = self._trouble.pop(table, None)
+        if self._marked is None:
+            try:
+                self._marked = set(self._quarantine.failing(self._group_id))
+            except Exception as exc:
+                log.warning("cannot read failing tables from the quarantine: %s", exc)
+                self._marked = set()
+        if trouble is None or not trouble.alarmed:
+            if table not in self._marked:
+                return
+        else:
+            log.info("table %s commits again after %d failures in a row", table, trouble.failures)
+        try:
+            self._quarantine.clear_failing(self._group_id, table)
+            self._marked.discard(table)
+        except Exception as exc:  # status ignores marks older than the table's last commit
+            log.warning("cannot clear the failing mark of %s: %s", table, exc)
+
+    def _replays_refused(self, table: str, screening: Screening) -> None:
+        """Accept the pending rollback of ``table`` when its replay batch is refused whole.
+
+        Why: the table's other files wait for a request that carries a replay file
+        (:class:`~icefloe.errors.RollbackPendingError`), and a replay whose every file is
+        refused (e.g. written under a partition spec that changed since) brings none: they
+        would wait for good. Its rows go to the quarantine (recoverable with ``add_files``),
+        so the rollback is done; accepting it keeps the pre-rollback boundary and lets the
+        other files commit. Done before the quarantine is written: a crash in between leaves
+        the files pending, screened and refused again, never quarantined with the rollback
+        still pending."""
+        refused = {f.writer_id for f, _ in screening.refused if is_replay_writer(f.writer_id)}
+        for writer_id in sorted(refused - {f.writer_id for f in screening.accepted}):
+            rollback = self._committer.rollback(table)
+            if rollback is None or rollback.writer_id != writer_id:
+                continue  # a replay of no pending rollback: it would be dropped anyway
+            self._committer.roll_back(table, None, replay=False, only_if=writer_id)
+            log.warning(
+                "table %s: every file of the replay of its rollback (writer %s, snapshot %s "
+                "back to %s) was refused; the rollback is accepted and the replayed rows go "
+                "to the quarantine (see `icefloe quarantine list`)",
+                table,
+                writer_id,
+                rollback.lost_snapshot_id,
+                rollback.restored_snapshot_id,
+            )
 
     def _isolate(
         self, commit_id: str, table: str, refused: Sequence[tuple[PendingFile, Exception]]
@@ -341,3 +437,7 @@ class CommitCycle:
                 valid_through_ms=vtts,
             )
         )
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -39,7 +39,7 @@ from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.dedupe import max_merge
 from icefloe.commit.policy import TablePolicies
-from icefloe.coordination.reading import backlog
+from icefloe.coordination.reading import READ_TO_END_S, backlog
 from icefloe.errors import WriterRegressionError
 from icefloe.events import DataComplete, DataWritten
 
@@ -57,13 +57,17 @@ class Progress:
     """Per writer id, the highest batch number."""
 
 
-def published(channel: CoordinatorChannel, group_id: str, idle_polls: int = 2) -> Progress:
-    """What the batches still on the channel (from its stored position on) reached: the
-    source positions their DataComplete events carry and each writer's highest batch_seq.
-    Read only: no lease, nothing stored."""
+def published(
+    channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
+) -> Progress:
+    """What the batches still on the channel (from its stored position to its end) reached:
+    the source positions their DataComplete events carry and each writer's highest batch_seq.
+    Read only: no lease, nothing stored. Raises
+    :class:`~icefloe.errors.ChannelStalledError` when the channel's end is not reached within
+    ``timeout_s`` (a shorter read would start the writer below batches it missed)."""
     offsets: SourceOffsets = {}
     batches: dict[str, int] = {}
-    for rec in backlog(channel, group_id, idle_polls):
+    for rec in backlog(channel, group_id, timeout_s):
         event, payload = rec.event, rec.event.payload
         if isinstance(payload, DataComplete):
             for p in payload.positions:

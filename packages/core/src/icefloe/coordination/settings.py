@@ -33,7 +33,8 @@ class CoordinatorSettings:
     """Iceberg table (in the pipeline's catalog) recording quarantined files."""
     quarantine_after_failures: int = 10
     """Attempts of a table failing with a PermanentTableError before its pending files are
-    quarantined (so the channel position advances for the others)."""
+    quarantined (so the channel position advances for the others); with any other error,
+    failures in a row before the table is reported as failing (its files stay pending)."""
     table_retry_base_s: float = 1.0
     """First wait before retrying a failed table; doubles per failure up to the max."""
     table_retry_max_s: float = 300.0
@@ -79,6 +80,9 @@ class CycleResult:
     failed: Mapping[str, str]  # table -> error text (left pending, retried after a backoff)
     quarantined: Mapping[str, int] = field(default_factory=dict)  # table -> files quarantined
     deferred: tuple[str, ...] = ()  # tables skipped: still backing off after a failure
+    failing: Mapping[str, int] = field(default_factory=dict)
+    """Tables that failed ``quarantine_after_failures`` commits in a row or more (and have not
+    committed since): their failures in a row."""
 
 
 @dataclass(frozen=True)

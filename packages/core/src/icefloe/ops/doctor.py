@@ -155,6 +155,8 @@ def run_checks(config: PipelineConfig, verbose: bool = False) -> list[Check]:
     plugins = get_plugins()
     with quiet_clients(verbose):
         out = [attempt("plugins", lambda: _plugins_ok(plugins))]
+        if out[0].status == "ok":
+            out += outdated_backends(plugins, config.coordination.backend)
         out += backend_checks(config)
         out += catalog_checks(config)
         out += plugins.doctor_checks(config)
@@ -162,8 +164,29 @@ def run_checks(config: PipelineConfig, verbose: bool = False) -> list[Check]:
 
 
 def _plugins_ok(plugins: object) -> str:
+    """The plugins load and name real hooks; the installed backends with the contract each
+    implements and where it comes from."""
+    from icefloe.plugins.backends import installed_backends
     from icefloe.plugins.manager import Plugins
 
     assert isinstance(plugins, Plugins)
     plugins.check_pending()
-    return f"{len(plugins.backends())} backend(s), {len(plugins.codecs())} codec(s)"
+    listed = ", ".join(
+        f"{b.spec.name} (contract {b.contract}, {b.origin})" for b in installed_backends(plugins)
+    )
+    return f"backends: {listed or 'none'}; {len(plugins.codecs())} codec(s)"
+
+
+def outdated_backends(plugins: object, selected: str) -> list[Check]:
+    """A warning per installed backend of a contract this core cannot drive, other than the
+    selected one (whose own check fails, as ``run`` would): the pipeline runs, but a switch to
+    it would not."""
+    from icefloe.plugins.backends import installed_backends
+    from icefloe.plugins.manager import Plugins
+
+    assert isinstance(plugins, Plugins)
+    return [
+        Check(f"plugin {b.distribution}", "warn", f"{refusal}; not selected, so this pipeline runs")
+        for b in installed_backends(plugins)
+        if b.spec.name != selected and (refusal := b.refusal()) is not None
+    ]

@@ -1,5 +1,8 @@
 """Draining a channel: commit everything it still holds, then record in every table that the
 channel is empty, so the pipeline may continue on another channel (a swapped backend).
+"Every table" is every table the pipeline commits to: ``icefloe drain`` passes
+:func:`icefloe.ops.tables.pipeline_tables` (``[[tables]]``, the dead-letter table, the dynamic
+tables the group committed to), and the drain adds each table its own cycles committed.
 
 Why a separate step: positions number the events of one channel only, so a pipeline that
 moves to a new channel cannot tell from the tables which batches of the old one were never
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from icefloe.commit.committer import IcebergCommitter
@@ -43,12 +46,14 @@ class DrainResult:
 def drain(
     coordinator: Coordinator,
     committer: IcebergCommitter,
-    tables: Sequence[str],
+    tables: Iterable[str] | Callable[[], Iterable[str]],
     timeout_s: float = 600.0,
     quiet_s: float = 1.0,
 ) -> DrainResult:
     """Lead, read the channel to its end and commit everything pending, then mark every table
-    in ``tables`` as drained of this channel.
+    in ``tables`` and every table a cycle of the drain committed as drained of this channel.
+    ``tables`` may be a function, called once the channel is drained, so that it finds the
+    tables the drain committed to for the first time (e.g. by the group's table property).
 
     "Read to its end" is proven against ``end_position()``, never by a poll that found nothing
     new: the coordinator's own broadcasts (and Kafka's transaction markers) keep adding to a
@@ -65,6 +70,7 @@ def drain(
 
     channel = coordinator.channel
     cycles = 0
+    committed: set[str] = set()  # tables the drain's cycles held files of
     while True:
         if not coordinator.is_leader:  # at first, or after losing the lease: elect, recover
             check_deadline("waiting for the lease; stop the pipeline's other coordinators")
@@ -78,6 +84,7 @@ def drain(
             continue  # read on
         cycle = coordinator.commit_now(wait_for_writers=False)  # also stores the position
         cycles += 1
+        committed.update(r.table for r in cycle.tables)
         if cycle.failed:
             raise DrainError(
                 f"channel {channel.channel_id()} cannot be drained: tables failed to commit: "
@@ -88,7 +95,8 @@ def drain(
     channel_id = channel.channel_id()
     marked: list[str] = []
     skipped: list[str] = []
-    for table in tables:
+    named = tables() if callable(tables) else tables
+    for table in dict.fromkeys([*named, *sorted(committed)]):
         (marked if committer.mark_drained(table, channel_id) else skipped).append(table)
     log.info("drained channel %s in %d cycles; marked %s", channel_id, cycles, marked)
     return DrainResult(channel_id, cycles, tuple(marked), tuple(skipped))

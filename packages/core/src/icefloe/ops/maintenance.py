@@ -9,9 +9,11 @@ merge append, which merges manifests only when ``commit.manifest-merge.enabled``
 
 ``icefloe maintain`` expires old snapshots and deletes orphan files, safely next to a running
 pipeline: it never expires the snapshots the committer's dedupe rule reads
-(:func:`dedupe_snapshots`), and never deletes a file that is young or that a published, not
+(:func:`dedupe_snapshots`), and never deletes a file that is young, that a published, not
 yet committed batch announces (:func:`announced_files`, read from the channel's stored
-position, which is where the coordinator itself resumes).
+position, which is where the coordinator itself resumes, to the channel's end measured before
+the read: a maintain that cannot read that far deletes nothing), or that the quarantine names
+(its entry promises the rows back with ``add_files``).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import ancestors_of
 
 from icefloe.channel import CoordinatorChannel
-from icefloe.commit.dedupe import RETIRED_KEY
+from icefloe.commit.dedupe import MERGED_KEY, RETIRED_KEY
+from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile
 from icefloe.commit.summary import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY
 from icefloe.config import PipelineConfig
-from icefloe.coordination.reading import backlog
+from icefloe.coordination.reading import READ_TO_END_S, backlog
 from icefloe.errors import ConfigError
 from icefloe.events import DataWritten
 
@@ -94,6 +97,7 @@ class OrphanResult:
 
     deleted: tuple[str, ...]
     kept_pending: tuple[str, ...]  # unreferenced, old enough, but announced by a writer
+    kept_quarantined: tuple[str, ...] = ()  # unreferenced, old enough, but quarantined
 
 
 def icefloe_groups(metadata: TableMetadata) -> set[str]:
@@ -155,13 +159,16 @@ def _file_key(uri: str) -> str:
 
 
 def retired_writer_files(metadata: TableMetadata) -> set[str]:
-    """The retired-writers files (see :mod:`icefloe.commit.dedupe`) named by remaining snapshots and
-    by the groups' state properties: Iceberg does not know them, the dedupe rule needs them."""
-    found = {s.summary[RETIRED_KEY] for s in metadata.snapshots if s.summary is not None}
+    """The side files of the dedupe rule (retired writers, merged originals: see
+    :mod:`icefloe.commit.dedupe`) named by remaining snapshots and by the groups' state
+    properties: Iceberg does not know them, the dedupe rule needs them."""
+    keys = (RETIRED_KEY, MERGED_KEY)
+    found = {s.summary[k] for s in metadata.snapshots if s.summary is not None for k in keys}
     for key, raw in metadata.properties.items():
         if key.startswith(f"{STATE_KEY}."):
             try:
-                found.add(json.loads(raw)["summary"].get(RETIRED_KEY))
+                summary = json.loads(raw)["summary"]
+                found.update(summary.get(k) for k in keys)
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # the committer refuses an unreadable state loudly; keep going here
     return {f for f in found if f}
@@ -189,19 +196,27 @@ def referenced_files(table: Table) -> set[str]:
 
 
 def remove_orphan_files(
-    table: Table, older_than_ms: int, pending: Iterable[str] = (), dry_run: bool = False
+    table: Table,
+    older_than_ms: int,
+    pending: Iterable[str] = (),
+    dry_run: bool = False,
+    quarantined: Iterable[str] = (),
 ) -> OrphanResult:
     """Delete files under the table location that no metadata references, that are older than
-    ``older_than_ms`` (epoch ms: a file being written or committed right now is young), and
-    that no published, not yet committed batch announces (``pending``: their paths)."""
+    ``older_than_ms`` (epoch ms: a file being written or committed right now is young), that
+    no published, not yet committed batch announces (``pending``: their paths), and that no
+    quarantine entry names (``quarantined``: no snapshot and, once the channel moved past
+    them, no batch names those files either; only the entry keeps them recoverable)."""
     import pyarrow.fs as pafs
 
     referenced = referenced_files(table)
     announced = {_file_key(p) for p in pending}
+    refused = {_file_key(p) for p in quarantined}
     fs, base = pafs.FileSystem.from_uri(table.location())
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
     deleted: list[str] = []
     spared: list[str] = []
+    kept: list[str] = []
     for info in infos:
         if info.type != pafs.FileType.File or info.path in referenced:
             continue
@@ -211,23 +226,24 @@ def remove_orphan_files(
         if info.path in announced:
             spared.append(info.path)
             continue
+        if info.path in refused:
+            kept.append(info.path)
+            continue
         if not dry_run:
             fs.delete_file(info.path)
         deleted.append(info.path)
-    return OrphanResult(tuple(sorted(deleted)), tuple(sorted(spared)))
+    return OrphanResult(tuple(sorted(deleted)), tuple(sorted(spared)), tuple(sorted(kept)))
 
 
 def announced(
-    channel: CoordinatorChannel,
-    group_id: str,
-    idle_polls: int = 3,
-    reached: dict[str, int] | None = None,
+    channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
 ) -> Iterator[tuple[str, PendingFile]]:
-    """``(table, file)`` for every file announced on the channel since its stored position,
-    with where its event sits (read only: no lease, nothing stored). Shared by
-    ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted;
-    it passes ``reached``, filled with the read position the read got to, to spot a stall)."""
-    for rec in backlog(channel, group_id, idle_polls, reached):
+    """``(table, file)`` for every file announced on the channel from its stored position to
+    its end, with where its event sits (read only: no lease, nothing stored). Shared by
+    ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted).
+    Raises :class:`~icefloe.errors.ChannelStalledError` when the end is not reached within
+    ``timeout_s``: a shorter read would leave files of published batches unprotected."""
+    for rec in backlog(channel, group_id, timeout_s):
         event, payload = rec.event, rec.event.payload
         if not isinstance(payload, DataWritten):
             continue
@@ -238,10 +254,13 @@ def announced(
             yield payload.table, PendingFile(f, writer, seq, rec.partition, rec.offset)
 
 
-def announced_files(channel: CoordinatorChannel, group_id: str, idle_polls: int = 3) -> set[str]:
-    """Paths of every file announced on the channel since its stored position: published
-    batches the coordinator has not committed yet (read only: no lease, nothing stored)."""
-    return {f.meta.path for _, f in announced(channel, group_id, idle_polls)}
+def announced_files(
+    channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
+) -> set[str]:
+    """Paths of every file announced on the channel from its stored position to its end:
+    published batches the coordinator has not committed yet (read only: no lease, nothing
+    stored). Raises :class:`~icefloe.errors.ChannelStalledError` like :func:`announced`."""
+    return {f.meta.path for _, f in announced(channel, group_id, timeout_s)}
 
 
 def parse_age(text: str) -> float:
@@ -266,15 +285,16 @@ def maintain(
     orphans_older_than_s: float = 3 * 86_400.0,
     dry_run: bool = False,
 ) -> list[str]:
-    """``icefloe maintain``: expire snapshots, then delete orphan files, in the pipeline's
-    tables (or ``tables``); returns one line per table and step for the operator."""
+    """``icefloe maintain``: expire snapshots, then delete orphan files, in every table the
+    pipeline commits to (:func:`icefloe.ops.tables.pipeline_tables`) or in ``tables``;
+    returns one line per table and step for the operator."""
     import time
 
     from pyiceberg.catalog import load_catalog
 
+    from icefloe.ops.tables import pipeline_tables
     from icefloe.plugins.backends import open_backend
 
-    names = list(tables) or [t.name for t in config.tables]
     now_ms = int(time.time() * 1000)
     backend = open_backend(config)
     try:
@@ -286,6 +306,10 @@ def maintain(
     finally:
         backend.close()
     catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+    # after the channel: the coordinator records a refused file before it stores a position
+    # past its batch, so every file is in one of the two sets (fails rather than guess)
+    quarantined = Quarantine(catalog, config.coordination.quarantine_table).all_paths()
+    names = list(tables) or pipeline_tables(catalog, config)
     verb = "would " if dry_run else ""
     lines: list[str] = []
     for name in names:
@@ -299,10 +323,11 @@ def maintain(
         )
         table = catalog.load_table(name)
         orphans = remove_orphan_files(
-            table, now_ms - int(orphans_older_than_s * 1000), pending, dry_run
+            table, now_ms - int(orphans_older_than_s * 1000), pending, dry_run, quarantined
         )
         lines.append(
             f"{name}: {verb}delete {len(orphans.deleted)} orphan file(s); kept "
-            f"{len(orphans.kept_pending)} announced by uncommitted batches"
+            f"{len(orphans.kept_pending)} announced by uncommitted batches, "
+            f"{len(orphans.kept_quarantined)} quarantined"
         )
     return lines

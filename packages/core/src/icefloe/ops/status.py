@@ -1,11 +1,15 @@
 """``icefloe status``: the pipeline's state from the backend and the catalog, without Spark and
 without taking part (nothing is joined, fenced or renewed).
 
-Per table: the last icefloe commit (time, rows it added, total rows, snapshot), source lag
+Per table the pipeline commits to (``[[tables]]``, the dead-letter table, dynamic tables:
+:func:`icefloe.ops.tables.pipeline_tables`, with the tables batches on the channel name): the
+last icefloe commit (time, rows it added, total rows, snapshot), source lag
 (from plugins that know the source, through the ``icefloe_source_lag`` hook), quarantined
 files and dead-lettered records. A table is **stuck** when the source holds records the table
-has not committed and no commit came for longer than a few commit cycles: the exit status
-says so, for monitoring scripts.
+has not committed and no commit came for longer than a few commit cycles, or when its commits
+are *failing* (``coordination.quarantine_after_failures`` in a row, whatever the error, as the
+coordinator marks it in the quarantine table; a commit since clears it): the exit status says
+so, for monitoring scripts.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +27,7 @@ from icefloe.config import PipelineConfig
 
 if TYPE_CHECKING:  # the committer (and pyiceberg's writer side) loads only when needed
     from icefloe.commit.committer import IcebergCommitter
+    from icefloe.commit.quarantine import FailingTable
     from icefloe.commit.request import PendingFile
 
 log = logging.getLogger("icefloe.status")
@@ -47,6 +51,9 @@ class TableStatus:
     reason: str = ""
     rollback: str = ""  # a rollback waiting for its replay, or why it cannot be replayed
     branch: str = "main"  # the branch the pipeline commits this table to
+    failing_commits: int | None = None  # failed commits in a row when the alarm was raised
+    failing_error: str = ""  # the error of the failure that raised it
+    failing_since_ms: int | None = None  # when the first of those failures happened
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,11 @@ def table_status(
         reason = f"{lag} source records not committed and " + (
             "no commit yet" if quiet_s is None else f"no commit for {quiet_s:.0f}s"
         )
+    failing = _failing(catalog, config, name)
+    if failing is not None and at is not None and failing.marked_ms < at:
+        failing = None  # the table committed since the alarm
+    if failing is not None and not stuck:
+        stuck, reason = True, f"{failing.failures} commits in a row failed"
     return TableStatus(
         name,
         True,
@@ -120,6 +132,9 @@ def table_status(
         reason=reason,
         rollback=rollback,
         branch=committer.branch_of(name),
+        failing_commits=None if failing is None else failing.failures,
+        failing_error="" if failing is None else failing.error,
+        failing_since_ms=None if failing is None else failing.since_ms,
     )
 
 
@@ -140,41 +155,34 @@ def _rollback_note(committer: IcebergCommitter, name: str) -> str:
     )
 
 
+#: How long ``icefloe status`` reads the channel towards its end before it reports a stall
+#: (it reports what it read; nothing is decided from it).
+STATUS_READ_S = 10.0
+
+
 def _announced(
     backend: Backend, group_id: str
 ) -> tuple[str, dict[str, list[PendingFile]], str | None]:
     """The channel's identity, per table the files announced since the stored position (read
     by a coordinator end that never asks for the lease, as ``icefloe maintain`` does), and
-    whether that read stalled (:func:`stalled_read`)."""
+    why that read did not reach the channel's end within :data:`STATUS_READ_S`, if it did
+    not (the files counted are then those read so far). (The coordinator's own check, over
+    time, is :class:`icefloe.coordination.stall.StallWatch`.)"""
+    from icefloe.errors import ChannelStalledError
     from icefloe.ops.maintenance import announced
 
     channel = backend.coordinator(f"status-{uuid.uuid4().hex[:8]}")
     try:
-        end = dict(channel.end_position())  # before the read: all of it must be readable
-        reached: dict[str, int] = {}
         by_table: dict[str, list[PendingFile]] = {}
-        for table, f in announced(channel, group_id, reached=reached):
-            by_table.setdefault(table, []).append(f)
-        return channel.channel_id(), by_table, stalled_read(reached, end)
+        stall: str | None = None
+        try:
+            for table, f in announced(channel, group_id, STATUS_READ_S):
+                by_table.setdefault(table, []).append(f)
+        except ChannelStalledError as exc:
+            stall = str(exc)
+        return channel.channel_id(), by_table, stall
     finally:
         channel.close()
-
-
-def stalled_read(reached: Mapping[str, int], end: Mapping[str, int]) -> str | None:
-    """Why a reader that read until the channel went quiet still stands short of where the
-    channel's end was before it started, or None. One offset short is allowed: Kafka numbers
-    a transaction's commit marker but never delivers it, so a reader that got everything can
-    stand one short of the end. (The coordinator's own check, over time, is
-    :class:`icefloe.coordination.stall.StallWatch`.)"""
-    short = {p: (reached.get(p, 0), o) for p, o in end.items() if o - reached.get(p, 0) > 1}
-    if not short:
-        return None
-    where = ", ".join(f"partition {p}: read to {r}, end {e}" for p, (r, e) in sorted(short.items()))
-    return (
-        f"the channel holds events no reader gets ({where}): a transaction left open by "
-        "another producer (Kafka read_committed), or a server fault, holds readers back; the "
-        "coordinator cannot commit them either"
-    )
 
 
 def _with_pending(
@@ -218,6 +226,17 @@ def _quarantined(catalog: Catalog, group_id: str, table: str, quarantine_table: 
         return None
 
 
+def _failing(catalog: Catalog, config: PipelineConfig, table: str) -> FailingTable | None:
+    try:
+        from icefloe.commit.quarantine import Quarantine
+
+        quarantine = Quarantine(catalog, config.coordination.quarantine_table)
+        return quarantine.failing(config.name).get(table)
+    except Exception:
+        log.debug("quarantine unavailable", exc_info=True)
+        return None
+
+
 def _dead_lettered(catalog: Catalog, config: PipelineConfig) -> int | None:
     errors = getattr(config, "errors", None)
     name = getattr(errors, "dead_letter_table", None)
@@ -237,6 +256,7 @@ def collect(config: PipelineConfig) -> PipelineStatus:
     from pyiceberg.catalog import load_catalog
 
     from icefloe.ops.doctor import cause_of, quiet_clients
+    from icefloe.ops.tables import pipeline_tables
     from icefloe.plugins.backends import open_backend
     from icefloe.plugins.manager import get_plugins
 
@@ -264,14 +284,15 @@ def collect(config: PipelineConfig) -> PipelineStatus:
         lags = plugins.source_lag(config)
     catalog = load_catalog(config.catalog.name, **config.catalog.properties)
     now_ms = time.time() * 1000
+    seen = () if announced is None else announced[1]
     tables = [
         _with_pending(
-            table_status(catalog, config, t.name, lags.get(t.name), now_ms),
+            table_status(catalog, config, name, lags.get(name), now_ms),
             catalog,
             config,
             announced,
         )
-        for t in config.tables
+        for name in pipeline_tables(catalog, config, seen)
     ]
     return PipelineStatus(
         config.name,
@@ -321,4 +342,9 @@ def render_lines(status: PipelineStatus) -> list[str]:
         out.append(line + (f"  STUCK: {t.reason}" if t.stuck else ""))
         if t.rollback:
             out.append(f"    ROLLED BACK: {t.rollback}")
+        if t.failing_commits is not None:
+            out.append(
+                f"    FAILING: {t.failing_commits} commits in a row failed, the last with "
+                f"{t.failing_error}"
+            )
     return out

@@ -112,6 +112,20 @@ class Plugins:
                 raise DuplicateBackendError(spec.name, found[spec.name], dist)
             found[spec.name] = dist
 
+    def backend_origins(self) -> dict[str, tuple[str, str | None]]:
+        """Each backend's distribution and that distribution's installed version (None for a
+        plugin registered by code), for messages that say what to upgrade. Calls each
+        implementation on its own, so ask only when a message needs it."""
+        out: dict[str, tuple[str, str | None]] = {}
+        hook = self.pm.hook.icefloe_register_backends
+        for spec, dist in self._collect_each(hook, BackendSpec):
+            try:
+                version: str | None = importlib.metadata.version(dist)
+            except (importlib.metadata.PackageNotFoundError, ValueError):
+                version = None
+            out.setdefault(spec.name, (dist, version))
+        return out
+
     def backend(self, name: str) -> BackendSpec:
         """The backend called ``name``, or UnknownBackendError naming what is installed."""
         specs = self.backends()

@@ -177,11 +177,48 @@ def interleave_keys(
     return ordered.append_column(target.field(DELETE_FLAG), pa.array(deletes, pa.bool_()))
 
 
-def _groupable(col: pa.ChunkedArray) -> pa.ChunkedArray:
-    # group_by has no kernels for extension types (uuid): group by their storage
-    if isinstance(col.type, pa.BaseExtensionType):
-        return pa.chunked_array([c.storage for c in col.chunks], col.type.storage_type)
-    return col
+def comparable_type(arrow_type: pa.DataType) -> pa.DataType:
+    """The type key values are grouped, matched and joined as: an extension type's storage.
+    Arrow's hash kernels (``group_by``, ``is_in``) have none for extension types (``uuid``,
+    read as ``extension<arrow.uuid>``), and equal storage means equal keys."""
+    if isinstance(arrow_type, pa.BaseExtensionType):
+        return arrow_type.storage_type
+    return arrow_type
+
+
+def leaf_fields(schema: pa.Schema) -> list[tuple[list[str], pa.Field]]:
+    """The primitive fields of ``schema``, depth first, each with its names from the
+    top-level column down (identifier fields are primitives, nested in structs at most)."""
+    found: list[tuple[list[str], pa.Field]] = []
+
+    def walk(column: pa.Field, path: list[str]) -> None:
+        if pa.types.is_struct(column.type):
+            for child in column.type:
+                walk(child, [*path, child.name])
+        else:
+            found.append((path, column))
+
+    for column in schema:
+        walk(column, [column.name])
+    return found
+
+
+def key_leaves(keys: pa.Table) -> list[pa.ChunkedArray]:
+    """The primitive key columns of ``keys``, depth first: identifier fields nested in structs
+    (which Iceberg allows) come out of their structs, and each column has its
+    :func:`comparable_type`. Arrow groups and matches no struct columns."""
+    leaves: list[pa.ChunkedArray] = []
+
+    def walk(column: pa.ChunkedArray) -> None:
+        if pa.types.is_struct(column.type):
+            for child in column.flatten():
+                walk(child)
+        else:
+            leaves.append(column.cast(comparable_type(column.type)))
+
+    for column in keys.columns:
+        walk(column)
+    return leaves
 
 
 def last_per_key(rows: pa.Table, keys: pa.Table) -> tuple[pa.Table, pa.Table]:
@@ -196,7 +233,7 @@ def last_per_key(rows: pa.Table, keys: pa.Table) -> tuple[pa.Table, pa.Table]:
     if n == 0:
         return rows, keys.select(names)
     deleted = np.asarray(keys[DELETE_FLAG].to_numpy(), dtype=bool)
-    columns = {f"k{i}": _groupable(keys[name]) for i, name in enumerate(names)}
+    columns = {f"k{i}": leaf for i, leaf in enumerate(key_leaves(keys.select(names)))}
     columns["row"] = pa.chunked_array([pa.array(np.arange(n, dtype=np.int64))])
     grouped = pa.table(columns).group_by(list(columns)[:-1], use_threads=False)
     last = np.sort(grouped.aggregate([("row", "max")])["row_max"].to_numpy())

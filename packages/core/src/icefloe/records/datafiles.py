@@ -8,6 +8,11 @@ pyiceberg ``DataFile`` objects without opening the files.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import posixpath
+import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import replace
@@ -24,6 +29,7 @@ from pyiceberg.typedef import Record
 from pyiceberg.types import DecimalType, StructType
 
 from icefloe.events import DataFileMeta, FileContent, PartitionScalar, PartitionValue
+from icefloe.records.changes import leaf_fields
 
 _CONTENT_TO_ICEBERG = {
     FileContent.DATA: DataFileContent.DATA,
@@ -31,6 +37,45 @@ _CONTENT_TO_ICEBERG = {
     FileContent.EQUALITY_DELETES: DataFileContent.EQUALITY_DELETES,
 }
 _CONTENT_FROM_ICEBERG = {v: k for k, v in _CONTENT_TO_ICEBERG.items()}
+
+# pyiceberg names a data file ``00000-<task>-<write uuid>.<format>`` (as Iceberg Java does)
+_DATA_FILE_NAME = re.compile(
+    r"^\d+-\d+-([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\."
+)
+_GROUP_TAG_BYTES = 6
+
+
+@functools.cache
+def _group_tag(group_id: str) -> bytes:
+    return hashlib.sha256(f"icefloe-group:{group_id}".encode()).digest()[:_GROUP_TAG_BYTES]
+
+
+def group_write_uuid(group_id: str) -> uuid.UUID:
+    """A fresh write uuid for data files written for pipeline ``group_id``: its first 48 bits
+    are a hash of the group id, the rest random (74 bits), with the version bits of a
+    vendor-defined (version 8) uuid. pyiceberg puts the write uuid into every file name, so the
+    name says which pipeline a file was written for (:func:`written_for`).
+
+    Why: ``merge_small_files`` deletes the originals it merged, and may delete only files the
+    pipeline owns (:mod:`icefloe.commit.ownership`); a file's metadata says nothing about who
+    wrote it, its name now does. It is a tag, not a signature: anyone who knows the group id
+    can compute it, so it tells the pipeline's files from other engines' and other
+    pipelines', not from a forgery (the other conditions of the ownership rule cover that).
+    """
+    value = int.from_bytes(_group_tag(group_id) + os.urandom(16 - _GROUP_TAG_BYTES), "big")
+    value = (value & ~(0xF000 << 64)) | (0x8000 << 64)  # version 8
+    value = (value & ~(0xC000 << 48)) | (0x8000 << 48)  # the RFC 4122 variant
+    return uuid.UUID(int=value)
+
+
+def written_for(path: str, group_id: str) -> bool:
+    """Whether the data file at ``path`` was named for pipeline ``group_id`` by
+    :func:`group_write_uuid` (files written before the tag existed are not)."""
+    found = _DATA_FILE_NAME.match(posixpath.basename(path))
+    if found is None:
+        return False
+    tagged = uuid.UUID(found.group(1))
+    return tagged.version == 8 and tagged.bytes[:_GROUP_TAG_BYTES] == _group_tag(group_id)
 
 
 def _scalar(value: Any) -> PartitionScalar:
@@ -182,7 +227,10 @@ def write_key_files(
     if keys.num_rows == 0:
         return []
     schema = table.schema()
-    key_schema = schema.select(*keys.column_names, case_sensitive=True)
+    # the key columns by their full names: one nested in a struct comes in that struct, whose
+    # other fields a key file leaves out
+    names = [".".join(path) for path, _ in leaf_fields(keys.schema)]
+    key_schema = schema.select(*names, case_sensitive=True)
     key_schema = Schema(*key_schema.fields, schema_id=schema.schema_id)
     metadata = table.metadata.model_copy(
         update={"schemas": [key_schema], "current_schema_id": schema.schema_id}
@@ -195,7 +243,7 @@ def write_key_files(
         record_batches=keys.select(arrow.names).cast(arrow).to_batches(),
     )
     files = write_file(table.io, metadata, iter([task]))
-    ids = tuple(f.field_id for f in key_schema.fields)
+    ids = tuple(sorted(schema.find_field(name).field_id for name in names))
     # the table's unpartitioned spec when it has one: equality deletes there apply everywhere
     specs = table.metadata.specs()
     spec_id = next((i for i, s in specs.items() if not s.fields), table.metadata.default_spec_id)

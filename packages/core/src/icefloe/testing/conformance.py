@@ -16,9 +16,16 @@ this; see ``docs/backend-authors.md``; needs ``icefloe-core[test]``)::
             # called in forked child processes, so it must connect when called
             return lambda group_id, ttl: MyBackend(my_server.url, group_id, lease_ttl_s=ttl)
 
+        @pytest.fixture
+        def recreate_store(self, my_server) -> StoreRecreator:
+            # backend -> None: drop the store the backend's pipeline lives in
+            return lambda backend: my_server.drop_store_of(backend)
+
 The backend itself provides the two test hooks declared on the abstract classes of
 :mod:`icefloe.channel`: ``Backend.inject_undecodable`` (required) and
-``CoordinatorChannel.simulate_crash`` (optional).
+``CoordinatorChannel.simulate_crash`` (optional). A method or the ``recreate_store`` fixture
+that is missing is reported once, by the test of its rule; the other tests that need it are
+skipped, naming that test.
 
 Every test uses a fresh random ``group_id``, so tests never see each other's events, leases or
 positions even on a shared server. Lease TTLs are short (:attr:`lease_ttl_s`) and every wait
@@ -36,7 +43,10 @@ What is checked (one or more tests per rule, see :data:`RULES`):
   close, two channels with one coordinator id; lease takeover after the leader dies;
   broadcasts reach writers opened before them and are kept; batch keys survive ``prune``;
   Backend objects from the factory share one store; channels work from any thread; pipelines
-  are isolated; ``poll`` stops at undecodable bytes;
+  are isolated; ``poll`` stops at undecodable bytes; ``end_position`` is exactly past the
+  newest event and a seek past it raises ``ChannelResetError``; the channel id is stable and a
+  recreated store gets a new one; epochs and tokens grow across a recreated store;
+  ``probe``/``describe`` tell the truth and change nothing;
 * the coordinator end to end with a real Iceberg catalog (SQLite ``SqlCatalog`` in
   ``tmp_path``) and real Parquet files, the coordinator's Backend object being another one
   than the writers' (as in production): N writers x M cycles give exactly M snapshots per table
@@ -47,13 +57,15 @@ What is checked (one or more tests per rule, see :data:`RULES`):
 Layout: the tests live in :mod:`icefloe.testing.rules`, one mixin class per topic -
 ``publishing`` (epochs, atomic and idempotent batches), ``reading`` (positions, zero timeouts,
 bytes, end position), ``leadership`` (one leader, lease clock), ``broadcasts``, ``retention``,
-``stores`` (shared store, isolated pipelines, identity), ``concurrency`` (concurrent
-publishers, threading) and ``scenarios`` (the coordinator end to end) - on the settings,
-fixtures and helpers of ``rules.support``; this module composes them. It stays a module
+``stores`` (shared store, isolated pipelines, identity, numbering), ``status`` (probe and
+describe), ``concurrency`` (concurrent publishers, threading) and ``scenarios`` (the
+coordinator end to end) - on the settings, fixtures and helpers of ``rules.support``; this
+module composes them. It stays a module
 rather than becoming a package because this import path is the documented one third parties
 use: a package would have to re-export from its ``__init__``, which in this repository holds
 only a docstring. The helpers it used to define are re-exported here for the same reason.
-A new test goes in the module of its topic; decorate each with :func:`rule`.
+A new test goes in the module of its topic; decorate each with :func:`rule` (with
+``reports=`` when it is the one test that reports a missing method of its rule).
 """
 
 from __future__ import annotations
@@ -65,10 +77,12 @@ from icefloe.testing.rules.publishing import PublishingRules
 from icefloe.testing.rules.reading import ReadingRules
 from icefloe.testing.rules.retention import RetentionRules
 from icefloe.testing.rules.scenarios import CoordinatorScenarios
+from icefloe.testing.rules.status import StatusRules
 from icefloe.testing.rules.stores import StoreRules
 from icefloe.testing.rules.support import (
     RULES,
     BackendFactory,
+    StoreRecreator,
     assert_same_position,
     broken,
     event_ids,
@@ -83,6 +97,7 @@ __all__ = [
     "RULES",
     "BackendConformance",
     "BackendFactory",
+    "StoreRecreator",
     "assert_same_position",
     "broken",
     "event_ids",
@@ -100,6 +115,7 @@ __all__ = [
 # the order of the layout above
 class BackendConformance(
     CoordinatorScenarios,
+    StatusRules,
     ConcurrencyRules,
     StoreRules,
     RetentionRules,

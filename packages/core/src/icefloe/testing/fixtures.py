@@ -30,7 +30,7 @@ from pyiceberg.transforms import IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.events import DataFileMeta
-from icefloe.records.datafiles import write_data_files
+from icefloe.records.datafiles import group_write_uuid, write_data_files
 from icefloe.testing.memory import MemoryServer
 
 GROUP_ID_PROPERTY = "icefloe.group-id"
@@ -99,9 +99,13 @@ def rows_table(ids: Iterable[int], writer: str = "w", batch_seq: int = 0) -> pa.
     )
 
 
-def write_rows(table: Table, ids: Iterable[int], writer: str, batch_seq: int) -> list[DataFileMeta]:
-    """Write real Parquet data files holding ``ids`` into the table's location (uncommitted)."""
-    return write_data_files(table, rows_table(ids, writer, batch_seq))
+def write_rows(
+    table: Table, ids: Iterable[int], writer: str, batch_seq: int, group_id: str | None = None
+) -> list[DataFileMeta]:
+    """Write real Parquet data files holding ``ids`` into the table's location (uncommitted),
+    named for pipeline ``group_id`` as its writers name them (untagged without one)."""
+    write_uuid = None if group_id is None else group_write_uuid(group_id)
+    return write_data_files(table, rows_table(ids, writer, batch_seq), write_uuid)
 
 
 def table_ids(catalog: Catalog, name: str, branch: str = "main") -> list[int]:

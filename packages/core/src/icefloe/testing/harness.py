@@ -101,9 +101,16 @@ class RowSource:
             create_rows_table(catalog, t)
         return cls(catalog, list(tables), rows_per_table)
 
-    def batch(self, writer_id: str, seq: int, ids: dict[str, list[int]] | None = None) -> Batch:
-        """New files for every table (``ids`` re-writes given rows: a replay with new files).
-        Source positions: partition per writer, offsets advance, a record time per batch."""
+    def batch(
+        self,
+        writer_id: str,
+        seq: int,
+        ids: dict[str, list[int]] | None = None,
+        group_id: str | None = None,
+    ) -> Batch:
+        """New files for every table (``ids`` re-writes given rows: a replay with new files),
+        named for pipeline ``group_id`` if given. Source positions: partition per writer,
+        offsets advance, a record time per batch."""
         files: dict[str, list[DataFileMeta]] = {}
         used: dict[str, list[int]] = {}
         for t in self.tables:
@@ -112,7 +119,7 @@ class RowSource:
                 if ids is not None
                 else [next(self._ids) for _ in range(self.rows_per_table)]
             )
-            files[t] = write_rows(self.catalog.load_table(t), rows, writer_id, seq)
+            files[t] = write_rows(self.catalog.load_table(t), rows, writer_id, seq, group_id)
             used[t] = rows
         offset = self._offsets.get(writer_id, 0) + self.rows_per_table
         self._offsets[writer_id] = offset
@@ -122,7 +129,7 @@ class RowSource:
 
     def publish(self, writer: WriterClient, seq: int) -> Batch:
         """Write and publish a new batch; its rows become expected if the channel took it."""
-        b = self.batch(writer.writer_id, seq)
+        b = self.batch(writer.writer_id, seq, group_id=writer.group_id)
         writer.publish(seq, b.files, b.positions)
         self.published[(writer.writer_id, seq)] = b.ids
         for t, rows in b.ids.items():

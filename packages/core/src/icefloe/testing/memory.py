@@ -6,7 +6,10 @@ a readable model of what a real backend must do. It is not durable and not for p
 * :class:`MemoryServer` holds the state of any number of pipelines: per pipeline one ordered
   log (partition ``"0"``), writer epochs, the set of published batch keys, the lease, the
   stored position and the broadcasts. Events are stored as encoded bytes, so everything the
-  coordinator reads went through the real codec.
+  coordinator reads went through the real codec. The server is the store: its identity is
+  the channel's, and :meth:`MemoryServer.recreate` makes it a new one (what dropping a
+  schema or a topic does to a real backend). Epochs and fencing tokens start from the clock,
+  so a recreated server never issues one again (offsets start at 0: tests rely on them).
 * :class:`MemoryBackend` is a :class:`icefloe.channel.Backend` over a server - the server
   object itself, or a proxy of one living in another process (:func:`serve_memory_server`),
   which is how tests kill a coordinator process for real while the channel state survives.
@@ -28,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from icefloe.channel import (
     Backend,
+    BackendStatus,
     ChannelPosition,
     ChannelRecord,
     CoordinatorChannel,
@@ -35,11 +39,23 @@ from icefloe.channel import (
     WriterBatch,
     WriterChannel,
 )
-from icefloe.errors import EventDecodeError, NotLeaderError, WriterFencedError
+from icefloe.errors import (
+    ChannelError,
+    ChannelResetError,
+    EventDecodeError,
+    NotLeaderError,
+    WriterFencedError,
+)
 from icefloe.events import Event, WriterRef, decode_event, encode_event
 from icefloe.hookspecs import BackendContext, BackendSpec, hookimpl
 
 PARTITION = "0"
+
+
+def clock_us() -> int:
+    """The wall clock in microseconds: where epochs and fencing tokens start (rule Numbering
+    of docs/backend-authors.md), as in the PostgreSQL and Redis backends."""
+    return time.time_ns() // 1000
 
 
 @dataclass
@@ -51,9 +67,10 @@ class _Group:
     epochs: dict[str, int] = field(default_factory=dict)
     published: set[tuple[str, int]] = field(default_factory=set)
     broadcasts: list[bytes] = field(default_factory=list)
-    token: int = 0  # highest fencing token ever issued
+    token: int = field(default_factory=clock_us)  # highest fencing token ever issued
     holder: str | None = None
     expires_at: float = 0.0  # time.monotonic() deadline of the current lease
+    acquired_at: float = 0.0  # time.monotonic() when the holder took the lease
     stored: dict[str, int] | None = None
 
     @property
@@ -75,6 +92,14 @@ class MemoryServer:
     def identity(self) -> str:
         return self._identity
 
+    def recreate(self) -> None:
+        """Lose every pipeline's state and become a new store with a new identity (the
+        conformance suite's ``recreate_store``; a real backend's dropped schema or topic)."""
+        with self._cond:
+            self._groups.clear()
+            self._identity = uuid.uuid4().hex
+            self._cond.notify_all()
+
     def end(self, group_id: str) -> int:
         with self._cond:
             return self._group(group_id).end
@@ -92,7 +117,7 @@ class MemoryServer:
         """Fence older instances; return (new epoch, broadcast cursor)."""
         with self._cond:
             g = self._group(group_id)
-            epoch = g.epochs.get(writer_id, 0) + 1
+            epoch = g.epochs.get(writer_id, clock_us()) + 1
             g.epochs[writer_id] = epoch
             return epoch, len(g.broadcasts)
 
@@ -160,6 +185,7 @@ class MemoryServer:
                     g.token += 1
                     g.holder = holder
                     g.expires_at = now + ttl_s
+                    g.acquired_at = now
                     return g.token, ttl_s
                 if now >= deadline:
                     return None
@@ -222,6 +248,24 @@ class MemoryServer:
         with self._cond:
             stored = self._group(group_id).stored
             return None if stored is None else dict(stored)
+
+    def describe(self, group_id: str) -> dict[str, Any]:
+        """What `icefloe status` shows (``BackendStatus`` fields), read without changing
+        anything. A lease past its TTL that nobody took over still counts as held: nothing
+        newer fences it (see :meth:`_is_leader`)."""
+        with self._cond:
+            g = self._group(group_id)
+            now = time.monotonic()
+            held = g.holder is not None
+            return {
+                # the holder is "<coordinator id>/<channel uuid>"
+                "leader": g.holder.rsplit("/", 1)[0] if g.holder is not None else None,
+                "token": g.token if held else None,
+                "lease_age_s": now - g.acquired_at if held else None,
+                "lease_expires_in_s": max(0.0, g.expires_at - now) if held else None,
+                "writers": tuple(sorted(g.epochs)),
+                "stored_position": None if g.stored is None else dict(g.stored),
+            }
 
     def prune(self, group_id: str, before: int) -> int:
         with self._cond:
@@ -338,6 +382,12 @@ class MemoryCoordinatorChannel(CoordinatorChannel):
 
     def seek(self, position: ChannelPosition | None) -> None:
         self._next = 0 if position is None else int(position.get(PARTITION, 0))
+        end = self._server.end(self._group_id)
+        if self._next > end:
+            raise ChannelResetError(
+                f"position {self._next} lies past the end of pipeline {self._group_id}'s log "
+                f"({end}): the server was replaced or rolled back and lost events"
+            )
 
     def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:
         first, raw = self._server.read(self._group_id, self._next, timeout, max_records)
@@ -401,6 +451,24 @@ class MemoryBackend(Backend):
 
     def inject_undecodable(self, data: bytes, writer_id: str) -> None:
         self.server.inject(self.group_id, data)
+
+    def probe(self) -> None:
+        """A call to the server (in another process, through its proxy, it may be gone)."""
+        try:
+            self.server.identity()
+        except (OSError, EOFError) as exc:
+            raise ChannelError(f"the memory server is unreachable: {exc}") from exc
+
+    def describe(self) -> BackendStatus:
+        return BackendStatus(**self.server.describe(self.group_id))
+
+
+def recreate_memory_store(backend: Backend) -> None:
+    """The conformance suite's ``recreate_store`` for the reference backend: its server (the
+    store) forgets everything and takes a new identity."""
+    if not isinstance(backend, MemoryBackend):
+        raise TypeError(f"not a MemoryBackend: {backend!r}")
+    backend.server.recreate()
 
 
 # --------------------------------------------------------------------------- other processes
@@ -491,6 +559,7 @@ class MemoryPlugin:
                 MemoryBackendConfig,
                 _factory,
                 "in-process reference channel served to other processes (tests only)",
+                contract=2,
             )
         ]
 

@@ -99,13 +99,17 @@ def record_schema(config: PipelineConfig, plugins: Plugins | None = None) -> pa.
 def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> None:
     """Create ``table`` with its partition spec, identifier fields and properties (icefloe's
     bounded-metadata recommendations, then ``tables.properties``) in one transaction."""
-    missing = [c for c in table.id_columns if c not in schema.names]
-    if missing:
-        raise ConfigError(
-            "tables.id_columns", f"{missing} are not fields of the records", "fix the names"
-        )
-    # identifier fields must be required
-    fields = [f.with_nullable(False) if f.name in table.id_columns else f for f in schema]
+    # identifier fields must be required, and so must the structs holding nested ones
+    fields = list(schema)
+    for column in table.id_columns:
+        path = _field_path(schema, column)
+        if path is None:
+            raise ConfigError(
+                "tables.id_columns",
+                f"{column!r} is not a field of the records",
+                "fix the name (a field nested in a struct as 'struct.field')",
+            )
+        fields[path[0]] = _required(fields[path[0]], path[1:])
     namespace = table.name.rsplit(".", 1)[0]
     catalog.create_namespace_if_not_exists(namespace)
     properties = recommended_properties(table.properties)
@@ -130,6 +134,30 @@ def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> Non
         with txn.update_schema() as update:
             update.set_identifier_fields(*table.id_columns)
     txn.commit_transaction()
+
+
+def _field_path(schema: pa.Schema, column: str) -> list[int] | None:
+    """Indices from the top-level field down to ``column`` (a top-level name, else a dotted
+    path through structs), or None."""
+    index = schema.get_field_index(column)
+    if index >= 0:
+        return [index]
+    head, dot, rest = column.partition(".")
+    index = schema.get_field_index(head)
+    if not dot or index < 0 or not pa.types.is_struct(schema.field(index).type):
+        return None
+    struct = schema.field(index).type
+    inner = _field_path(pa.schema(list(struct)), rest)
+    return None if inner is None else [index, *inner]
+
+
+def _required(field: pa.Field, path: list[int]) -> pa.Field:
+    """``field`` made required, and along ``path`` (child indices) each child too."""
+    if path:
+        children = list(field.type)
+        children[path[0]] = _required(children[path[0]], path[1:])
+        field = field.with_type(pa.struct(children))
+    return field.with_nullable(False)
 
 
 def check_keyed_table(table: Table, config: TableConfig) -> None:

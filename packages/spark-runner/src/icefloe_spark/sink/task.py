@@ -113,10 +113,10 @@ def write_task(
     (content ``EQUALITY_DELETES``, ``equality_ids`` its identifier fields), which the
     coordinator resolves into deletes of the rows they replace. ``on_file`` hears of every file as
     soon as it exists, so a failing task can remove what it wrote. ``only`` writes the rows of
-    that one table and nothing else, bad records included (a rollback's replay: the other
-    tables and the dead-letter table hold their share already).
+    that one table and nothing else (a rollback's replay: the other tables hold their share
+    already): bad records only when it names the dead-letter table.
     """
-    from icefloe.records.datafiles import write_data_files, write_key_files
+    from icefloe.records.datafiles import group_write_uuid, write_data_files, write_key_files
 
     policy = errors.policy if errors is not None else "fail"
     check_columns(data.column_names)
@@ -136,10 +136,10 @@ def write_task(
     rejected = conversion.rejected
     if (
         rejected
-        and only is None
         and policy == "dead_letter"
         and errors is not None
         and errors.dead_letter_table
+        and only in (None, errors.dead_letter_table)
     ):
         rows_per_table[errors.dead_letter_table] = dead_letter_rows(data, rejected, pipeline)
     files: dict[str, tuple[DataFileMeta, ...]] = {}
@@ -149,7 +149,8 @@ def write_task(
         if rows.num_rows == 0 and (keys is None or keys.num_rows == 0):
             continue
         table = tables[name]
-        metas = write_data_files(table, rows)
+        # named for the pipeline, so merge_small_files may delete them once merged
+        metas = write_data_files(table, rows, group_write_uuid(pipeline) if pipeline else None)
         if keys is not None:  # an upsert/CDC table: the keys whose old rows go (docs/upsert.md)
             metas += write_key_files(table, keys)
         for m in metas:

@@ -2,7 +2,8 @@
 base64 event per line (the line number is the offset), ``state.json`` holds epochs, batch
 watermarks, the lease and the stored position. An exclusive ``flock`` on ``lock`` serialises
 every change, which gives atomic batches and fencing across processes on one machine.
-It never prunes (``prune`` returns 0) and is for demonstration only.
+Epochs and fencing tokens start from the clock, so a recreated directory never issues one
+again. It never prunes (``prune`` returns 0) and is for demonstration only.
 """
 
 from __future__ import annotations
@@ -30,11 +31,21 @@ from icefloe.channel import (
     WriterBatch,
     WriterChannel,
 )
-from icefloe.errors import EventDecodeError, NotLeaderError, WriterFencedError
+from icefloe.errors import (
+    ChannelResetError,
+    EventDecodeError,
+    NotLeaderError,
+    WriterFencedError,
+)
 from icefloe.events import Event, decode_event, encode_event
 from icefloe.hookspecs import BackendContext
 
 PARTITION = "0"
+
+
+def _clock_us() -> int:
+    """Where epochs and fencing tokens start (rule Numbering of icefloe's backend docs)."""
+    return time.time_ns() // 1000
 
 
 class ExampleConfig(BaseModel):
@@ -126,7 +137,7 @@ class FileWriter(WriterChannel):
     def open(self) -> int:
         with self.store.locked() as state:
             epochs = state.setdefault("epochs", {})
-            self.epoch = epochs.get(self.writer_id, 0) + 1
+            self.epoch = epochs.get(self.writer_id, _clock_us()) + 1
             epochs[self.writer_id] = self.epoch
             self._next_broadcast = len(self.store.lines("broadcasts.log"))
         return self.epoch
@@ -188,7 +199,7 @@ class FileCoordinator(CoordinatorChannel):
                 lease = state.get("lease") or {}
                 if lease.get("holder") == self.holder or lease.get("until", 0) < time.time():
                     if lease.get("holder") != self.holder:
-                        state["token"] = state.get("token", 0) + 1
+                        state["token"] = state.get("token", _clock_us()) + 1
                         self.token = state["token"]
                     return self._lease(state)
             if time.monotonic() >= deadline:
@@ -207,6 +218,12 @@ class FileCoordinator(CoordinatorChannel):
 
     def seek(self, position: ChannelPosition | None) -> None:
         self._next = 0 if position is None else position.get(PARTITION, 0)
+        end = self.end_position()[PARTITION]
+        if self._next > end:
+            raise ChannelResetError(
+                f"position {self._next} lies past the end of {self.store.root} ({end}): the "
+                "directory was replaced or restored from an older copy"
+            )
 
     def poll(self, timeout: float, max_records: int = 1000) -> list[ChannelRecord]:
         got = self.store.wait_lines("events.log", self._next, timeout)[:max_records]

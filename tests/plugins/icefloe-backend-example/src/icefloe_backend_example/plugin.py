@@ -19,5 +19,6 @@ def icefloe_register_backends() -> list[BackendSpec]:
             config_model=ExampleConfig,
             factory=_factory,
             description="example third-party backend: a channel in local files",
+            contract=2,  # the backend contract it implements (icefloe-core 0.2)
         )
     ]

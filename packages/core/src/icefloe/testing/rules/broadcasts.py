@@ -17,7 +17,7 @@ from icefloe.testing.rules.support import (
 class BroadcastRules(SuiteBase):
     """Broadcasts, and the part of Retention that keeps them."""
 
-    @rule("Broadcasts")
+    @rule("Broadcasts", reports=("WriterChannel.poll_broadcasts", "CoordinatorChannel.broadcast"))
     def test_broadcasts_reach_writers_opened_before_them(
         self, backend: Backend, group_id: str, channels: Channels
     ) -> None:

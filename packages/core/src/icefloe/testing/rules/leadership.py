@@ -24,7 +24,15 @@ from icefloe.testing.rules.support import (
 class LeadershipRules(SuiteBase):
     """One leader, Lease clock."""
 
-    @rule("One leader")
+    @rule(
+        "One leader",
+        reports=(
+            "CoordinatorChannel.acquire",
+            "CoordinatorChannel.renew",
+            "CoordinatorChannel.release",
+            "CoordinatorChannel.close",
+        ),
+    )
     def test_single_leader_with_growing_fencing_token(
         self, backend: Backend, group_id: str, channels: Channels
     ) -> None:

@@ -21,7 +21,10 @@ from icefloe.testing.rules.support import (
 class PublishingRules(SuiteBase):
     """Epochs and fencing, Atomic batches, Idempotent batches."""
 
-    @rule("Epochs and fencing")
+    @rule(
+        "Epochs and fencing",
+        reports=("WriterChannel.open", "WriterChannel.respond", "WriterChannel.close"),
+    )
     def test_open_fences_older_instances_with_growing_epochs(
         self, backend: Backend, channels: Channels
     ) -> None:
@@ -48,7 +51,7 @@ class PublishingRules(SuiteBase):
         assert not seen & {e.event_id for e in stale.events}, "a fenced publish became visible"
         assert all(r.event.writer == new_ref for r in recs)
 
-    @rule("Atomic batches")
+    @rule("Atomic batches", reports=("WriterChannel.publish",))
     def test_batches_are_whole_ordered_and_contiguous_per_writer(
         self, backend: Backend, group_id: str, channels: Channels
     ) -> None:

@@ -1,6 +1,7 @@
 """Rules of how the coordinator reads: positions grow and a seek resumes exactly after a stored
-one, a zero timeout does not block, undecodable bytes stop ``poll``, and ``end_position`` is
-past everything read."""
+one, a zero timeout does not block, undecodable bytes stop ``poll``, ``end_position`` is
+exactly past the newest event and reached by a reader that read everything, and a seek
+past it raises ``ChannelResetError``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import time
 import pytest
 
 from icefloe.channel import Backend, ChannelRecord
-from icefloe.errors import EventDecodeError
+from icefloe.coordination.reading import backlog
+from icefloe.errors import ChannelResetError, EventDecodeError
+from icefloe.events import DataComplete, Event, StartCommit
 from icefloe.testing.rules.support import (
     Channels,
     SuiteBase,
@@ -25,7 +28,15 @@ from icefloe.testing.rules.support import (
 class ReadingRules(SuiteBase):
     """Order and positions (one reader), Zero timeouts do not block, Bytes, End position."""
 
-    @rule("Order and positions")
+    @rule(
+        "Order and positions",
+        reports=(
+            "CoordinatorChannel.seek",
+            "CoordinatorChannel.poll",
+            "CoordinatorChannel.store_position",
+            "CoordinatorChannel.stored_position",
+        ),
+    )
     def test_positions_grow_and_seek_resumes_exactly_after_stored_position(
         self, backend: Backend, group_id: str, channels: Channels
     ) -> None:
@@ -70,7 +81,7 @@ class ReadingRules(SuiteBase):
         threading.Thread(target=polls, daemon=True).start()
         assert returned.wait(self.read_timeout_s), "poll with timeout 0 did not return"
 
-    @rule("Bytes")
+    @rule("Bytes", reports=("Backend.inject_undecodable",))
     def test_poll_stops_at_undecodable_bytes(
         self, backend: Backend, group_id: str, channels: Channels
     ) -> None:
@@ -104,7 +115,7 @@ class ReadingRules(SuiteBase):
             "events before the undecodable record were not returned first"
         )
 
-    @rule("End position")
+    @rule("End position", reports=("CoordinatorChannel.end_position",))
     def test_end_position_is_past_every_event_read(
         self, backend: Backend, group_id: str, channels: Channels
     ) -> None:
@@ -117,3 +128,65 @@ class ReadingRules(SuiteBase):
             assert end.get(partition, 0) >= offset, (
                 f"end {dict(end)} is behind {partition}@{offset}"
             )
+
+    @rule("End position")
+    def test_a_reader_that_read_everything_reaches_end_position(
+        self, backend: Backend, group_id: str, channels: Channels
+    ) -> None:
+        """The converse: every read-only read of the backlog (a writer's resume, ``icefloe
+        maintain``, ``icefloe status``) and ``icefloe drain`` read to the ``end_position()``
+        measured before they start, counting ``read_through()``; an end that reading everything
+        never reaches (batches, a broadcast and an answer behind it) leaves them refusing with
+        ChannelStalledError."""
+        w, ref = self.writer(backend, channels, "w")
+        batches = [make_batch(group_id, ref, seq) for seq in range(3)]
+        for b in batches:
+            assert w.publish(b) is True
+        coord, _ = self.leader(backend, channels, "c")
+        coord.broadcast(Event(group_id, StartCommit("cycle-1")))
+        w.respond(Event(group_id, DataComplete((), "cycle-1"), ref))
+        reader = backend.coordinator("reader")
+        channels.append(reader)
+        got = list(backlog(reader, group_id, timeout_s=self.read_timeout_s))
+        assert event_ids(batches) <= {r.event.event_id for r in got}
+
+    @rule("End position")
+    def test_end_position_is_not_past_the_newest_event(
+        self, backend: Backend, group_id: str, channels: Channels
+    ) -> None:
+        """A reader that read everything reaches ``end_position``: ``icefloe drain`` proves a
+        channel empty that way, and a stall detector would report a gap that never closes.
+        Reached counts ``read_through()`` where the backend has one (log entries that are not
+        events, as Kafka's transaction markers)."""
+        batches = self.publish_batches(backend, group_id, channels, 3)
+        coord, _ = self.leader(backend, channels, "c")
+        coord.seek(None)
+        read: list[ChannelRecord] = []  # every record, of other pipelines too (shared logs)
+        deadline = time.monotonic() + self.read_timeout_s
+        while True:
+            end = coord.end_position()
+            reached = position_after(read)
+            for partition, offset in (coord.read_through() or {}).items():
+                reached[partition] = max(reached.get(partition, 0), offset)
+            mine = {r.event.event_id for r in read if r.event.group_id == group_id}
+            if event_ids(batches) <= mine and all(reached.get(p, 0) >= o for p, o in end.items()):
+                return
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"read everything there is (reached {reached}), yet end_position() says "
+                    f"{dict(end)}: it lies past the newest event"
+                )
+            read.extend(coord.poll(0.2))
+
+    @rule("End position")
+    def test_seek_past_the_end_raises_channel_reset(
+        self, backend: Backend, group_id: str, channels: Channels
+    ) -> None:
+        """A position past the end was recorded by a store that held more events: this one
+        was rolled back or recreated, and reading on would number new events below what
+        tables recorded. ``seek`` raises, before anything is read."""
+        self.publish_batches(backend, group_id, channels, 2)
+        coord, _ = self.leader(backend, channels, "c")
+        past = {p: o + 5 for p, o in coord.end_position().items()} or {"0": 5}
+        with pytest.raises(ChannelResetError):
+            coord.seek(past)

@@ -17,7 +17,7 @@ from icefloe.testing.rules.support import (
 class RetentionRules(SuiteBase):
     """Retention of events and batch keys (that of broadcasts: :mod:`.broadcasts`)."""
 
-    @rule("Retention")
+    @rule("Retention", reports=("CoordinatorChannel.prune",))
     def test_prune_drops_only_events_before_the_position(
         self, backend: Backend, group_id: str, channels: Channels
     ) -> None:

@@ -23,7 +23,7 @@ from icefloe.ops.drain import drain
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once, group_snapshots
 from icefloe.testing.harness import RowSource, SimulatedCrash, crash, lead, wait_pending
-from icefloe.testing.rules.support import SuiteBase
+from icefloe.testing.rules.support import SuiteBase, rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +132,7 @@ class CoordinatorScenarios(SuiteBase):
             out.append(w)
         return out
 
+    @rule(None)  # rests on every rule: skipped when something it needs is missing
     def test_n_writers_m_cycles_commit_every_row_exactly_once(self, scenario: Scenario) -> None:
         n_writers, m_cycles = 3, 3
         source = scenario.source
@@ -162,6 +163,7 @@ class CoordinatorScenarios(SuiteBase):
         assert not result.failed
         scenario.assert_tables(snapshots=m_cycles + 1)
 
+    @rule(None)  # rests on every rule: skipped when something it needs is missing
     def test_crash_between_iceberg_commit_and_position_store_loses_and_duplicates_nothing(
         self, scenario: Scenario
     ) -> None:
@@ -191,6 +193,7 @@ class CoordinatorScenarios(SuiteBase):
         assert not heir.commit_now().failed
         scenario.assert_tables()
 
+    @rule(None)  # rests on every rule: skipped when something it needs is missing
     def test_stale_leader_cannot_commit_after_takeover(self, scenario: Scenario) -> None:
         (writer,) = scenario.writers(1)
         zombie = scenario.coordinator("c1")
@@ -208,6 +211,7 @@ class CoordinatorScenarios(SuiteBase):
         assert not zombie.is_leader
         scenario.assert_tables(snapshots=1)
 
+    @rule(None)  # rests on every rule: skipped when something it needs is missing
     def test_drain_commits_what_is_left_and_ends(self, scenario: Scenario) -> None:
         """``icefloe drain`` (writers stopped) commits the batches left in the channel once,
         marks the tables and ends, whatever the channel carries besides writer events (its own

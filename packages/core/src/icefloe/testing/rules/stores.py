@@ -1,8 +1,13 @@
 """Rules of where a Backend's channels meet: every Backend the factory makes for a pipeline
-reaches one shared store, two pipelines of one server never meet, and the store has one stable
-identity (``channel_id``)."""
+reaches one shared store, two pipelines of one server never meet, the store has one stable
+identity (``channel_id``) that a recreated store does not share, and a recreated store never
+issues an epoch or a fencing token again."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import pytest
 
@@ -12,6 +17,7 @@ from icefloe.events import Event, StartCommit
 from icefloe.testing.rules.support import (
     BackendFactory,
     Channels,
+    StoreRecreator,
     SuiteBase,
     assert_same_position,
     event_ids,
@@ -23,9 +29,9 @@ from icefloe.testing.rules.support import (
 
 
 class StoreRules(SuiteBase):
-    """Shared store, Pipelines are isolated, Identity."""
+    """Shared store, Pipelines are isolated, Identity, Numbering."""
 
-    @rule("Shared store")
+    @rule("Shared store", reports=("Backend.writer", "Backend.coordinator"))
     def test_backends_from_the_factory_share_one_store(
         self, backend: Backend, other_backend: Backend, group_id: str, channels: Channels
     ) -> None:
@@ -80,7 +86,7 @@ class StoreRules(SuiteBase):
             got = self.broadcasts_until(wb, lambda evs: mark in evs)
             assert all(e.group_id == other_id for e in got), "a broadcast crossed pipelines"
 
-    @rule("Identity")
+    @rule("Identity", reports=("CoordinatorChannel.channel_id",))
     def test_channel_id_is_one_per_storage_and_stable(
         self, backend_factory: BackendFactory, backend: Backend, group_id: str, channels: Channels
     ) -> None:
@@ -96,3 +102,69 @@ class StoreRules(SuiteBase):
             channels.append(second)
             assert second.channel_id() == before
         assert first.channel_id() == before
+
+    @pytest.fixture
+    def recreated(
+        self,
+        backend_factory: BackendFactory,
+        group_id: str,
+        channels: Channels,
+        recreate_store: StoreRecreator,
+    ) -> Callable[[Backend], AbstractContextManager[Backend]]:
+        """``with recreated(backend) as fresh``: the channels the test opened closed (the
+        processes of the old store are gone), the store of ``backend`` dropped (the test
+        class's ``recreate_store``), and a new Backend of the pipeline, which makes it anew."""
+
+        def recreate(backend: Backend) -> AbstractContextManager[Backend]:
+            while channels:
+                with contextlib.suppress(Exception):  # a fenced channel may fail to close
+                    channels.pop().close()
+            recreate_store(backend)
+            return opened_backend(backend_factory, group_id, self.lease_ttl_s)
+
+        return recreate
+
+    @rule("Identity", reports=("recreate_store",))
+    def test_a_recreated_store_is_a_new_channel(
+        self,
+        backend: Backend,
+        channels: Channels,
+        recreated: Callable[[Backend], AbstractContextManager[Backend]],
+    ) -> None:
+        """Two fresh stores have different identities, and neither has the one of the store
+        they replaced: an identity that is a constant, or derived from configuration, would
+        let positions recorded through a lost store decide what a new one has committed."""
+        ids = [self.identity(backend, channels)]
+        with recreated(backend) as second:
+            ids.append(self.identity(second, channels))
+            with recreated(second) as third:
+                ids.append(self.identity(third, channels))
+        assert len(set(ids)) == 3, f"recreated stores did not get new identities: {ids}"
+
+    @rule("Numbering")
+    def test_epochs_and_tokens_grow_across_a_recreated_store(
+        self,
+        backend: Backend,
+        channels: Channels,
+        recreated: Callable[[Backend], AbstractContextManager[Backend]],
+    ) -> None:
+        """Tables keep fencing tokens (and the coordinator the epochs it saw) beyond the life
+        of a store: a new store that counted from 1 again would be fenced by its own past,
+        or let a zombie of the old one through. Issue them from the clock."""
+        _, ref = self.writer(backend, channels, "w")
+        _, lease = self.leader(backend, channels, "c")
+        with recreated(backend) as fresh:
+            _, again = self.writer(fresh, channels, "w")
+            _, new_lease = self.leader(fresh, channels, "c")
+        assert again.epoch > ref.epoch, (
+            f"the recreated store issued epoch {again.epoch} after {ref.epoch}"
+        )
+        assert new_lease.token > lease.token, (
+            f"the recreated store issued fencing token {new_lease.token} after {lease.token}"
+        )
+
+    def identity(self, backend: Backend, channels: Channels) -> str:
+        """The channel id a new coordinator end of ``backend`` reports (no lease needed)."""
+        ch = backend.coordinator("identity")
+        channels.append(ch)
+        return ch.channel_id()

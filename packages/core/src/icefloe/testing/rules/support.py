@@ -17,6 +17,7 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import (
+    METHOD_RULES,
     Backend,
     ChannelPosition,
     ChannelRecord,
@@ -24,8 +25,10 @@ from icefloe.channel import (
     Lease,
     WriterBatch,
     WriterChannel,
+    introduced_in,
+    upgrade_section,
 )
-from icefloe.errors import NotLeaderError
+from icefloe.errors import MissingBackendMethodError, NotLeaderError
 from icefloe.events import DataComplete, DataFileMeta, DataWritten, Event, SourcePosition, WriterRef
 from icefloe.testing.fixtures import make_sqlite_catalog
 
@@ -34,6 +37,14 @@ BackendFactory = Callable[[str, float], Backend]
 
 #: The channels a test opened, closed at its teardown (the ``channels`` fixture).
 Channels: TypeAlias = list[WriterChannel | CoordinatorChannel]
+
+#: backend -> None: delete the store ``backend``'s pipeline lives in, as an operator who drops
+#: it would (the ``recreate_store`` fixture a backend's test class provides).
+StoreRecreator = Callable[[Backend], None]
+
+#: What a backend's test class provides besides ``backend_factory``, by the name a missing one
+#: is reported under (like a missing method), and the rule that needs it.
+FIXTURE_RULES = {"recreate_store": "Identity"}
 
 #: The rules of ``docs/backend-authors.md`` (section 1), by the name a failing test reports.
 RULES = (
@@ -49,44 +60,107 @@ RULES = (
     "Pipelines are isolated",
     "Zero timeouts do not block",
     "Identity",
+    "Numbering",
     "End position",
     "Bytes",
     "Threading",
+    "Probe and describe",
 )
+
+#: a missing method (``CoordinatorChannel.channel_id``) or fixture -> the one test that reports
+#: it (filled by :func:`rule`); every other test that needs it is skipped, naming that test
+REPORTED_BY: dict[str, str] = {}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _X = TypeVar("_X")
 
 
+def _prefix(name: str) -> str:
+    return f"rule '{name}' of docs/backend-authors.md is broken: "
+
+
+def missing_in(exc: BaseException) -> tuple[str, ...]:
+    """The contract methods (or fixtures) ``exc`` says are missing, looking through its
+    causes (a backend may wrap the error); empty when it is another failure."""
+    seen: set[int] = set()
+    inner: BaseException | None = exc
+    while inner is not None and id(inner) not in seen:
+        if isinstance(inner, MissingBackendMethodError):
+            return inner.missing
+        seen.add(id(inner))
+        inner = inner.__cause__ or inner.__context__
+    return ()
+
+
+def _not_implemented(name: str) -> str:
+    if name in FIXTURE_RULES:
+        return (
+            f"the `{name}` fixture is not provided by the test class (docs/backend-authors.md, "
+            "section 3)"
+        )
+    added = introduced_in(name)
+    new = "" if added is None else f", new in contract {added}: see {upgrade_section(added)}"
+    return f"{name}() is not implemented{new}"
+
+
+def report_missing(name: str | None, reports: Sequence[str], missing: Sequence[str]) -> None:
+    """Fail the test that reports a missing method or fixture (under its rule); skip every
+    other test that needs it, naming where it is reported: one missing method is one
+    failure, not one per test that happens to call it."""
+    here = [m for m in missing if m in reports]
+    if here and name is not None:
+        pytest.fail(_prefix(name) + "; ".join(_not_implemented(m) for m in here))
+    where = sorted({f"{m} (by {REPORTED_BY.get(m, 'no test')})" for m in missing})
+    pytest.skip(f"needs what is missing and reported elsewhere: {', '.join(where)}")
+
+
+def _reported(test: Any) -> tuple[str | None, Sequence[str]]:
+    return getattr(test, "rule", None), getattr(test, "reports", ())
+
+
 @contextlib.contextmanager
-def broken(name: str) -> Iterator[None]:
+def broken(name: str | None, reports: Sequence[str] = ()) -> Iterator[None]:
     """Report any failure inside the block as rule ``name`` being broken (the first rule
-    named wins when checks nest)."""
-    assert name in RULES, f"unknown rule {name!r}"
-    prefix = f"rule '{name}' of docs/backend-authors.md is broken: "
+    named wins when checks nest); a missing method or fixture is reported by the one test
+    whose ``reports`` name it and skips the others (:func:`report_missing`). ``name`` None
+    (the coordinator scenarios, which rest on every rule): only the latter."""
+    assert name is None or name in RULES, f"unknown rule {name!r}"
     try:
         yield
     except Exception as exc:  # any failure breaks the rule
-        pytest.fail(f"{prefix}{type(exc).__name__}: {exc}")
-    except pytest.fail.Exception as exc:
-        if str(exc).startswith("rule '"):
+        missing = missing_in(exc)
+        if missing:
+            report_missing(name, reports, missing)
+        if name is None:
             raise
-        pytest.fail(f"{prefix}{exc}")
+        pytest.fail(f"{_prefix(name)}{type(exc).__name__}: {exc}")
+    except pytest.fail.Exception as exc:
+        if name is None or str(exc).startswith("rule '"):
+            raise
+        pytest.fail(f"{_prefix(name)}{exc}")
 
 
-def rule(name: str) -> Callable[[_F], _F]:
+def rule(name: str | None, reports: Sequence[str] = ()) -> Callable[[_F], _F]:
     """Mark a test as the check of one documented rule: any failure (assertion, timeout or an
     exception of the backend) is reported as that rule being broken, so an author knows which
-    paragraph of the docs to read."""
-    assert name in RULES, f"unknown rule {name!r}"
+    paragraph of the docs to read. ``reports``: the methods (``CoordinatorChannel.channel_id``)
+    and fixtures this test reports when they are missing; each is reported by one test only.
+    ``name`` None: a test of no single rule (skipped when something it needs is missing)."""
+    assert name is None or name in RULES, f"unknown rule {name!r}"
 
     def decorate(test: _F) -> _F:
         @functools.wraps(test)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            with broken(name):
+            with broken(name, reports):
                 return test(*args, **kwargs)
 
+        for missing in reports:
+            assert missing in METHOD_RULES or missing in FIXTURE_RULES, missing
+            assert REPORTED_BY.setdefault(missing, test.__name__) == test.__name__, (
+                f"{missing} is reported by {REPORTED_BY[missing]} already"
+            )
         checked.rule = name  # type: ignore[attr-defined]
+        checked.reports = tuple(reports)  # type: ignore[attr-defined]
         return checked  # type: ignore[return-value]
 
     return decorate
@@ -194,15 +268,52 @@ class SuiteBase:
         return f"conformance-{uuid.uuid4().hex[:12]}"
 
     @pytest.fixture
-    def backend(self, backend_factory: BackendFactory, group_id: str) -> Iterator[Backend]:
-        with opened_backend(backend_factory, group_id, self.lease_ttl_s) as b:
+    def recreate_store(self) -> StoreRecreator:
+        """Override: ``backend -> None`` deletes the store the pipeline of ``backend`` lives
+        in, with everything in it, as an operator who drops it would (PostgreSQL: drop the
+        schema; Redis: delete the pipeline's keys; Kafka: delete the control topic), so the
+        next Backend the factory makes creates it anew. The rules Identity and Numbering use
+        it; without it they report it missing (once, like a missing method)."""
+
+        def missing(backend: Backend) -> None:
+            raise MissingBackendMethodError("no recreate_store fixture", ("recreate_store",))
+
+        return missing
+
+    @pytest.fixture
+    def backend(
+        self, backend_factory: BackendFactory, group_id: str, request: pytest.FixtureRequest
+    ) -> Iterator[Backend]:
+        with self._made(backend_factory, group_id, request) as b:
             yield b
 
     @pytest.fixture
-    def other_backend(self, backend_factory: BackendFactory, group_id: str) -> Iterator[Backend]:
+    def other_backend(
+        self, backend_factory: BackendFactory, group_id: str, request: pytest.FixtureRequest
+    ) -> Iterator[Backend]:
         """A second Backend object of the same pipeline, as another process would build."""
-        with opened_backend(backend_factory, group_id, self.lease_ttl_s) as b:
+        with self._made(backend_factory, group_id, request) as b:
             yield b
+
+    @contextlib.contextmanager
+    def _made(
+        self, factory: BackendFactory, group_id: str, request: pytest.FixtureRequest
+    ) -> Iterator[Backend]:
+        """A Backend from the factory, closed afterwards. A Backend class missing a method
+        fails in the factory, before the test runs: reported as the test would report it
+        (:func:`report_missing`)."""
+        try:
+            b = factory(group_id, self.lease_ttl_s)
+        except Exception as exc:
+            missing = missing_in(exc)
+            if not missing:
+                raise
+            report_missing(*_reported(request.function), missing)
+            raise  # not reached: report_missing fails or skips
+        try:
+            yield b
+        finally:
+            b.close()
 
     @pytest.fixture
     def channels(self) -> Iterator[Channels]:

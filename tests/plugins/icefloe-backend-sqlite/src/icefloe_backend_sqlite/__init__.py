@@ -1,0 +1,1 @@
+"""An outdated third-party icefloe backend (contract 1), used by icefloe's tests."""
