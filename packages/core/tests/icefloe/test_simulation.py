@@ -41,7 +41,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -64,6 +63,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from pydantic import BaseModel
 from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import CommitStateUnknownException
 from pyiceberg.io import FileIO
@@ -92,19 +92,18 @@ from pyiceberg.types import (
 from pyiceberg.utils.concurrent import ExecutorFactory
 
 from icefloe.commit.committer import IcebergCommitter
-from icefloe.commit.policy import TablePolicies, TablePolicy
+from icefloe.commit.policy import TablePolicies
 from icefloe.commit.quarantine import Quarantine, QuarantineEntry
+from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ChannelIdentityError, NotLeaderError, WriterFencedError
 from icefloe.events import DataFileMeta, SourcePosition
+from icefloe.hookspecs import BackendContext, BackendSpec, hookimpl
 from icefloe.ops.drain import DrainError, drain
-from icefloe.ops.maintenance import (
-    announced_files,
-    expire_snapshots,
-    recommended_properties,
-    remove_orphan_files,
-)
+from icefloe.ops.maintenance import maintain, recommended_properties
+from icefloe.ops.tables import pipeline_tables
+from icefloe.plugins import manager as plugins_module
 from icefloe.plugins.manager import new_plugins
 from icefloe.records.datafiles import to_meta, write_data_files, write_key_files
 from icefloe.testing.fixtures import ROWS_SCHEMA
@@ -118,7 +117,6 @@ ROWS = "db.rows"  # append table, partitioned, small files merged
 KEYED = "db.keyed"  # upsert table keyed by ``id`` (of one of the identifier types)
 DEAD = "db.dead_letter"  # the dead-letter table: written by writers, not in [[tables]]
 SCRATCH = "db.scratch"  # not the pipeline's: files written here are announced as misplaced
-CONFIGURED = (ROWS, KEYED)  # the pipeline configuration's [[tables]]
 APPENDED = (ROWS, DEAD)  # tables whose every published row is counted (I1)
 BUCKETS = PartitionSpec(PartitionField(1, 1000, BucketTransform(2), "id_bucket"))
 KEYS = 6  # the keyed table's key space: small, so batches touch the same keys
@@ -261,6 +259,28 @@ class SimServer(MemoryServer):
             self._cond.notify_all()
 
 
+_SERVERS: dict[str, SimServer] = {}  # the channel each simulated pipeline uses now, by name
+
+
+class SimBackendConfig(BaseModel):
+    """``[coordination.sim]``: which simulated channel (a key of ``_SERVERS``)."""
+
+    server: str
+
+
+def _sim_backend(config: SimBackendConfig, context: BackendContext) -> MemoryBackend:
+    return MemoryBackend(_SERVERS[config.server], context.group_id, 3600.0)
+
+
+class SimBackendPlugin:
+    """Backend ``sim``: what the operator's commands (``maintain``) open from the pipeline
+    configuration, the simulated channel of the schedule."""
+
+    @hookimpl
+    def icefloe_register_backends(self) -> list[BackendSpec]:
+        return [BackendSpec("sim", SimBackendConfig, _sim_backend, "simulation", contract=2)]
+
+
 class _Inline(Executor):
     """pyiceberg's thread pool replaced by the calling thread: the same I/O in the same order
     on every run."""
@@ -368,6 +388,16 @@ def arrow_rows(table: Table, columns: dict[str, list[Any]]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+@contextlib.contextmanager
+def stops_are_violations(what: str) -> Iterator[None]:
+    """The coordinator stops (a channel identity error, a drain that cannot finish): once
+    faults stop, nothing may block for good (I4)."""
+    try:
+        yield
+    except (ChannelIdentityError, DrainError) as exc:
+        raise InvariantError(f"I4: {what}: {type(exc).__name__}: {exc}") from exc
+
+
 class World(RuleBasedStateMachine):
     """What a schedule runs against: a pipeline (writers, coordinators) on a channel and a
     catalog with faults, the model of what it must hold, and the checks; the rules that move it
@@ -377,14 +407,18 @@ class World(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="sim-", dir=_scratch_root()))
         self.faults = Faults()
-        self.catalog = SimCatalog(
-            "sim", self.faults, uri="sqlite:///:memory:", warehouse=f"file://{self.dir}"
-        )
+        self.catalog_properties = {
+            "uri": f"sqlite:///{self.dir}/catalog.db",
+            "warehouse": f"file://{self.dir}",
+        }
+        self.catalog = SimCatalog("sim", self.faults, **self.catalog_properties)
         self.server = SimServer(self.faults)
+        _SERVERS[str(self.dir)] = self.server
         self.backend = MemoryBackend(self.server, GROUP, 3600.0)
         self.plugins = new_plugins(autoload=False)
         self.branch = "main"
         self.key_type = "long"
+        self.config = self._config()
         self.settings = self._settings()
         self.writers: dict[str, WriterClient] = {}
         self.fenced: list[WriterClient] = []  # older instances of a writer id (zombies)
@@ -402,7 +436,24 @@ class World(RuleBasedStateMachine):
         self.rogue: set[int] = set()  # foreign ids a rogue writer announced for the pipeline
         self.protected: set[str] = set()  # quarantined files seen to exist: never deleted
 
+    def _config(self) -> PipelineConfig:
+        """The pipeline's configuration, as the operator's commands read it."""
+        return config_from_dict(
+            {
+                "name": GROUP,
+                "source": {"topics": ["src"]},
+                "tables": [
+                    {"name": ROWS, "branch": self.branch, "merge_small_files": True},
+                    {"name": KEYED, "mode": "upsert", "id_columns": ["id"]},
+                ],
+                "errors": {"policy": "dead_letter", "dead_letter_table": DEAD},
+                "catalog": {"name": "sim", "properties": self.catalog_properties},
+                "coordination": {"backend": "sim", "sim": {"server": str(self.dir)}},
+            }
+        )
+
     def _settings(self) -> CoordinatorSettings:
+        """The configuration's commit policies; no clock (retries back off by zero)."""
         return CoordinatorSettings(
             commit_interval_s=1e9,
             commit_timeout_s=1e9,
@@ -411,10 +462,7 @@ class World(RuleBasedStateMachine):
             table_retry_base_s=0.0,
             table_retry_max_s=0.0,
             quarantine_after_failures=3,
-            policies=TablePolicies(
-                TablePolicy(),
-                {ROWS: TablePolicy(branch=self.branch, merge_small_files=True)},
-            ),
+            policies=TablePolicies.from_config(self.config),
         )
 
     # ------------------------------------------------------------------ plumbing
@@ -464,13 +512,14 @@ class World(RuleBasedStateMachine):
 
     def lead(self) -> Coordinator:
         """The leader, after it read everything the channel holds (a new one if none)."""
-        if self.leader is None:
-            self.server.expire_lease(GROUP)  # whoever held it is dead or paused
-            coordinator = self.coordinator()
-            coordinator.step(0)
-            assert coordinator.is_leader, "a free lease was not taken"
-            self.leader = coordinator
-        self.read_all(self.leader)
+        with stops_are_violations("the coordinator stopped"):
+            if self.leader is None:
+                self.server.expire_lease(GROUP)  # whoever held it is dead or paused
+                coordinator = self.coordinator()
+                coordinator.step(0)
+                assert coordinator.is_leader, "a free lease was not taken"
+                self.leader = coordinator
+            self.read_all(self.leader)
         return self.leader
 
     @staticmethod
@@ -490,16 +539,13 @@ class World(RuleBasedStateMachine):
 
     def cycle(self, coordinator: Coordinator) -> None:
         try:
-            result = coordinator.commit_now(wait_for_writers=False)
+            with stops_are_violations("the coordinator stopped"):
+                result = coordinator.commit_now(wait_for_writers=False)
         except NotLeaderError:
             self.zombies.append(coordinator)
             if coordinator is self.leader:
                 self.leader = None
             return
-        except ChannelIdentityError as exc:
-            raise InvariantError(
-                f"I4: the coordinator stopped: {type(exc).__name__}: {exc}"
-            ) from exc
         if result.quarantined:
             self.note_quarantine()
 
@@ -582,6 +628,7 @@ class World(RuleBasedStateMachine):
 
     def create_tables(self, branch: str, key_type: str) -> None:
         self.branch, self.key_type = branch, key_type
+        self.config = self._config()
         self.settings = self._settings()
         self.catalog.create_namespace("db")
         props = recommended_properties()
@@ -612,6 +659,7 @@ class World(RuleBasedStateMachine):
         for client in [*self.writers.values(), *self.fenced]:
             with contextlib.suppress(Exception):
                 client.close()
+        _SERVERS.pop(str(self.dir), None)
         self.catalog.engine.dispose()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -646,7 +694,7 @@ class World(RuleBasedStateMachine):
         """I2: every file any retained snapshot references exists, and every quarantined file
         seen existing still does."""
         missing: list[str] = []
-        for name in (*CONFIGURED, DEAD):
+        for name in (ROWS, KEYED, DEAD):
             table = self.catalog.load_table(name)
             for s in table.metadata.snapshots:
                 data, deletes = snapshot_files(table, s.snapshot_id)
@@ -963,17 +1011,12 @@ class CommitPath(World):
 
     @rule()
     def maintain(self) -> None:
-        """``icefloe maintain`` with every age limit at 0: expire what the dedupe rule does not
-        need, delete every orphan file that no uncommitted batch announces."""
-        channel = self.backend.coordinator(self.name("maintain"))
-        try:
-            pending = announced_files(channel, GROUP, idle_polls=1)
-        finally:
-            channel.close()
-        future = int(time.time() * 1000) + 60_000
-        for name in CONFIGURED:
-            expire_snapshots(self.catalog.load_table(name), future, retain_last=1)
-            remove_orphan_files(self.catalog.load_table(name), future, pending)
+        """``icefloe maintain`` (every table the pipeline commits to) with both ages at zero:
+        expire what the dedupe rule does not need, delete every orphan file that no
+        uncommitted batch announces and no quarantine entry names. The ages are a minute in
+        the future, so "older than" holds for every file whatever the clock says (nothing is
+        being written meanwhile: one thread drives the schedule)."""
+        maintain(self.config, expire_older_than_s=-60.0, orphans_older_than_s=-60.0)
 
     @rule()
     def drain_and_swap(self) -> None:
@@ -990,17 +1033,20 @@ class CommitPath(World):
         self.zombies.clear()
         self.server.expire_lease(GROUP)
         drainer = self.coordinator()
-        committer = IcebergCommitter(self.catalog, GROUP, policies=self.settings.policies)
+        committer = IcebergCommitter.for_pipeline(self.catalog, self.config)
         try:
-            drain(drainer, committer, list(CONFIGURED), timeout_s=60.0, quiet_s=0.0)
-        except (DrainError, ChannelIdentityError) as exc:
-            raise InvariantError(
-                f"I4: the drain cannot finish: {type(exc).__name__}: {exc}"
-            ) from exc
+            with stops_are_violations("the drain cannot finish"):
+                drain(
+                    drainer,
+                    committer,
+                    lambda: pipeline_tables(self.catalog, self.config),  # as `icefloe drain`
+                    timeout_s=60.0,
+                    quiet_s=0.0,
+                )
         finally:
             drainer.close()
         self.note_quarantine()
-        self.server = SimServer(self.faults)
+        self.server = _SERVERS[str(self.dir)] = SimServer(self.faults)
         self.backend = MemoryBackend(self.server, GROUP, 3600.0)
 
 
@@ -1076,6 +1122,9 @@ def simulate(
     quiet = logging.getLogger("icefloe")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # thousands of schedules quarantine and retry on purpose
+    plugins = new_plugins(autoload=False)
+    plugins.pm.register(SimBackendPlugin())
+    plugins_module.reset_plugins(plugins)
     try:
         with inline_executor():
             run_state_machine_as_test(runner, settings=config)
@@ -1088,6 +1137,7 @@ def simulate(
             f"{type(exc).__name__}: {exc}\n{notes}\nreplay with:\n  {commands}"
         ) from exc
     finally:
+        plugins_module.reset_plugins(None)
         quiet.setLevel(level)
         shutil.rmtree(_scratch_root(), ignore_errors=True)
 
