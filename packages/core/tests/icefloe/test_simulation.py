@@ -45,7 +45,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,8 @@ from pyiceberg.manifest import DataFileContent
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
-from pyiceberg.transforms import BucketTransform
+from pyiceberg.table.snapshots import ancestors_of
+from pyiceberg.transforms import BucketTransform, IdentityTransform, Transform
 from pyiceberg.typedef import EMPTY_DICT, Properties
 from pyiceberg.types import (
     BinaryType,
@@ -94,10 +95,16 @@ from pyiceberg.utils.concurrent import ExecutorFactory
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies
 from icefloe.commit.quarantine import Quarantine, QuarantineEntry
+from icefloe.commit.rollback import REPLAY_BATCH_SEQ
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
-from icefloe.errors import ChannelIdentityError, NotLeaderError, WriterFencedError
+from icefloe.errors import (
+    ChannelIdentityError,
+    NotLeaderError,
+    RollbackNotReplayableError,
+    WriterFencedError,
+)
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.hookspecs import BackendContext, BackendSpec, hookimpl
 from icefloe.ops.drain import DrainError, drain
@@ -120,6 +127,8 @@ SCRATCH = "db.scratch"  # not the pipeline's: files written here are announced a
 APPENDED = (ROWS, DEAD)  # tables whose every published row is counted (I1)
 BUCKETS = PartitionSpec(PartitionField(1, 1000, BucketTransform(2), "id_bucket"))
 KEYS = 6  # the keyed table's key space: small, so batches touch the same keys
+WRITERS = 3  # writer ids w0..w2, each reading its own partition of the source topic
+SOURCE = "src"
 FOREIGN_KEY = 1000  # the other engine's keys in the keyed table start here
 _EPOCH = dt.datetime(2024, 1, 1)
 #: identifier field types (every one Iceberg allows but boolean, whose key space is 2) and
@@ -146,6 +155,7 @@ CHUNK = 250  # schedules per test item (one Hypothesis run, one seed)
 CI_SEED = 23_000  # the default seeds (CI's schedules): CI_SEED, CI_SEED + 1, ... per CHUNK
 SMOKE = 20  # schedules run without options (the fast gates); `nox -s simulate` runs 1,000
 HERE = Path(__file__)
+EVENTS: Counter[str] = Counter()  # what the schedules did (faults that hit, ...), per run
 
 
 # --------------------------------------------------------------------------- the faults
@@ -168,6 +178,7 @@ class Faults:
         if self.crash_in == 0:
             self.crash_in = None
             self.trace.append(f"crash at {what}")
+            EVENTS[f"crash at {what.split()[0]}"] += 1
             raise SimulatedCrash(what)
         self.crash_in -= 1
 
@@ -190,6 +201,7 @@ class FaultyIO(PyArrowFileIO):
         path = location if isinstance(location, str) else location.location
         self.faults.op(f"delete {path.rsplit('/', 1)[-1]}")
         if self.faults.fail_deletes:
+            EVENTS["delete failed"] += 1
             raise OSError(f"simulated: cannot delete {path}")
         super().delete(location)
 
@@ -209,6 +221,8 @@ class SimCatalog(SqlCatalog):
 
     def commit_table(self, table: Table, requirements: Any, updates: Any) -> Any:
         unknown, self.faults.unknown = self.faults.unknown, None
+        if unknown is not None:
+            EVENTS[f"commit outcome lost ({unknown})"] += 1
         if unknown == "before":
             raise CommitStateUnknownException("simulated: the request was lost")
         response = super().commit_table(table, requirements, updates)
@@ -365,10 +379,33 @@ class Batch:
     files: dict[str, list[DataFileMeta]]
     rows: dict[str, list[int]] = field(default_factory=dict)  # ids per table of APPENDED
     changes: dict[int, int | None] = field(default_factory=dict)  # KEYED: key -> value / delete
+    source: tuple[int, int] | None = None  # the source partition and offset it read
 
     @property
     def label(self) -> str:
         return f"{self.writer_id}#{self.seq}"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a writer batch holds: which writer, how many rows (and by how many tasks), dead
+    letters, and keyed changes (key -> upsert, or delete)."""
+
+    writer: int
+    rows: int
+    tasks: int
+    dead: int
+    changes: dict[int, bool]
+
+
+SHAPES = st.builds(
+    Shape,
+    writer=st.integers(0, WRITERS - 1),
+    rows=st.integers(0, 5),
+    tasks=st.integers(1, 2),
+    dead=st.integers(0, 1),
+    changes=st.dictionaries(st.integers(0, KEYS - 1), st.booleans(), max_size=3),
+)
 
 
 class InvariantError(AssertionError):
@@ -435,6 +472,8 @@ class World(RuleBasedStateMachine):
         self.foreign_keys: dict[int, int] = {}  # the other engine's rows in KEYED
         self.rogue: set[int] = set()  # foreign ids a rogue writer announced for the pipeline
         self.protected: set[str] = set()  # quarantined files seen to exist: never deleted
+        self.discarded: set[int] = set()  # ids an accepted rollback (--no-replay) removed
+        self.requarantined: set[int] = set()  # quarantined ids a rollback's replay committed
 
     def _config(self) -> PipelineConfig:
         """The pipeline's configuration, as the operator's commands read it."""
@@ -497,14 +536,14 @@ class World(RuleBasedStateMachine):
         finally:
             client.close()
 
-    def coordinator(self) -> Coordinator:
+    def coordinator(self, max_pending_files: int | None = None) -> Coordinator:
         name = self.name("c")
         hooks = CoordinatorHooks(after_lease_check=self._after_lease_check)
         return Coordinator(
             GROUP,
             self.backend.coordinator(name),
             self.catalog,
-            self.settings,
+            replace(self.settings, max_pending_files=max_pending_files),
             coordinator_id=name,
             plugins=self.plugins,
             hooks=hooks,
@@ -546,6 +585,8 @@ class World(RuleBasedStateMachine):
             if coordinator is self.leader:
                 self.leader = None
             return
+        EVENTS["cycle"] += 1
+        EVENTS["files quarantined"] += sum(result.quarantined.values())
         if result.quarantined:
             self.note_quarantine()
 
@@ -563,19 +604,64 @@ class World(RuleBasedStateMachine):
         if coordinator_id != self.leader.coordinator_id:
             return
         commits, self.takeover = self.takeover, None
+        EVENTS["zombie leader"] += 1
         self.leader = None
         heir = self.lead()
         if commits:
             self.cycle(heir)
 
     def publish(self, client: WriterClient, batch: Batch) -> None:
-        positions = [SourcePosition("src", int(client.writer_id[1:]), batch.seq + 1, None)]
+        """Writer ``w<n>`` reads source partition n; its batch ``seq`` is the record at offset
+        ``seq`` there (what a rollback's replay reads again)."""
+        batch.source = (int(client.writer_id[1:]), batch.seq)
+        positions = [SourcePosition(SOURCE, batch.source[0], batch.seq + 1, None)]
         try:
             published = client.publish(batch.seq, batch.files, positions)
         except WriterFencedError:
             return
         if published:
             self.batches.append(batch)
+
+    def committer(self) -> IcebergCommitter:
+        return IcebergCommitter.for_pipeline(self.catalog, self.config)
+
+    def replay(self, name: str) -> None:
+        """What the ``icefloe run`` driver's rollback watcher does for a rolled-back table
+        (``icefloe_spark.replay``): read the lost source range again (here: the model's
+        batches of that range), write the table's rows and publish them as the rollback's
+        replay batch, or accept the rollback when the range holds none."""
+        committer = self.committer()
+        rollback = committer.rollback(name)
+        if rollback is None:
+            return
+        ranges = rollback.ranges({(SOURCE, p): 0 for p in range(WRITERS)})
+        ids = [
+            i
+            for b in self.batches
+            if b.source is not None
+            and any(r.partition == b.source[0] and r.start <= b.source[1] < r.end for r in ranges)
+            for i in b.rows.get(name, ())
+        ]
+        self.discarded.difference_update(ids)  # a deeper rollback replays an accepted one's too
+        # KNOWN: the range's quarantined records come back too, their entries stay (xfail:
+        # test_rollback.py::test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place)
+        refused = {(e.writer_id, e.batch_seq) for e in Quarantine(self.catalog).list(GROUP, name)}
+        self.requarantined.update(
+            i for b in self.batches if (b.writer_id, b.seq) in refused for i in b.rows.get(name, ())
+        )
+        if not ids:
+            committer.roll_back(name, None, replay=False, only_if=rollback.writer_id)
+            EVENTS["rollback accepted (no rows to replay)"] += 1
+            return
+        table = self.catalog.load_table(name)
+        files = {name: write_data_files(table, self.append_rows(table, ids, rollback.writer_id, 0))}
+        client = self.client(rollback.writer_id)
+        try:
+            client.publish(REPLAY_BATCH_SEQ, files, (), {name: str(table.metadata.table_uuid)})
+            EVENTS["rollback replayed"] += 1
+        finally:
+            client.close()
+        self.batches.append(Batch(rollback.writer_id, REPLAY_BATCH_SEQ, files))
 
     def append_rows(self, table: Table, ids: list[int], writer_id: str, seq: int) -> pa.Table:
         n = len(ids)
@@ -645,6 +731,7 @@ class World(RuleBasedStateMachine):
     # ------------------------------------------------------------------ the checks
 
     def teardown(self) -> None:
+        EVENTS["schedules"] += 1
         if sys.exc_info()[0] is not None:  # a rule failed: report that, not what follows
             self.close()
             return
@@ -668,6 +755,8 @@ class World(RuleBasedStateMachine):
         SETTLE_CYCLES cycles."""
         self.leader = None
         self.zombies.clear()
+        for name in (ROWS, DEAD):
+            self.replay(name)  # the driver's watcher runs in the background
         leader = self.lead()
         for _ in range(SETTLE_CYCLES):
             if not leader.pending_files():
@@ -707,7 +796,7 @@ class World(RuleBasedStateMachine):
 
     def check_rows(self, name: str, entries: list[QuarantineEntry]) -> None:
         """I1: each id published to ``name`` in the table (the pipeline's branch of it) or in
-        a quarantined file exactly once."""
+        a quarantined file exactly once (nowhere when a rollback without replay removed it)."""
         table = self.catalog.load_table(name)
         ref = self.settings.policies.branch(name) if self.settings.policies else "main"
         got = Counter(int(r[0]) for r in read_ref(table, ref, ["id"]))
@@ -719,7 +808,10 @@ class World(RuleBasedStateMachine):
         )
         expected = {i: b.label for b in self.batches for i in b.rows.get(name, ())}
         wrong = {
-            i: (label, got[i], held[i]) for i, label in expected.items() if got[i] + held[i] != 1
+            i: (label, got[i], held[i])
+            for i, label in expected.items()
+            if got[i] + held[i] != (0 if i in self.discarded else 1)
+            and not (i in self.requarantined and (got[i], held[i]) == (1, 1))  # KNOWN, above
         }
         unknown = sorted(i for i in got if i > 0 and i not in expected)
         doubled = sorted(i for i, n in got.items() if i < 0 and n > 1 and i not in self.rogue)
@@ -796,29 +888,29 @@ class CommitPath(World):
         key has one of the identifier types."""
         self.create_tables(branch, key_type)
 
-    @rule(
-        writer=st.integers(0, 2),
-        rows=st.integers(0, 5),
-        tasks=st.integers(1, 2),
-        dead=st.integers(0, 1),
-        changes=st.dictionaries(st.integers(0, KEYS - 1), st.booleans(), max_size=3),
-    )
-    def publish_batch(
-        self, writer: int, rows: int, tasks: int, dead: int, changes: dict[int, bool]
-    ) -> None:
+    @rule(shape=SHAPES)
+    def batch(self, shape: Shape) -> None:
         """A writer publishes a batch: appended rows (by one or two tasks), dead-lettered
-        records and keyed changes (upserts, deletes)."""
-        client = self.writer(writer)
+        records and keyed changes (upserts, deletes). The first rule Hypothesis's ordering
+        (fewest arguments, then the name) puts first, which its choices favour."""
+        client = self.writer(shape.writer)
         seq = self.next_batch(client)
-        counts = {ROWS: rows, DEAD: dead}
-        self.publish(client, self.write_batch(client.writer_id, seq, counts, changes, tasks))
+        counts = {ROWS: shape.rows, DEAD: shape.dead}
+        batch = self.write_batch(client.writer_id, seq, counts, shape.changes, shape.tasks)
+        self.publish(client, batch)
 
     @precondition(lambda self: bool(self.batches))
     @rule(pick=st.integers(0, 1 << 16))
     def reannounce(self, pick: int) -> None:
         """An earlier batch's very files announced again under a new writer id (a writer that
         lost its identity, or a forged announcement): no record may land twice."""
-        self.announce(self.batches[pick % len(self.batches)].files, "r")
+        old = self.batches[pick % len(self.batches)]
+        files = dict(old.files)
+        if old.changes and all(v is None for v in old.changes.values()):
+            # KNOWN: a delete-only keyed batch announced again is applied again (xfail:
+            # test_rowdelta.py::test_delete_only_batch_reannounced_under_another_writer_...)
+            files.pop(KEYED, None)
+        self.announce(files, "r")
 
     @precondition(lambda self: bool(self.server.batches))
     @rule(pick=st.integers(0, 1 << 16))
@@ -829,7 +921,7 @@ class CommitPath(World):
             self.server.inject(GROUP, event)
 
     @precondition(lambda self: bool(self.writers))
-    @rule(writer=st.integers(0, 2), rows=st.integers(1, 3))
+    @rule(writer=st.integers(0, WRITERS - 1), rows=st.integers(1, 3))
     def replayed_batch(self, writer: int, rows: int) -> None:
         """A writer publishes its newest batch number again with new files (Spark replaying
         a batch after a crash): the channel refuses it."""
@@ -839,7 +931,7 @@ class CommitPath(World):
             self.publish(client, self.write_batch(client.writer_id, seq, {ROWS: rows}, {}))
 
     @precondition(lambda self: bool(self.writers))
-    @rule(writer=st.integers(0, 2))
+    @rule(writer=st.integers(0, WRITERS - 1))
     def restart_writer(self, writer: int) -> None:
         """A new instance of a writer id (a restarted driver) fences the old one, which
         lives on as a zombie."""
@@ -915,11 +1007,13 @@ class CommitPath(World):
             zombie.commit_now(wait_for_writers=False)
 
     @precondition(lambda self: self.leader is not None)
-    @rule()
-    def leader_change(self) -> None:
-        """The leader stops cleanly; another takes over."""
+    @rule(graceful=st.booleans())
+    def leader_change(self, graceful: bool) -> None:
+        """The leader stops cleanly (releases its lease) or vanishes (its lease lapses) while
+        idle; another takes over."""
         assert self.leader is not None
-        self.leader.close()
+        if graceful:
+            self.leader.close()
         self.leader = None
         self.lead()
 
@@ -957,8 +1051,12 @@ class CommitPath(World):
         with table.update_spec() as spec:
             if fields:
                 spec.remove_field(fields[0].name)
-            else:
-                spec.add_field("id", BucketTransform(2), self.name("id_b"))
+            else:  # pyiceberg 0.12 writes no bucket of a time (identity works there)
+                plain = keyed and self.key_type == "time"
+                transform: Transform[Any, Any] = (
+                    IdentityTransform() if plain else BucketTransform(2)
+                )
+                spec.add_field("id", transform, self.name("id_b"))
 
     @rule(keyed=st.booleans())
     def foreign_add_column(self, keyed: bool) -> None:
@@ -1009,20 +1107,60 @@ class CommitPath(World):
 
     # ------------------------------------------------------------------ the operator
 
-    @rule()
-    def maintain(self) -> None:
-        """``icefloe maintain`` (every table the pipeline commits to) with both ages at zero:
-        expire what the dedupe rule does not need, delete every orphan file that no
-        uncommitted batch announces and no quarantine entry names. The ages are a minute in
-        the future, so "older than" holds for every file whatever the clock says (nothing is
-        being written meanwhile: one thread drives the schedule)."""
-        maintain(self.config, expire_older_than_s=-60.0, orphans_older_than_s=-60.0)
+    @rule(dead=st.booleans(), pick=st.integers(0, 1 << 16), replay=st.booleans())
+    def operator_rolls_back(self, dead: bool, pick: int, replay: bool) -> None:
+        """``icefloe rollback`` of an append table to an earlier snapshot of its branch (any:
+        the pipeline's, another engine's, the one before the pipeline's first commit): replayed
+        by the pipeline, or (``--no-replay``, or when refused as not replayable, as the error
+        says) accepted, its rows then out. The other engine's rows after it go too."""
+        name = DEAD if dead else ROWS
+        committer = self.committer()
+        table = self.catalog.load_table(name)
+        branch = committer.branch_of(name)
+        head = table.snapshot_by_name(branch)
+        if head is None:
+            return
+        older = [s.snapshot_id for s in list(ancestors_of(head, table.metadata))[1:]]
+        if not older:
+            return
+        before = {int(r[0]) for r in read_ref(table, branch, ["id"])}
+        try:
+            committer.roll_back(name, older[pick % len(older)], replay=replay)
+        except RollbackNotReplayableError:
+            committer.roll_back(name, None, replay=False)
+            replay = False
+        EVENTS["rollback" if replay else "rollback --no-replay"] += 1
+        after = {int(r[0]) for r in read_ref(self.catalog.load_table(name), branch, ["id"])}
+        if not replay:
+            self.discarded.update(i for i in before - after if i > 0)
+        if name == ROWS and branch == "main":
+            self.foreign_live &= after
 
-    @rule()
-    def drain_and_swap(self) -> None:
-        """``icefloe drain`` of the configured tables, then the pipeline moves to a new
-        channel (a backend swap): writers and coordinators stop first, and the writers go on
-        with their batch numbers."""
+    @rule(dead=st.booleans())
+    def driver_replays(self, dead: bool) -> None:
+        """The driver notices a rolled-back table and replays its lost range."""
+        self.replay(DEAD if dead else ROWS)
+
+    @rule(expire=st.booleans())
+    def maintain(self, expire: bool) -> None:
+        """``icefloe maintain`` (every table the pipeline commits to) with the orphan age, and
+        the snapshot age or none, at zero: expire what the dedupe rule does not need, delete
+        every orphan file that no uncommitted batch announces and no quarantine entry names.
+        Zero is a minute in the future here, so "older than" holds for every file whatever
+        the clock says (nothing is being written meanwhile: one thread drives the schedule)."""
+        maintain(
+            self.config,
+            expire_older_than_s=-60.0 if expire else 1e9,
+            orphans_older_than_s=-60.0,
+        )
+        EVENTS["maintain"] += 1
+
+    @rule(bounded=st.booleans())
+    def drain_and_swap(self, bounded: bool) -> None:
+        """``icefloe drain`` (of every table the pipeline commits to, as the command finds
+        them; ``bounded``: under a memory bound of 2 pending files), then the pipeline moves to
+        a new channel (a backend swap): writers and coordinators stop first, and the writers go
+        on with their batch numbers."""
         for client in [*self.writers.values(), *self.fenced]:
             client.close()
         self.writers.clear()
@@ -1032,7 +1170,7 @@ class CommitPath(World):
             self.leader = None
         self.zombies.clear()
         self.server.expire_lease(GROUP)
-        drainer = self.coordinator()
+        drainer = self.coordinator(max_pending_files=2 if bounded else None)
         committer = IcebergCommitter.for_pipeline(self.catalog, self.config)
         try:
             with stops_are_violations("the drain cannot finish"):
@@ -1047,6 +1185,7 @@ class CommitPath(World):
             drainer.close()
         self.note_quarantine()
         self.server = _SERVERS[str(self.dir)] = SimServer(self.faults)
+        EVENTS["drain and swap"] += 1
         self.backend = MemoryBackend(self.server, GROUP, 3600.0)
 
 
@@ -1125,6 +1264,7 @@ def simulate(
     plugins = new_plugins(autoload=False)
     plugins.pm.register(SimBackendPlugin())
     plugins_module.reset_plugins(plugins)
+    EVENTS.clear()
     try:
         with inline_executor():
             run_state_machine_as_test(runner, settings=config)
@@ -1151,7 +1291,7 @@ class Sabotaged(World):
         self.create_tables("main", "long")
 
     @rule(rows=st.integers(1, 3))
-    def publish_batch(self, rows: int) -> None:
+    def batch(self, rows: int) -> None:
         client = self.writer(0)
         seq = self.next_batch(client)
         self.publish(client, self.write_batch(client.writer_id, seq, {ROWS: rows}, {}))
@@ -1212,6 +1352,7 @@ def test_commit_path_simulation(
         )
     except SimulationError as failure:
         pytest.fail(str(failure), pytrace=False)
+    print(", ".join(f"{what}: {n}" for what, n in sorted(EVENTS.items())))  # shown with -rP
 
 
 def test_a_failure_names_commands_that_replay_it(request: pytest.FixtureRequest) -> None:
