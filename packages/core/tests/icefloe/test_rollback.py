@@ -39,7 +39,7 @@ from icefloe.testing.fixtures import (
     sqlite_catalog_properties,
     write_rows,
 )
-from icefloe.testing.harness import RowSource, lead, wait_pending
+from icefloe.testing.harness import Batch, RowSource, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
 
 ROWS = "db.rows"
@@ -240,22 +240,53 @@ def test_status_shows_a_rollback_waiting_for_its_replay(tmp_path: Path) -> None:
 # --- a replay that brings no file ---------------------------------------------------------
 
 
+@dataclass
+class Replaying:
+    """Writer ``w1`` of pipeline ``pipe`` and its coordinator (failed tables retried at once)
+    on a real SQLite catalog, and the replay of a rollback as the driver publishes it."""
+
+    catalog: SqlCatalog
+    source: RowSource
+    backend: MemoryBackend
+    writer: WriterClient
+    coordinator: Coordinator
+
+    @classmethod
+    def open(cls, tmp_path: Path) -> Replaying:
+        catalog = make_sqlite_catalog(tmp_path / "iceberg")
+        backend = MemoryBackend(MemoryServer(), "pipe")
+        writer = WriterClient(backend.writer("w1"), "pipe", "w1")
+        writer.start()
+        settings = CoordinatorSettings(3600, 30, table_retry_base_s=0.0, table_retry_max_s=0.0)
+        plugins = new_plugins(autoload=False)
+        coordinator = Coordinator(
+            "pipe", backend.coordinator("c1"), catalog, settings, plugins=plugins
+        )
+        lead(coordinator)
+        return cls(catalog, RowSource.create(catalog, [ROWS]), backend, writer, coordinator)
+
+    def replay(self, writer_id: str, ids: dict[str, list[int]]) -> Batch:
+        """The rollback's replay batch: ``ids`` written anew, published under ``writer_id``."""
+        replayed = self.source.batch(writer_id, REPLAY_BATCH_SEQ, ids=ids)
+        replayer = WriterClient(self.backend.writer(writer_id), "pipe", writer_id)
+        replayer.start()
+        replayer.publish(REPLAY_BATCH_SEQ, replayed.files, ())
+        replayer.close()
+        return replayed
+
+    def close(self) -> None:
+        self.writer.close()
+        self.coordinator.close()
+
+
 def test_a_replay_refused_whole_does_not_hold_the_table_back(tmp_path: Path) -> None:
     """The replay batch came, but screening refused every file of it (the table's partition
     spec changed while it was in flight), so no request ever carries a replay file. Its rows
     are in the quarantine (recoverable with ``add_files``) and the rollback is done: the live
     files commit instead of waiting for good for a replay that came already."""
-    catalog = make_sqlite_catalog(tmp_path / "iceberg")
-    source = RowSource.create(catalog, [ROWS])
-    backend = MemoryBackend(MemoryServer(), "pipe")
-    writer = WriterClient(backend.writer("w1"), "pipe", "w1")
-    writer.start()
-    settings = CoordinatorSettings(3600, 30, table_retry_base_s=0.0, table_retry_max_s=0.0)
-    coordinator = Coordinator(
-        "pipe", backend.coordinator("c1"), catalog, settings, plugins=new_plugins(autoload=False)
-    )
+    pipe = Replaying.open(tmp_path)
+    catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
     try:
-        lead(coordinator)
         kept = source.publish(writer, 0)
         wait_pending(coordinator, kept.file_count)
         [first] = coordinator.commit_now().tables
@@ -264,20 +295,14 @@ def test_a_replay_refused_whole_does_not_hold_the_table_back(tmp_path: Path) -> 
         assert first.snapshot_id is not None
         rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, first.snapshot_id)
         assert rollback is not None
-        lost = source.expected_ids_of("w1", 1)
-        replayed = source.batch(rollback.writer_id, REPLAY_BATCH_SEQ, ids=lost)
-        replayer = WriterClient(backend.writer(rollback.writer_id), "pipe", rollback.writer_id)
-        replayer.start()
-        replayer.publish(REPLAY_BATCH_SEQ, replayed.files, ())
-        replayer.close()
+        replayed = pipe.replay(rollback.writer_id, source.expected_ids_of("w1", 1))
         with catalog.load_table(ROWS).update_spec() as update:
             update.add_identity("writer")
         live = source.publish(writer, 2)  # written under the new spec
         wait_pending(coordinator, live.file_count + replayed.file_count)
         cycles = [coordinator.commit_now() for _ in range(3)]
     finally:
-        writer.close()
-        coordinator.close()
+        pipe.close()
     assert [c.failed for c in cycles] == [{}, {}, {}]
     assert sorted(e.file_path for e in Quarantine(catalog).list("pipe", ROWS)) == sorted(
         f.path for f in replayed.files[ROWS]
@@ -297,17 +322,9 @@ def test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place(tmp_path
     commit), batch 2 committed; a rollback to batch 0's snapshot loses the range of 1 and 2,
     and the replay (the driver reads that range again and writes it under today's spec) holds
     batch 1's records too. Each record must end in the table or in the quarantine, once."""
-    catalog = make_sqlite_catalog(tmp_path / "iceberg")
-    source = RowSource.create(catalog, [ROWS])
-    backend = MemoryBackend(MemoryServer(), "pipe")
-    writer = WriterClient(backend.writer("w1"), "pipe", "w1")
-    writer.start()
-    settings = CoordinatorSettings(3600, 30, table_retry_base_s=0.0, table_retry_max_s=0.0)
-    coordinator = Coordinator(
-        "pipe", backend.coordinator("c1"), catalog, settings, plugins=new_plugins(autoload=False)
-    )
+    pipe = Replaying.open(tmp_path)
+    catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
     try:
-        lead(coordinator)
         wait_pending(coordinator, source.publish(writer, 0).file_count)
         [first] = coordinator.commit_now().tables
         refused = source.publish(writer, 1)
@@ -321,16 +338,11 @@ def test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place(tmp_path
         rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, first.snapshot_id)
         assert rollback is not None
         lost = source.expected_ids_of("w1", 1)[ROWS] + source.expected_ids_of("w1", 2)[ROWS]
-        replayed = source.batch(rollback.writer_id, REPLAY_BATCH_SEQ, ids={ROWS: lost})
-        replayer = WriterClient(backend.writer(rollback.writer_id), "pipe", rollback.writer_id)
-        replayer.start()
-        replayer.publish(REPLAY_BATCH_SEQ, replayed.files, ())
-        replayer.close()
+        replayed = pipe.replay(rollback.writer_id, {ROWS: lost})
         wait_pending(coordinator, replayed.file_count)
         assert not coordinator.commit_now().failed
     finally:
-        writer.close()
-        coordinator.close()
+        pipe.close()
     table = catalog.load_table(ROWS)
     in_table = [int(i) for i in table.scan().to_arrow()["id"].to_pylist()]
     quarantined = [
