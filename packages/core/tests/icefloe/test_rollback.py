@@ -36,6 +36,7 @@ from icefloe.testing.fixtures import (
     assert_exactly_once,
     create_rows_table,
     make_sqlite_catalog,
+    rows_table,
     sqlite_catalog_properties,
     write_rows,
 )
@@ -351,3 +352,34 @@ def test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place(tmp_path
         for i in pq.read_table(e.file_path.removeprefix("file://"))["id"].to_pylist()
     ]
     assert sorted(in_table + quarantined) == sorted(source.expected[ROWS])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the commit-path simulation (test_simulation.py): a gap in the branch "
+    "history below a head that still descends from the pipeline's snapshot is taken for a "
+    "rollback into expired history (RollbackNotReplayableError), and the table fails for good",
+)
+def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Path) -> None:
+    """The pipeline's snapshot is kept (a tag names it), another engine's snapshot after it
+    was expired (explicitly, or by age with the tag protecting the older one), a newer one of
+    that engine is the head. Nothing was rolled back: the next batch commits."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
+    try:
+        wait_pending(coordinator, source.publish(writer, 0).file_count)
+        [mine] = coordinator.commit_now().tables
+        assert mine.snapshot_id is not None
+        for i in (-1, -2):  # another engine appends twice
+            catalog.load_table(ROWS).append(rows_table([i], "x", 0))
+        table = catalog.load_table(ROWS)
+        between = [s.snapshot_id for s in table.snapshots()][1]
+        with table.manage_snapshots() as refs:
+            refs.create_tag(mine.snapshot_id, "kept")
+        catalog.load_table(ROWS).maintenance.expire_snapshots().by_id(between).commit()
+        wait_pending(coordinator, source.publish(writer, 1).file_count)
+        failed = coordinator.commit_now().failed
+    finally:
+        pipe.close()
+    assert dict(failed) == {}
+    assert_exactly_once(catalog, ROWS, [*source.expected[ROWS], -1, -2])
