@@ -241,6 +241,11 @@ def test_status_shows_a_rollback_waiting_for_its_replay(tmp_path: Path) -> None:
 # --- a replay that brings no file ---------------------------------------------------------
 
 
+def simulation_finding(reason: str) -> pytest.MarkDecorator:
+    """An open defect the commit-path simulation (test_simulation.py) found: fails until fixed."""
+    return pytest.mark.xfail(strict=True, reason=f"found by the commit-path simulation: {reason}")
+
+
 @dataclass
 class Replaying:
     """Writer ``w1`` of pipeline ``pipe`` and its coordinator (failed tables retried at once)
@@ -312,11 +317,10 @@ def test_a_replay_refused_whole_does_not_hold_the_table_back(tmp_path: Path) -> 
     assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the commit-path simulation (test_simulation.py): the replay reads the "
-    "lost range again, quarantined records included, and commits them while their "
-    "quarantine entries stay (recovering them with add_files, as the entry says, duplicates)",
+@simulation_finding(
+    "the replay reads the lost range again, quarantined records included, and commits them "
+    "while their quarantine entries stay (recovering them with add_files, as the entry says, "
+    "duplicates)"
 )
 def test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place(tmp_path: Path) -> None:
     """Batch 1 was quarantined (written under a partition spec that changed before its
@@ -354,11 +358,10 @@ def test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place(tmp_path
     assert sorted(in_table + quarantined) == sorted(source.expected[ROWS])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the commit-path simulation (test_simulation.py): a gap in the branch "
-    "history below a head that still descends from the pipeline's snapshot is taken for a "
-    "rollback into expired history (RollbackNotReplayableError), and the table fails for good",
+@simulation_finding(
+    "a gap in the branch history below a head that still descends from the pipeline's "
+    "snapshot is taken for a rollback into expired history (RollbackNotReplayableError), "
+    "and the table fails for good"
 )
 def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Path) -> None:
     """The pipeline's snapshot is kept (a tag names it), another engine's snapshot after it
