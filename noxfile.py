@@ -190,6 +190,22 @@ def faults(session: nox.Session) -> None:
     session.run("python", "-m", "tests.faults", *session.posargs)
 
 
+SIMULATION = "packages/core/tests/icefloe/test_simulation.py"
+
+
+@nox.session(default=False)
+def simulate(session: nox.Session) -> None:
+    """The commit-path simulation (not run by default; `.ci/run` runs it): seeded random
+    schedules of the real coordinator, committer and writer client over the in-memory channel
+    and a SQLite catalog, with crashes, zombies and another engine, checked against invariants
+    I1-I4 (docs/reliability.md). Without arguments CI's fixed 1,000 schedules; e.g.
+    `nox -s simulate -- --schedules 100000 --seed 1 -n 2`, or `-- --replay VERSION:BLOB` as a
+    failure prints it. Arguments go to pytest (`--schedules --seed --steps --replay`, `-n`)."""
+    _install_cached(session, "./packages/core[test]")
+    args = session.posargs or ["--schedules", "1000", "-n", WORKERS]
+    session.run("pytest", SIMULATION, "-p", "no:cacheprovider", "-rfE", *args)
+
+
 @nox.session(default=False, python=False)
 def build(session: nox.Session) -> None:
     """Wheels of all five distributions into dist/ (or `nox -s build -- DIR`), to install on

@@ -21,3 +21,15 @@ def memory_plugins() -> Iterator[plugins_module.Plugins]:
     plugins_module.reset_plugins(plugins)
     yield plugins
     plugins_module.reset_plugins(None)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """The commit-path simulation's knobs (test_simulation.py; `nox -s simulate -- ...`)."""
+    group = parser.getgroup("simulation", "commit-path simulation (test_simulation.py)")
+    group.addoption("--schedules", type=int, default=None, help="schedules to run")
+    group.addoption("--seed", type=int, default=None, help="seed of the first chunk")
+    group.addoption("--steps", type=int, default=None, help="rules per schedule")
+    group.addoption(
+        "--replay", default=None, help="VERSION:BLOB of a failure: run that schedule alone"
+    )
+    group.addoption("--plant", default=None, help="a deliberately broken machine (self-test)")

@@ -14,13 +14,15 @@ from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.summary import drained_property
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ChannelChangedError, ChannelResetError
+from icefloe.events import SourcePosition
 from icefloe.ops.drain import DrainResult, drain
 from icefloe.plugins.manager import new_plugins
-from icefloe.testing.fixtures import assert_exactly_once
+from icefloe.testing.fixtures import assert_exactly_once, create_rows_table, write_rows
 from icefloe.testing.harness import RowSource, drive, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryCoordinatorChannel, MemoryServer
 
@@ -117,6 +119,21 @@ def commit_batches(p: Pipeline, source: RowSource, seqs: range) -> None:
     assert not p.coordinator.commit_now().failed
 
 
+def commit_then_drain(
+    server: MemoryServer,
+    catalog: SqlCatalog,
+    source: RowSource,
+    closers: list[Pipeline],
+    seqs: range,
+) -> None:
+    """Commit ``seqs`` through ``server``, stop that pipeline and drain the channel."""
+    p = run_on(server, catalog, closers)
+    commit_batches(p, source, seqs)
+    p.close()
+    closers.remove(p)
+    drain_server(server, catalog)
+
+
 def test_swap_after_drain_commits_every_row_exactly_once(
     sqlite_catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
 ) -> None:
@@ -146,6 +163,32 @@ def test_swap_after_drain_commits_every_row_exactly_once(
     state = IcebergCommitter(sqlite_catalog, GROUP).state(TABLE)
     assert state is not None
     assert state.boundary.channel_id == new.coordinator.channel.channel_id()
+
+
+def test_after_a_swap_a_refused_file_is_quarantined_not_retried_forever(
+    sqlite_catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
+) -> None:
+    """Found by the commit-path simulation (test_simulation.py). The new channel numbers events
+    below the positions the table recorded through the old one, so screening must judge
+    "already committed" through the new channel as the commit does: else a file the table
+    refuses passes screening as covered, the commit then refuses the whole request, and the
+    table fails every cycle with its good files held back, never quarantining the bad one."""
+    commit_then_drain(MemoryServer(), sqlite_catalog, source, closers, range(3))
+    new = run_on(MemoryServer(), sqlite_catalog, closers)
+    create_rows_table(sqlite_catalog, "ns.elsewhere")
+    misplaced = write_rows(sqlite_catalog.load_table("ns.elsewhere"), [900, 901], "w", 3)
+    new.writer.publish(3, {TABLE: misplaced}, [SourcePosition("source", 0, 100, None)])
+    source.publish(new.writer, 4)
+    lead(new.coordinator, 10)
+    wait_pending(new.coordinator, 2, 10)
+    result = new.coordinator.commit_now()
+    assert dict(result.failed) == {}
+    assert dict(result.quarantined) == {TABLE: 1}
+    entries = Quarantine(sqlite_catalog).list(GROUP, TABLE)
+    assert [(e.file_path, e.error_type) for e in entries] == [
+        (misplaced[0].path, "FileOutsideTableError")
+    ]
+    assert_exactly_once(sqlite_catalog, TABLE, source.expected[TABLE])
 
 
 def test_swap_without_drain_is_refused_and_commits_nothing(
@@ -193,11 +236,7 @@ def test_drain_mark_is_cleared_once_the_drained_channel_commits_again(
     """Drained, then used again (e.g. the lost-checkpoint procedure): a later switch away from
     it must need a new drain, or batches published since would be stranded."""
     server = MemoryServer()
-    first = run_on(server, sqlite_catalog, closers)
-    commit_batches(first, source, range(1))
-    first.close()
-    closers.remove(first)
-    drain_server(server, sqlite_catalog)
+    commit_then_drain(server, sqlite_catalog, source, closers, range(1))
     again = run_on(server, sqlite_catalog, closers)
     commit_batches(again, source, range(1, 2))
     props = sqlite_catalog.load_table(TABLE).metadata.properties

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 import tomli_w
 from pyiceberg.catalog.sql import SqlCatalog
@@ -35,10 +36,11 @@ from icefloe.testing.fixtures import (
     assert_exactly_once,
     create_rows_table,
     make_sqlite_catalog,
+    rows_table,
     sqlite_catalog_properties,
     write_rows,
 )
-from icefloe.testing.harness import RowSource, lead, wait_pending
+from icefloe.testing.harness import Batch, RowSource, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
 
 ROWS = "db.rows"
@@ -239,22 +241,58 @@ def test_status_shows_a_rollback_waiting_for_its_replay(tmp_path: Path) -> None:
 # --- a replay that brings no file ---------------------------------------------------------
 
 
+def simulation_finding(reason: str) -> pytest.MarkDecorator:
+    """An open defect the commit-path simulation (test_simulation.py) found: fails until fixed."""
+    return pytest.mark.xfail(strict=True, reason=f"found by the commit-path simulation: {reason}")
+
+
+@dataclass
+class Replaying:
+    """Writer ``w1`` of pipeline ``pipe`` and its coordinator (failed tables retried at once)
+    on a real SQLite catalog, and the replay of a rollback as the driver publishes it."""
+
+    catalog: SqlCatalog
+    source: RowSource
+    backend: MemoryBackend
+    writer: WriterClient
+    coordinator: Coordinator
+
+    @classmethod
+    def open(cls, tmp_path: Path) -> Replaying:
+        catalog = make_sqlite_catalog(tmp_path / "iceberg")
+        backend = MemoryBackend(MemoryServer(), "pipe")
+        writer = WriterClient(backend.writer("w1"), "pipe", "w1")
+        writer.start()
+        settings = CoordinatorSettings(3600, 30, table_retry_base_s=0.0, table_retry_max_s=0.0)
+        plugins = new_plugins(autoload=False)
+        coordinator = Coordinator(
+            "pipe", backend.coordinator("c1"), catalog, settings, plugins=plugins
+        )
+        lead(coordinator)
+        return cls(catalog, RowSource.create(catalog, [ROWS]), backend, writer, coordinator)
+
+    def replay(self, writer_id: str, ids: dict[str, list[int]]) -> Batch:
+        """The rollback's replay batch: ``ids`` written anew, published under ``writer_id``."""
+        replayed = self.source.batch(writer_id, REPLAY_BATCH_SEQ, ids=ids)
+        replayer = WriterClient(self.backend.writer(writer_id), "pipe", writer_id)
+        replayer.start()
+        replayer.publish(REPLAY_BATCH_SEQ, replayed.files, ())
+        replayer.close()
+        return replayed
+
+    def close(self) -> None:
+        self.writer.close()
+        self.coordinator.close()
+
+
 def test_a_replay_refused_whole_does_not_hold_the_table_back(tmp_path: Path) -> None:
     """The replay batch came, but screening refused every file of it (the table's partition
     spec changed while it was in flight), so no request ever carries a replay file. Its rows
     are in the quarantine (recoverable with ``add_files``) and the rollback is done: the live
     files commit instead of waiting for good for a replay that came already."""
-    catalog = make_sqlite_catalog(tmp_path / "iceberg")
-    source = RowSource.create(catalog, [ROWS])
-    backend = MemoryBackend(MemoryServer(), "pipe")
-    writer = WriterClient(backend.writer("w1"), "pipe", "w1")
-    writer.start()
-    settings = CoordinatorSettings(3600, 30, table_retry_base_s=0.0, table_retry_max_s=0.0)
-    coordinator = Coordinator(
-        "pipe", backend.coordinator("c1"), catalog, settings, plugins=new_plugins(autoload=False)
-    )
+    pipe = Replaying.open(tmp_path)
+    catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
     try:
-        lead(coordinator)
         kept = source.publish(writer, 0)
         wait_pending(coordinator, kept.file_count)
         [first] = coordinator.commit_now().tables
@@ -263,23 +301,88 @@ def test_a_replay_refused_whole_does_not_hold_the_table_back(tmp_path: Path) -> 
         assert first.snapshot_id is not None
         rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, first.snapshot_id)
         assert rollback is not None
-        lost = source.expected_ids_of("w1", 1)
-        replayed = source.batch(rollback.writer_id, REPLAY_BATCH_SEQ, ids=lost)
-        replayer = WriterClient(backend.writer(rollback.writer_id), "pipe", rollback.writer_id)
-        replayer.start()
-        replayer.publish(REPLAY_BATCH_SEQ, replayed.files, ())
-        replayer.close()
+        replayed = pipe.replay(rollback.writer_id, source.expected_ids_of("w1", 1))
         with catalog.load_table(ROWS).update_spec() as update:
             update.add_identity("writer")
         live = source.publish(writer, 2)  # written under the new spec
         wait_pending(coordinator, live.file_count + replayed.file_count)
         cycles = [coordinator.commit_now() for _ in range(3)]
     finally:
-        writer.close()
-        coordinator.close()
+        pipe.close()
     assert [c.failed for c in cycles] == [{}, {}, {}]
     assert sorted(e.file_path for e in Quarantine(catalog).list("pipe", ROWS)) == sorted(
         f.path for f in replayed.files[ROWS]
     )
     assert_exactly_once(catalog, ROWS, kept.ids[ROWS] + live.ids[ROWS])
     assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None
+
+
+@simulation_finding(
+    "the replay reads the lost range again, quarantined records included, and commits them "
+    "while their quarantine entries stay (recovering them with add_files, as the entry says, "
+    "duplicates)"
+)
+def test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place(tmp_path: Path) -> None:
+    """Batch 1 was quarantined (written under a partition spec that changed before its
+    commit), batch 2 committed; a rollback to batch 0's snapshot loses the range of 1 and 2,
+    and the replay (the driver reads that range again and writes it under today's spec) holds
+    batch 1's records too. Each record must end in the table or in the quarantine, once."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
+    try:
+        wait_pending(coordinator, source.publish(writer, 0).file_count)
+        [first] = coordinator.commit_now().tables
+        refused = source.publish(writer, 1)
+        wait_pending(coordinator, refused.file_count)
+        with catalog.load_table(ROWS).update_spec() as update:
+            update.add_identity("writer")
+        assert dict(coordinator.commit_now().quarantined) == {ROWS: refused.file_count}
+        wait_pending(coordinator, source.publish(writer, 2).file_count)
+        assert not coordinator.commit_now().failed
+        assert first.snapshot_id is not None
+        rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, first.snapshot_id)
+        assert rollback is not None
+        lost = source.expected_ids_of("w1", 1)[ROWS] + source.expected_ids_of("w1", 2)[ROWS]
+        replayed = pipe.replay(rollback.writer_id, {ROWS: lost})
+        wait_pending(coordinator, replayed.file_count)
+        assert not coordinator.commit_now().failed
+    finally:
+        pipe.close()
+    table = catalog.load_table(ROWS)
+    in_table = [int(i) for i in table.scan().to_arrow()["id"].to_pylist()]
+    quarantined = [
+        int(i)
+        for e in Quarantine(catalog).list("pipe", ROWS)
+        for i in pq.read_table(e.file_path.removeprefix("file://"))["id"].to_pylist()
+    ]
+    assert sorted(in_table + quarantined) == sorted(source.expected[ROWS])
+
+
+@simulation_finding(
+    "a gap in the branch history below a head that still descends from the pipeline's "
+    "snapshot is taken for a rollback into expired history (RollbackNotReplayableError), "
+    "and the table fails for good"
+)
+def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Path) -> None:
+    """The pipeline's snapshot is kept (a tag names it), another engine's snapshot after it
+    was expired (explicitly, or by age with the tag protecting the older one), a newer one of
+    that engine is the head. Nothing was rolled back: the next batch commits."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
+    try:
+        wait_pending(coordinator, source.publish(writer, 0).file_count)
+        [mine] = coordinator.commit_now().tables
+        assert mine.snapshot_id is not None
+        for i in (-1, -2):  # another engine appends twice
+            catalog.load_table(ROWS).append(rows_table([i], "x", 0))
+        table = catalog.load_table(ROWS)
+        between = [s.snapshot_id for s in table.snapshots()][1]
+        with table.manage_snapshots() as refs:
+            refs.create_tag(mine.snapshot_id, "kept")
+        catalog.load_table(ROWS).maintenance.expire_snapshots().by_id(between).commit()
+        wait_pending(coordinator, source.publish(writer, 1).file_count)
+        failed = coordinator.commit_now().failed
+    finally:
+        pipe.close()
+    assert dict(failed) == {}
+    assert_exactly_once(catalog, ROWS, [*source.expected[ROWS], -1, -2])

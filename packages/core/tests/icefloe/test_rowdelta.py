@@ -40,6 +40,7 @@ from icefloe.errors import (
     RowDeltaTableError,
 )
 from icefloe.events import DataFileMeta, FileContent
+from icefloe.ops.maintenance import remove_orphan_files
 from icefloe.ops.status import PipelineStatus, render_lines, table_status
 from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
 
@@ -304,15 +305,61 @@ def test_batch_reannounced_under_another_writer_keeps_its_rows(
     seed(catalog, table, range(3))
     cycle = Cycle(table).batch("w1", 0, upserts=[(1, "new")])
     commit(catalog, cycle)
-    # the same files announced again by a writer with a fresh id (watermarks do not cover it)
-    again = Cycle(table)
-    again.files = [
-        PendingFile(f.meta, "w9", 0, f.partition, f.offset + 100, f.table_uuid) for f in cycle.files
-    ]
-    result = commit(catalog, again)
+    result = commit(catalog, reannounced(cycle, "w9"))
 
     assert result.snapshot_id is None
     assert content(catalog) == [(0, "v0"), (1, "new"), (2, "v0")]
+
+
+def reannounced(cycle: Cycle, writer: str) -> Cycle:
+    """The very files of ``cycle`` announced again by a writer with a fresh id (watermarks do
+    not cover it), later on the channel."""
+    again = Cycle(cycle.table)
+    again.files = [
+        PendingFile(f.meta, writer, 0, f.partition, f.offset + 100, f.table_uuid)
+        for f in cycle.files
+    ]
+    return again
+
+
+KEY_FILES_ONCE = (
+    "found by the commit-path simulation (test_simulation.py): key files are never committed, "
+    "so neither the watermarks (new writer id) nor the live-file check (no data file) know a "
+    "delete-only batch was applied; announced again, its keys are applied again"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=KEY_FILES_ONCE)
+def test_delete_only_batch_reannounced_under_another_writer_deletes_nothing_again(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    seed(catalog, table, range(3))
+    deletes = Cycle(table).batch("w1", 0, deletes=[(1,)])
+    commit(catalog, deletes)
+    commit(catalog, Cycle(table).batch("w1", 1, upserts=[(1, "back")]))
+
+    result = commit(catalog, reannounced(deletes, "w9"))
+
+    assert result.snapshot_id is None
+    assert content(catalog) == [(0, "v0"), (1, "back"), (2, "v0")]
+
+
+@pytest.mark.xfail(strict=True, reason=KEY_FILES_ONCE)
+def test_reannounced_key_file_removed_as_an_orphan_does_not_fail_the_table(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """An applied key file is an orphan (no snapshot names it): ``icefloe maintain`` deletes
+    it. The same batch announced again must not fail the table on every cycle for good."""
+    seed(catalog, table, range(3))
+    deletes = Cycle(table).batch("w1", 0, deletes=[(1,)])
+    commit(catalog, deletes)
+    removed = remove_orphan_files(catalog.load_table(NAME), int(time.time() * 1000) + 60_000)
+    assert {f.meta.path for f in deletes.files} <= {f"file://{p}" for p in removed.deleted}
+
+    result = commit(catalog, reannounced(deletes, "w9"))
+
+    assert result.snapshot_id is None
+    assert content(catalog) == [(0, "v0"), (2, "v0")]
 
 
 def test_partitioned_table_reads_only_partitions_of_the_keys(catalog: SqlCatalog) -> None:

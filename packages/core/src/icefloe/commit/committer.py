@@ -294,15 +294,20 @@ class IcebergCommitter:
                 continue
         raise CommitError(f"table '{table}': could not record the drained channel")
 
-    def screen(self, table: str, files: Iterable[PendingFile]) -> Screening:
+    def screen(
+        self, table: str, files: Iterable[PendingFile], channel_id: str | None = None
+    ) -> Screening:
         """Sort out the files ``table`` can never take (wrong table incarnation, outside its
         location, old partition spec, delete files, undescribable), so the caller can
         quarantine them and commit the rest. Covered files count as accepted (commit drops
-        them). Raises TableMissingError or CommitHistoryLostError for the whole table."""
+        them), judged as the commit judges them: through ``channel_id``, the channel the files
+        were announced on (after a backend swap the old channel's positions cover nothing, so
+        a refused file must not pass here as covered and then fail the whole commit). Raises
+        TableMissingError, CommitHistoryLostError or ChannelChangedError for the whole table."""
         loaded = self._load(table)
         head, _ = self._branch_head(loaded)
-        boundary = _boundary(self._own_state(loaded, head))
-        return screening.screen(loaded, files, boundary, self._policies(table))
+        state = self._for_channel(loaded, self._own_state(loaded, head), channel_id)
+        return screening.screen(loaded, files, _boundary(state), self._policies(table))
 
     def commit(self, request: TableCommitRequest) -> TableCommitResult:
         """Append the request's new files to its table in one snapshot (or none if nothing

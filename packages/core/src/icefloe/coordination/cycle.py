@@ -197,7 +197,7 @@ class CommitCycle:
             try:
                 if self._hooks.before_table_commit is not None:
                     self._hooks.before_table_commit(table)
-                screening = self._committer.screen(table, files)
+                screening = self._committer.screen(table, files, reader.channel_id)
                 if screening.refused:
                     self._replays_refused(table, screening)
                     quarantined[table] = self._isolate(commit_id, table, screening.refused)
