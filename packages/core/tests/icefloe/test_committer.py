@@ -644,6 +644,26 @@ def test_file_the_table_already_holds_is_not_committed_again(
     assert ids_in(catalog) == [1, 2, 3]
 
 
+def test_a_held_file_announced_again_is_not_quarantined_after_a_spec_change(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """Found by the commit-path simulation (test_simulation.py). A committed file announced
+    again under another writer id, after the partition spec changed: the commit would drop it
+    (the branch head holds it), so screening must not refuse it either, or the quarantine lists
+    a committed file and recovering it with add_files, as the entry says, duplicates its rows."""
+    committer = IcebergCommitter(catalog, GROUP)
+    metas = write(table, [1, 2])
+    committer.commit(request(pending(metas, table, writer="w1", offset=0), {"0": 1}))
+    with catalog.load_table("db.events").update_spec() as spec:
+        spec.add_identity("name")
+    again = pending(metas, table, writer="w2", offset=5)
+    screening = IcebergCommitter(catalog, GROUP).screen("db.events", again)
+    assert screening.refused == ()
+    assert screening.accepted == tuple(again)
+    assert committer.commit(request(again, {"0": 6})).snapshot_id is None
+    assert ids_in(catalog) == [1, 2]
+
+
 # --- monotonic state ----------------------------------------------------------------------
 
 

@@ -691,25 +691,26 @@ class World(RuleBasedStateMachine):
         changes: dict[int, bool],
         tasks: int = 1,
     ) -> Batch:
-        """Real Parquet files of a writer batch: ``rows`` new ids per appended table, written
-        by ``tasks`` tasks (each its own files, as Spark tasks do), and the ``changes``
-        (upsert, or delete) of keyed rows with a data file and a key file."""
-        batch = Batch(writer_id, seq, {})
-        for name, n in rows.items():
-            if n:
-                table = self.catalog.load_table(name)
-                ids = [next(self.ids) for _ in range(n)]
-                batch.files[name] = [
-                    meta
-                    for task in range(min(tasks, n))
-                    for meta in written(
-                        table, self.append_rows(table, ids[task::tasks], writer_id, seq)
-                    )
-                ]
-                batch.rows[name] = ids
-        batch.changes = {
-            k: (next(self.values) if upsert else None) for k, upsert in sorted(changes.items())
-        }
+        """A new writer batch: ``rows`` new ids per appended table, written by ``tasks`` tasks
+        (each its own files, as Spark tasks do), and the ``changes`` (upsert with a new value,
+        or delete) of keyed rows."""
+        ids = {name: [next(self.ids) for _ in range(n)] for name, n in rows.items() if n}
+        values = {k: (next(self.values) if up else None) for k, up in sorted(changes.items())}
+        return self.write_content(Batch(writer_id, seq, {}, ids, values), tasks)
+
+    def write_content(self, batch: Batch, tasks: int = 1) -> Batch:
+        """Real Parquet files of ``batch``'s rows and changes (a keyed batch: a data file of
+        its upserts and a key file of every key it changes)."""
+        writer_id, seq = batch.writer_id, batch.seq
+        for name, ids in batch.rows.items():
+            table = self.catalog.load_table(name)
+            batch.files[name] = [
+                meta
+                for task in range(min(tasks, len(ids)))
+                for meta in written(
+                    table, self.append_rows(table, ids[task::tasks], writer_id, seq)
+                )
+            ]
         if batch.changes:
             table = self.catalog.load_table(KEYED)
             upserts = {k: v for k, v in batch.changes.items() if v is not None}
@@ -947,14 +948,23 @@ class CommitPath(World):
             self.server.inject(GROUP, event)
 
     @precondition(lambda self: bool(self.writers))
-    @rule(writer=st.integers(0, WRITERS - 1), rows=st.integers(1, 3))
-    def replayed_batch(self, writer: int, rows: int) -> None:
-        """A writer publishes its newest batch number again with new files (Spark replaying
-        a batch after a crash): the channel refuses it."""
+    @rule(writer=st.integers(0, WRITERS - 1), tasks=st.integers(1, 2))
+    def replayed_batch(self, writer: int, tasks: int) -> None:
+        """A writer publishes its newest batch again: the same records (Spark replays the same
+        offsets after a crash) in new files, under the same batch number. The channel refuses
+        it, or (after a swap, a new channel that never saw it) the dedupe rule drops it."""
         client = self.writer(writer)
         seq = self.next_seq.get(client.writer_id, 0) - 1
-        if seq >= 0:
-            self.publish(client, self.write_batch(client.writer_id, seq, {ROWS: rows}, {}))
+        original = next(
+            (b for b in self.batches if (b.writer_id, b.seq) == (client.writer_id, seq)), None
+        )
+        if original is None:
+            return
+        again = Batch(client.writer_id, seq, {}, dict(original.rows), dict(original.changes))
+        files = self.write_content(again, tasks).files
+        positions = [SourcePosition(SOURCE, int(client.writer_id[1:]), seq + 1, None)]
+        with contextlib.suppress(WriterFencedError):
+            client.publish(seq, files, positions)
 
     @precondition(lambda self: bool(self.writers))
     @rule(writer=st.integers(0, WRITERS - 1))

@@ -302,12 +302,17 @@ class IcebergCommitter:
         quarantine them and commit the rest. Covered files count as accepted (commit drops
         them), judged as the commit judges them: through ``channel_id``, the channel the files
         were announced on (after a backend swap the old channel's positions cover nothing, so
-        a refused file must not pass here as covered and then fail the whole commit). Raises
-        TableMissingError, CommitHistoryLostError or ChannelChangedError for the whole table."""
+        a refused file must not pass here as covered and then fail the whole commit); so do
+        files the branch head holds (announced again under another writer id: a file already
+        in the table is no refused file, and quarantining it would invite adding it twice).
+        Raises TableMissingError, CommitHistoryLostError or ChannelChangedError for the whole
+        table."""
+        files = tuple(files)
         loaded = self._load(table)
         head, _ = self._branch_head(loaded)
         state = self._for_channel(loaded, self._own_state(loaded, head), channel_id)
-        return screening.screen(loaded, files, _boundary(state), self._policies(table))
+        live = self._live_files.live_paths(loaded, head, {f.meta.path for f in files})
+        return screening.screen(loaded, files, _boundary(state), self._policies(table), live)
 
     def commit(self, request: TableCommitRequest) -> TableCommitResult:
         """Append the request's new files to its table in one snapshot (or none if nothing
@@ -580,11 +585,7 @@ class IcebergCommitter:
                 "a newer coordinator has taken over"
             )
         files, skipped = _select(request.files, state, replay)
-        error = screening.first_refusal(table, files)
-        if error is not None:
-            # screen() sorts these out first; reaching here means the table changed in
-            # between (e.g. recreated): refuse the whole request, the next cycle re-screens
-            raise error
+        # files the head holds are dropped before any refusal, as screen() accepts them
         live = self._live_files.live_paths(table, head, {f.meta.path for f in files})
         if live:
             logger.warning(
@@ -602,6 +603,11 @@ class IcebergCommitter:
             stale_keys = [f for f in files if f.is_key_file and (f.writer_id, f.batch_seq) in done]
             files = tuple(f for f in files if f not in stale_keys)
             skipped += len(stale_keys)
+        error = screening.first_refusal(table, files)
+        if error is not None:
+            # screen() sorts these out first; reaching here means the table changed in
+            # between (e.g. recreated): refuse the whole request, the next cycle re-screens
+            raise error
         merge = None
         if merger is not None and files and not any(f.is_key_file for f in files):
             merge = merger.merge(table, [f.meta for f in files], self._ownership)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import posixpath
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -66,15 +66,20 @@ class Screening:
 
 
 def screen(
-    table: Table, files: Iterable[PendingFile], boundary: CommitBoundary, policy: TablePolicy
+    table: Table,
+    files: Iterable[PendingFile],
+    boundary: CommitBoundary,
+    policy: TablePolicy,
+    live: Collection[str] = frozenset(),
 ) -> Screening:
     """Sort ``files`` into those ``table`` may take and those it refuses for good. Files
-    ``boundary`` covers count as accepted (the commit drops them). A keyed batch is refused
-    whole when any of its files is (see the module docstring)."""
+    ``boundary`` covers, and files the branch head holds (``live``: their paths), count as
+    accepted: the commit drops them, and a file the table holds is no refused file. A keyed
+    batch is refused whole when any of its files is (see the module docstring)."""
     rules = _FileRules.of(table)
     verdicts: list[tuple[PendingFile, RefusedFileError | None]] = []
     for f in files:
-        covered = boundary.holds(f, f.meta.path)
+        covered = boundary.holds(f, f.meta.path) or f.meta.path in live
         error = None if covered else _refusal(table, f, rules)
         if error is None and not covered and policy.merge_small_files:
             error = _unmergeable(table, f, policy.target_file_size_bytes)
