@@ -40,7 +40,7 @@ from icefloe.testing.fixtures import (
     sqlite_catalog_properties,
     write_rows,
 )
-from icefloe.testing.harness import Batch, RowSource, lead, wait_pending
+from icefloe.testing.harness import Batch, RowSource, drive, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
 
 ROWS = "db.rows"
@@ -258,12 +258,18 @@ class Replaying:
     coordinator: Coordinator
 
     @classmethod
-    def open(cls, tmp_path: Path) -> Replaying:
+    def open(cls, tmp_path: Path, max_pending_files: int | None = None) -> Replaying:
         catalog = make_sqlite_catalog(tmp_path / "iceberg")
         backend = MemoryBackend(MemoryServer(), "pipe")
         writer = WriterClient(backend.writer("w1"), "pipe", "w1")
         writer.start()
-        settings = CoordinatorSettings(3600, 30, table_retry_base_s=0.0, table_retry_max_s=0.0)
+        settings = CoordinatorSettings(
+            3600,
+            30,
+            table_retry_base_s=0.0,
+            table_retry_max_s=0.0,
+            max_pending_files=max_pending_files,
+        )
         plugins = new_plugins(autoload=False)
         coordinator = Coordinator(
             "pipe", backend.coordinator("c1"), catalog, settings, plugins=plugins
@@ -386,3 +392,32 @@ def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Pat
         pipe.close()
     assert dict(failed) == {}
     assert_exactly_once(catalog, ROWS, [*source.expected[ROWS], -1, -2])
+
+
+@simulation_finding(
+    "under max_pending_files the reader stops between a batch's DataWritten and its "
+    "DataComplete, so the cycle commits the batch's files with source offsets that do not "
+    "reach it; a rollback's replay range then misses the batch and its rows are lost"
+)
+def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
+    tmp_path: Path,
+) -> None:
+    """One pending file fills the bound: the batch's DataWritten is read, its DataComplete
+    (the source positions the batch reached) is held back until a cycle commits. The snapshot
+    must still record offsets covering the batch: a rollback to before it replays from them."""
+    pipe = Replaying.open(tmp_path, max_pending_files=1)
+    pipe.catalog.load_table(ROWS).append(rows_table([-1], "x", 0))  # to roll back to
+    try:
+        batch = pipe.source.publish(pipe.writer, 0)
+        table = pipe.catalog.load_table  # the bound makes the cycle due at once
+        drive(pipe.coordinator, lambda: len(table(ROWS).snapshots()) == 2, "the commit")
+    finally:
+        pipe.close()
+    committer = IcebergCommitter(pipe.catalog, "pipe")
+    rollback = committer.roll_back(ROWS, pipe.catalog.load_table(ROWS).snapshots()[0].snapshot_id)
+    [position] = batch.positions
+    beginning = {(position.topic, position.partition): 0}
+    assert rollback is not None
+    assert rollback.ranges(beginning) == [
+        ReplayRange(position.topic, position.partition, 0, position.offset)
+    ]

@@ -18,7 +18,7 @@ reader that is not the committer (pyarrow over the files the snapshots list, pos
 applied) checks:
 
 * **I1** every record a writer published is in the table exactly once, or in quarantine
-  exactly once;
+  exactly once (nowhere when a rollback without replay removed it);
 * **I2** no file referenced by any snapshot of any ref, or listed in quarantine, was deleted;
 * **I3** a keyed table equals the model's final state (and a keyed batch is quarantined whole
   or not at all);
@@ -26,7 +26,9 @@ applied) checks:
   :data:`SETTLE_CYCLES` cycles: nothing blocks forever.
 
 Run more schedules with ``nox -s simulate -- --schedules N --seed S`` (pytest options of this
-module, see ``conftest.py``); a failure names the command that replays it.
+module, see ``conftest.py``); a failure names the command that replays it. Open defects the
+simulation found are strict xfail tests elsewhere; the few places that step around them are
+marked KNOWN here (docs/reliability.md lists them): remove each with its fix.
 """
 
 from __future__ import annotations
@@ -1155,6 +1157,10 @@ class CommitPath(World):
 
     # ------------------------------------------------------------------ the operator
 
+    # KNOWN: under max_pending_files a snapshot may record source offsets short of the batches
+    # it commits, so a rollback's replay misses them (xfail: test_rollback.py::
+    # test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches)
+    @precondition(lambda self: self.bound is None)
     @rule(dead=st.booleans(), pick=st.integers(0, 1 << 16), replay=st.booleans())
     def operator_rolls_back(self, dead: bool, pick: int, replay: bool) -> None:
         """``icefloe rollback`` of an append table to an earlier snapshot of its branch (any:
@@ -1208,7 +1214,11 @@ class CommitPath(World):
         """``icefloe drain`` (of every table the pipeline commits to, as the command finds
         them; ``bounded``: under a memory bound of 2 pending files), then the pipeline moves to
         a new channel (a backend swap): writers and coordinators stop first, and the writers go
-        on with their batch numbers."""
+        on with their batch numbers. The pipeline replayed its rolled-back tables before it
+        stopped (a drain while a rollback waits for its replay fails, saying so: the operator
+        starts the pipeline again first)."""
+        for name in (ROWS, DEAD):
+            self.replay(name)
         for client in [*self.writers.values(), *self.fenced]:
             client.close()
         self.writers.clear()
