@@ -421,3 +421,32 @@ def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
     assert rollback.ranges(beginning) == [
         ReplayRange(position.topic, position.partition, 0, position.offset)
     ]
+
+
+@simulation_finding(
+    "the dedupe rule knows files only while the branch head holds them: a file a rollback "
+    "without replay removed, announced again under another writer id, is committed again"
+)
+def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(
+    tmp_path: Path,
+) -> None:
+    """``--no-replay`` keeps the rolled-back rows out; the very files of that batch announced
+    again by a writer with a fresh id (watermarks do not cover it) must not bring them back."""
+    pipe = Replaying.open(tmp_path)
+    try:
+        wait_pending(pipe.coordinator, pipe.source.publish(pipe.writer, 0).file_count)
+        [kept] = pipe.coordinator.commit_now().tables
+        removed = pipe.source.publish(pipe.writer, 1)
+        wait_pending(pipe.coordinator, removed.file_count)
+        assert not pipe.coordinator.commit_now().failed
+        assert kept.snapshot_id is not None
+        IcebergCommitter(pipe.catalog, "pipe").roll_back(ROWS, kept.snapshot_id, replay=False)
+        again = WriterClient(pipe.backend.writer("w9"), "pipe", "w9")
+        again.start()
+        again.publish(0, removed.files, ())
+        again.close()
+        wait_pending(pipe.coordinator, removed.file_count)
+        assert not pipe.coordinator.commit_now(wait_for_writers=False).failed  # w9 is gone
+    finally:
+        pipe.close()
+    assert_exactly_once(pipe.catalog, ROWS, pipe.source.expected_ids_of("w1", 0)[ROWS])
