@@ -6,7 +6,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import psycopg
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.errors import ProgrammingError
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from icefloe.errors import ConfigError
@@ -94,8 +95,8 @@ class PostgresConfig(BaseModel):
                     f"set {SECTION}.dsn, or export {self.dsn_env}='host=... dbname=... user=...'",
                 )
         try:
-            psycopg.conninfo.conninfo_to_dict(value)
-        except psycopg.ProgrammingError:
+            conninfo_to_dict(value)
+        except ProgrammingError:
             # psycopg's message may quote the DSN (and a password in it): never pass it on.
             raise ConfigError(
                 key, "is not a valid libpq connection string", "use 'key=value ...' or a URL"
@@ -106,8 +107,8 @@ class PostgresConfig(BaseModel):
 def describe_dsn(dsn: str) -> str:
     """Where a DSN points, without credentials: safe for logs and error messages."""
     try:
-        params = psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
+        params = conninfo_to_dict(dsn)
+    except ProgrammingError:
         return "<invalid dsn>"
     shown = {k: params[k] for k in ("host", "hostaddr", "port", "dbname", "user") if k in params}
     return " ".join(f"{k}={v}" for k, v in shown.items()) or "<default libpq connection>"

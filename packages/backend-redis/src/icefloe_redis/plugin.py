@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from icefloe.hookspecs import BackendContext, BackendSpec, hookimpl
-from icefloe_redis.backend import RedisBackend
 from icefloe_redis.config import RedisConfig
+
+if TYPE_CHECKING:
+    from icefloe_redis.backend import RedisBackend
 
 
 def _factory(config: RedisConfig, context: BackendContext) -> RedisBackend:
+    """Imports redis-py only here: every CLI command loads this plugin, few open Redis."""
+    from icefloe_redis.backend import RedisBackend
+
     return RedisBackend(config, context.group_id, context.lease_ttl_s)
 
 
