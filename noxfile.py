@@ -80,7 +80,10 @@ def tests(session: nox.Session, package: str) -> None:
     _install_cached(
         session, f"./packages/{package}[test]", *[f"./packages/{d}" for d in LOCAL_DEPS[package]]
     )
-    session.run("pytest", f"packages/{package}/tests", *_pytest_args(session))
+    # `.ci/run` sets ICEFLOE_UNIT_TIER_DONE after `nox -s quick` ran every package's unit tier
+    # (all five packages installed): here only the tiers that need a server or a JVM run again.
+    done = ["-m", "not unit"] if os.environ.get("ICEFLOE_UNIT_TIER_DONE") else []
+    session.run("pytest", f"packages/{package}/tests", *done, *_pytest_args(session))
 
 
 @nox.session
