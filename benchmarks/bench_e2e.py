@@ -26,7 +26,7 @@
    every row.
 
 The ceilings read exactly the N events the pipeline was timed on, after the pipeline has
-stopped, so they never compete with it for the CPU.
+stopped and its processes have gone quiet, so they never compete with it for the CPU.
 
 Prints the three rates, the pipeline's rate and CPU per record against each ceiling, and a
 Markdown row for docs/benchmarks.md.
@@ -257,6 +257,22 @@ def cpu_seconds(
                 kind = f"{kind} {proc.pid} {' '.join(proc.cmdline()[-1:])}"
             out[kind] = out.get(kind, 0.0) + t.user + t.system + t.children_user + t.children_system
     return out
+
+
+def settle(exclude: set[int], timeout_s: float = 30.0) -> float:
+    """Wait until this process and its children (but ``exclude``) use under a twentieth of a
+    core, at most ``timeout_s``; the seconds waited. After the query stops, Spark's JVM and
+    Python workers wind down for a while: a ceiling measured beside them would pay for it, and
+    the ceiling measured first more than the other."""
+    t0 = time.monotonic()
+    last = sum(cpu_seconds(exclude).values())
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(0.5)
+        now = sum(cpu_seconds(exclude).values())
+        if now - last < 0.025:
+            break
+        last = now
+    return time.monotonic() - t0
 
 
 def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -532,6 +548,7 @@ def main() -> None:
         rates: dict[str, float] = {}
         cpus: dict[str, float] = {}
         for name, run in ceilings.items():
+            waited = settle({broker.proc.pid})
             cpu0 = time.process_time()  # every thread of this process: pyarrow's too
             c_s, c_n = run()
             cpus[name] = time.process_time() - cpu0
@@ -539,7 +556,8 @@ def main() -> None:
             rates[name] = c_n / c_s
             print(
                 f"ceiling, {name:9}: {c_n:,} records in {c_s:.1f}s = {rates[name]:,.0f} "
-                f"records/s, {cpus[name]:.1f} CPU s"
+                f"records/s, {cpus[name]:.1f} CPU s (after waiting {waited:.1f} s for the "
+                "pipeline's processes to go quiet)"
             )
         for name in ceilings:
             print(
