@@ -77,6 +77,7 @@ from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
 from icefloe_spark.kafka.reading import to_record_batch
 from icefloe_spark.pipeline import Pipeline, build_session
+from icefloe_spark.runtime import sparklog
 from icefloe_spark.runtime.standalone import standalone_cluster
 
 TOPIC = "bench-events"
@@ -378,6 +379,9 @@ def end_to_end(
     finally:
         pipeline.stop()
         spark.stop()
+        if pipeline.spark_log is not None:  # its directory under /tmp, kept only on errors
+            for line in sparklog.finish(pipeline.spark_log)[0]:
+                print(line, flush=True)
     snapshots = snapshot_count(catalog, table_names) - snaps0
     return seconds, cpu, batches, snapshots
 
