@@ -153,11 +153,12 @@ def test_every_record_exactly_once_and_limit_respected(
     topic = new_topic(partitions=3)
     sent = [f"r{i}".encode() for i in range(40)]
     produce(topic, sent, partitions=3)
-    opts = source_options(topic, maxOffsetsPerTrigger="7")
+    opts = source_options(topic, maxOffsetsPerTrigger="7", firstBatchRecords="2")
     batches = run_available_now(spark, opts, tmp_path / "ck")
     non_empty = [rows for _, rows in batches if rows]
     assert all(len(rows) <= 7 for rows in non_empty)
-    assert len(non_empty) >= 6  # 40 records, at most 7 per batch
+    assert [len(rows) for rows in non_empty][:3] == [2, 4, 7]  # the ramp, then the limit
+    assert len(non_empty) >= 7  # 40 records: 2 + 4, then at most 7 per batch
     got = positions(batches)
     assert len(got) == len(set(got)) == 40
     assert values(batches) == sorted(sent)
