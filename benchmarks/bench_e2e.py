@@ -4,10 +4,17 @@
 
 1. Starts the embedded Kafka-protocol broker (Tansu); the events are JSON (10 fields,
    ~250 bytes), on a topic with P partitions.
-2. Ceiling: one process, no Spark, no coordination: confluent-kafka consumes every partition,
-   the records become Kafka-layout Arrow batches (the source's own ``to_record_batch``), are
-   decoded and conformed by the sink's converter and written as Parquet by pyiceberg's writer
-   (``write_data_files``), ``--write`` records at a time. Nothing is committed.
+2. Ceilings: one process, no Spark, no coordination, confluent-kafka consuming every
+   partition in batches of 10,000 messages; nothing is committed.
+   * ``pyarrow`` (the ceiling): each batch's values joined into one buffer and parsed at
+     once by ``pyarrow.json.read_json`` against the table's schema, written by
+     ``pyarrow.parquet`` (zstd) in files of ``--write`` records: the fastest single-process
+     program a pyarrow user would write for consume -> decode -> Parquet.
+   * ``converter`` (the second column): the records become Kafka-layout Arrow batches (the
+     source's own ``to_record_batch``), are decoded and conformed by the sink's converter and
+     written by pyiceberg's writer (``write_data_files``), ``--write`` records at a time: the
+     pipeline's own per-record work in one process, so a ratio against it hides that work's
+     cost.
 3. End to end: the real pipeline (icefloe-kafka source -> Spark local -> icefloe sink ->
    backend -> coordinator -> Iceberg commits) into a fresh table; with ``--cluster N`` Spark
    runs on a standalone cluster of N one-core workers started from the PySpark wheel on
@@ -18,10 +25,11 @@
    runs. Timed from the start of that production until the table's committed snapshot holds
    every row.
 
-The ceiling reads exactly the N events the pipeline was timed on, after the pipeline has
-stopped, so the two never compete for the CPU.
+The ceilings read exactly the N events the pipeline was timed on, after the pipeline has
+stopped and its processes have gone quiet, so they never compete with it for the CPU.
 
-Prints both rates and their ratio, and a Markdown row for docs/benchmarks.md.
+Prints the three rates, the pipeline's rate and CPU per record against each ceiling, and a
+Markdown row for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,14 +47,18 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import psutil
-from confluent_kafka import Consumer, TopicPartition
+import pyarrow as pa
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+from confluent_kafka import Consumer, Message, TopicPartition
 from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.schema import Schema
 from pyiceberg.types import (
     BooleanType,
@@ -65,9 +77,12 @@ from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
 from icefloe_spark.kafka.reading import to_record_batch
 from icefloe_spark.pipeline import Pipeline, build_session
+from icefloe_spark.runtime import sparklog
 from icefloe_spark.runtime.standalone import standalone_cluster
 
 TOPIC = "bench-events"
+# messages per consume() call of both ceilings
+CONSUME = 10_000
 # --cluster: each worker offers 1 core and this much memory, each executor takes one worker;
 # the tasks' work is in Python workers outside the executor's heap, so 2 GB is ample, and
 # a few workers fit a 24 GB machine
@@ -117,21 +132,12 @@ def make_table(catalog: Catalog, name: str) -> None:
     catalog.create_table(name, schema=SCHEMA)
 
 
-def ceiling(
-    bootstrap: str,
-    config: PipelineConfig,
-    catalog: Catalog,
-    table_name: str,
-    batch: int,
-    starts: dict[int, int],
-) -> tuple[float, int]:
-    """Consume from ``starts`` to the end + decode + Parquet write in this process;
-    (seconds, records)."""
-    table = catalog.load_table(table_name)
-    converter = RecordConverter.from_config(
-        config.source, [TargetTable.of(TableConfig(name=table_name), table)]
-    )
+def consumed(bootstrap: str, starts: dict[int, int]) -> Iterator[list[Message]]:
+    """Every record of the topic from ``starts`` to its end, as confluent-kafka hands them
+    out: one ``consume()`` call's batch at a time (stopping by count, so the last call asks
+    for exactly what is left and never waits out its timeout)."""
     ends = end_offsets(bootstrap, TOPIC)
+    left = sum(max(end - starts.get(p, 0), 0) for p, end in ends.items())
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -141,9 +147,32 @@ def ceiling(
         }
     )
     consumer.assign([TopicPartition(TOPIC, p, starts.get(p, 0)) for p in ends])
+    try:
+        while left > 0:
+            msgs = [m for m in consumer.consume(min(CONSUME, left), 1.0) if m.error() is None]
+            left -= len(msgs)
+            yield msgs
+    finally:
+        consumer.close()
+
+
+def converter_ceiling(
+    bootstrap: str,
+    config: PipelineConfig,
+    catalog: Catalog,
+    table_name: str,
+    batch: int,
+    starts: dict[int, int],
+) -> tuple[float, int]:
+    """Consume from ``starts`` to the end, decode with icefloe's own converter, write with
+    pyiceberg's writer, in this process; (seconds, records). The second column: what the
+    pipeline's own per-record work costs in one process."""
+    table = catalog.load_table(table_name)
+    converter = RecordConverter.from_config(
+        config.source, [TargetTable.of(TableConfig(name=table_name), table)]
+    )
     pending: dict[int, list[Any]] = defaultdict(list)
     pending_n = 0
-    done = {p: end <= starts.get(p, 0) for p, end in ends.items()}
     records = 0
 
     def flush() -> None:
@@ -157,23 +186,54 @@ def ceiling(
         pending_n = 0
 
     t0 = time.perf_counter()
-    while not all(done.values()):
-        for msg in consumer.consume(num_messages=10_000, timeout=1.0):
-            if msg.error() is not None:
-                continue
-            p, offset = msg.partition(), msg.offset()
-            if p is None or offset is None:
-                continue
-            pending[p].append(msg)
-            pending_n += 1
-            if offset + 1 >= ends[p]:
-                done[p] = True
+    for msgs in consumed(bootstrap, starts):
+        for msg in msgs:
+            pending[int(msg.partition() or 0)].append(msg)
+        pending_n += len(msgs)
         if pending_n >= batch:
             flush()
     flush()
-    seconds = time.perf_counter() - t0
-    consumer.close()
-    return seconds, records
+    return time.perf_counter() - t0, records
+
+
+def arrow_ceiling(
+    bootstrap: str, out: Path, file_records: int, starts: dict[int, int]
+) -> tuple[float, int]:
+    """The fastest honest single-process program: consume whole batches, parse each batch's
+    values at once with ``pyarrow.json`` (the table's schema given, so nothing is inferred),
+    write Parquet with ``pyarrow.parquet`` in files of ``file_records`` records (zstd, as
+    pyiceberg writes); (seconds, records). No per-record Python beyond taking the values out
+    of the client's messages, which confluent-kafka's API requires."""
+    # plain strings: pyiceberg's mapping says large_string, which costs more and makes the
+    # same Parquet
+    schema = pa.schema(
+        [
+            f.with_type(pa.string()) if f.type == pa.large_string() else f
+            for f in schema_to_pyarrow(SCHEMA, include_field_ids=False)
+        ]
+    )
+    parse = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    out.mkdir(parents=True, exist_ok=True)
+    writer: pq.ParquetWriter | None = None
+    in_file = files = records = 0
+    t0 = time.perf_counter()
+    for msgs in consumed(bootstrap, starts):
+        if not msgs:
+            continue
+        data = b"\n".join([m.value() or b"null" for m in msgs])
+        table = pa_json.read_json(pa.BufferReader(data), parse_options=parse)
+        if writer is None:
+            writer = pq.ParquetWriter(out / f"{files:05d}.parquet", schema, compression="zstd")
+            files += 1
+        writer.write_table(table)
+        in_file += table.num_rows
+        records += table.num_rows
+        if in_file >= file_records:
+            writer.close()
+            writer, in_file = None, 0
+    if writer is not None:
+        writer.close()
+    return time.perf_counter() - t0, records
 
 
 def cpu_seconds(
@@ -198,6 +258,22 @@ def cpu_seconds(
                 kind = f"{kind} {proc.pid} {' '.join(proc.cmdline()[-1:])}"
             out[kind] = out.get(kind, 0.0) + t.user + t.system + t.children_user + t.children_system
     return out
+
+
+def settle(exclude: set[int], timeout_s: float = 30.0) -> float:
+    """Wait until this process and its children (but ``exclude``) use under a twentieth of a
+    core, at most ``timeout_s``; the seconds waited. After the query stops, Spark's JVM and
+    Python workers wind down for a while: a ceiling measured beside them would pay for it, and
+    the ceiling measured first more than the other."""
+    t0 = time.monotonic()
+    last = sum(cpu_seconds(exclude).values())
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(0.5)
+        now = sum(cpu_seconds(exclude).values())
+        if now - last < 0.025:
+            break
+        last = now
+    return time.monotonic() - t0
 
 
 def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -303,6 +379,9 @@ def end_to_end(
     finally:
         pipeline.stop()
         spark.stop()
+        if pipeline.spark_log is not None:  # its directory under /tmp, kept only on errors
+            for line in sparklog.finish(pipeline.spark_log)[0]:
+                print(line, flush=True)
     snapshots = snapshot_count(catalog, table_names) - snaps0
     return seconds, cpu, batches, snapshots
 
@@ -343,6 +422,14 @@ def main() -> None:
         type=int,
         default=SparkConfig.model_fields["max_records_per_task"].default,
         help="spark.max_records_per_task of the pipeline (default: the configuration's)",
+    )
+    ap.add_argument(
+        "--first-batch",
+        type=int,
+        default=None,
+        help="source.first_batch_records (default: none, no ramp: the warm-up is one batch, "
+        "so a ramp would still be shrinking the timed part's first batches; "
+        "benchmarks/bench_startup.py --backlog measures it)",
     )
     ap.add_argument("--write", type=int, default=100_000, help="records per ceiling write")
     ap.add_argument("--backend", default="kafka")
@@ -416,6 +503,7 @@ def main() -> None:
                         "bootstrap_servers": bootstrap,
                         "topics": [TOPIC],
                         "max_records_per_batch": args.batch,
+                        "first_batch_records": args.first_batch,
                     },
                     "tables": targets,
                     "catalog": {"name": "bench", "properties": props},
@@ -453,21 +541,34 @@ def main() -> None:
             f"({batches} Spark batches, {snaps} snapshots), {e_cpu:.1f} CPU s",
             flush=True,
         )
-        cpu0 = time.process_time()
-        c_s, c_n = ceiling(bootstrap, config, catalog, "bench.ceiling", args.write, warm_ends)
-        c_cpu = time.process_time() - cpu0
-        assert c_n == args.records, f"ceiling read {c_n} of {args.records} records"
-        c_rate = c_n / c_s
-        print(
-            f"ceiling     : {c_n:,} records in {c_s:.1f}s = {c_rate:,.0f} records/s, "
-            f"{c_cpu:.1f} CPU s"
-        )
-        ratio = e_rate / c_rate
-        print(f"ratio       : {ratio:.0%} of the single-process ceiling")
-        print(
-            f"CPU         : the pipeline used {e_cpu / c_cpu:.2f}x the ceiling's CPU time "
-            "per record (broker and producer not counted)"
-        )
+        ceilings: dict[str, Callable[[], tuple[float, int]]] = {
+            "pyarrow": lambda: arrow_ceiling(
+                bootstrap, root / "ceiling-parquet", args.write, warm_ends
+            ),
+            "converter": lambda: converter_ceiling(
+                bootstrap, config, catalog, "bench.ceiling", args.write, warm_ends
+            ),
+        }
+        rates: dict[str, float] = {}
+        cpus: dict[str, float] = {}
+        for name, run in ceilings.items():
+            waited = settle({broker.proc.pid})
+            cpu0 = time.process_time()  # every thread of this process: pyarrow's too
+            c_s, c_n = run()
+            cpus[name] = time.process_time() - cpu0
+            assert c_n == args.records, f"{name} ceiling read {c_n} of {args.records} records"
+            rates[name] = c_n / c_s
+            print(
+                f"ceiling, {name:9}: {c_n:,} records in {c_s:.1f}s = {rates[name]:,.0f} "
+                f"records/s, {cpus[name]:.1f} CPU s (after waiting {waited:.1f} s for the "
+                "pipeline's processes to go quiet)"
+            )
+        for name in ceilings:
+            print(
+                f"against {name:9}: the pipeline at {e_rate / rates[name]:.0%} of its rate, "
+                f"{e_cpu / cpus[name]:.2f}x its CPU time per record "
+                "(broker and producer not counted)"
+            )
         load = os.getloadavg()[0]
         cmd = "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
         on = f", standalone cluster of {args.cluster} x 1 core" if args.cluster else ""
@@ -475,8 +576,9 @@ def main() -> None:
         print(
             f"| {datetime.now(UTC):%Y-%m-%d} | `{cmd.strip()}` | {args.records:,} | "
             f"{args.partitions} | {args.backend}, {args.data_path}, {args.tables} table(s){on} | "
-            f"{c_rate:,.0f} | "
-            f"{e_rate:,.0f} | {ratio:.0%} | {e_cpu / c_cpu:.2f} | "
+            f"{rates['pyarrow']:,.0f} | {rates['converter']:,.0f} | {e_rate:,.0f} | "
+            f"{e_rate / rates['pyarrow']:.0%} | {e_rate / rates['converter']:.0%} | "
+            f"{e_cpu / cpus['pyarrow']:.2f} | {e_cpu / cpus['converter']:.2f} | "
             f"{os.cpu_count()} cores, load {load:.1f}, {platform.python_version()} |"
         )
 

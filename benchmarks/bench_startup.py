@@ -1,8 +1,12 @@
 """Seconds from starting ``icefloe run`` to its first table commit, with the settings a user gets.
 
-A private Tansu broker and SQLite catalog; 40 JSON records wait in a 2-partition topic before
-the start, so the figure is start-up alone (Python, JVM, Spark's Python planners and workers,
-the first micro-batch, the first cycle). Each repeat is a fresh process, pipeline and table.
+A private Tansu broker and SQLite catalog; 40 JSON records (bench_e2e's events) wait in a
+2-partition topic before the start, so the figure is start-up alone (Python, JVM, Spark's
+Python planners and workers, the first micro-batch, the first cycle). ``--backlog N``
+(``--partitions P``) makes N records wait instead: the first micro-batch is then as large as
+``source.first_batch_records`` lets it be (``--first-batch``; default: the configuration's),
+so the figure is what an operator waits for on a backlog. Each repeat is a fresh process,
+pipeline and table.
 Run by ``nox -s bench-startup -- --repeats 3 [--backend kafka]``; figures go to
 docs/benchmarks.md by hand. Each run also reports the CPU seconds its processes used until the
 first commit (driver, Spark's JVM, its Python processes; the JVM's share apart): on a shared
@@ -27,13 +31,12 @@ from typing import Any
 
 import psutil
 import tomli_w
-from confluent_kafka import Producer
+from bench_e2e import events, make_table
 from pyiceberg.catalog import load_catalog
-from pyiceberg.schema import Schema
-from pyiceberg.types import LongType, NestedField, StringType
 
+from icefloe.config import SourceConfig
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
-from icefloe_spark.kafka.admin import create_topic
+from icefloe_spark.kafka.admin import create_topic, produce
 
 LOG_JSON = ("--log-format", "json")
 BACKENDS: dict[str, dict[str, Any]] = {
@@ -75,34 +78,28 @@ class CpuSampler:
 
 
 def one(
-    work: Path, bootstrap: str, backend: str, when_idle: bool
-) -> tuple[float, tuple[float, float], list[str]]:
-    """One start: seconds to the first table commit, CPU seconds used until then (all
-    processes, the JVM), and the timestamped output lines."""
+    work: Path, bootstrap: str, backend: str, when_idle: bool, args: argparse.Namespace
+) -> tuple[float, float, tuple[float, float], list[str]]:
+    """One start: seconds to the first table commit, to the commit of the whole backlog (with
+    ``--until-all``, else NaN), CPU seconds used until the first (all processes, the JVM),
+    and the timestamped output lines."""
     topic = f"startup-{uuid.uuid4().hex[:8]}"
-    create_topic(bootstrap, topic, 2)
-    producer = Producer({"bootstrap.servers": bootstrap})
-    for i in range(40):
-        producer.produce(topic, json.dumps({"id": i, "name": f"n{i}"}).encode(), partition=i % 2)
-    producer.flush()
+    create_topic(bootstrap, topic, args.partitions)
+    produce(bootstrap, topic, events(0, args.backlog))
     catalog = {
         "type": "sql",
         "uri": f"sqlite:///{work / 'c.db'}",
         "warehouse": f"file://{work / 'wh'}",
     }
-    cat = load_catalog("bench", **catalog)
-    cat.create_namespace("bench")
-    cat.create_table(
-        "bench.events",
-        Schema(
-            NestedField(1, "id", LongType(), required=False),
-            NestedField(2, "name", StringType(), required=False),
-        ),
-    )
+    make_table(load_catalog("bench", **catalog), "bench.events")
     settings = BACKENDS.get(backend, {"bootstrap_servers": bootstrap})
     config = {
         "name": f"startup-{uuid.uuid4().hex[:8]}",
-        "source": {"bootstrap_servers": bootstrap, "topics": [topic]},
+        "source": {
+            "bootstrap_servers": bootstrap,
+            "topics": [topic],
+            **({} if args.first_batch is None else {"first_batch_records": args.first_batch}),
+        },
         "tables": [{"name": "bench.events"}],
         "catalog": {"name": "bench", "properties": catalog},
         "coordination": {"backend": backend, "commit_when_idle": when_idle, backend: settings},
@@ -119,20 +116,25 @@ def one(
     )
     sampler = CpuSampler(proc.pid)
     lines: list[str] = []
-    first = float("nan")
+    first = whole = float("nan")
+    cpu = (0.0, 0.0)
     try:
         assert proc.stdout is not None
         for raw in proc.stdout:
             at = time.monotonic() - started
             lines.append(f"{at:6.1f} {raw.decode(errors='replace').rstrip()[:160]}")
-            if b'"event": "table_commit"' in raw:
-                first = at
+            if b'"event": "table_commit"' not in raw:
+                continue
+            if first != first:  # NaN: this is the first commit
+                first, cpu = at, sampler.stop()
+            if not args.until_all or (json.loads(raw).get("rows") or 0) >= args.backlog:
+                whole = at if args.until_all else whole
                 break
     finally:
-        cpu = sampler.stop()
+        sampler.stop()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(120)
-    return first, cpu, lines
+    return first, whole, cpu, lines
 
 
 def main() -> None:
@@ -145,6 +147,21 @@ def main() -> None:
         action="store_true",
         help="coordination.commit_when_idle = false (cycles only every commit_interval_s)",
     )
+    ap.add_argument("--backlog", type=int, default=40, help="records waiting at the start")
+    ap.add_argument("--partitions", type=int, default=2)
+    ap.add_argument(
+        "--until-all",
+        action="store_true",
+        help="also wait until the whole backlog is committed and report when",
+    )
+    ap.add_argument(
+        "--first-batch",
+        type=int,
+        default=None,
+        help="source.first_batch_records (default: the configuration's, "
+        f"{SourceConfig.model_fields['first_batch_records'].default:,}); "
+        "the size of source.max_records_per_batch means no ramp",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, EmbeddedKafkaBroker() as broker:
         figures = []
@@ -152,14 +169,20 @@ def main() -> None:
         for i in range(args.repeats):
             work = Path(tmp) / f"run{i}"
             work.mkdir()
-            seconds, (cpu, jvm_cpu), lines = one(
-                work, broker.bootstrap_servers, args.backend, not args.interval_only
+            seconds, whole, (cpu, jvm_cpu), lines = one(
+                work, broker.bootstrap_servers, args.backend, not args.interval_only, args
             )
             figures.append(seconds)
             cpus.append(cpu)
+            rest = ""
+            if args.until_all:
+                rest = (
+                    f"; all {args.backlog:,} rows {whole:.1f} s after start "
+                    f"({args.backlog / whole:,.0f} records/s, start-up included)"
+                )
             print(
                 f"run {i + 1}: first commit {seconds:.1f} s after start, "
-                f"CPU {cpu:.1f} s (JVM {jvm_cpu:.1f} s), load {os.getloadavg()[0]:.1f}",
+                f"CPU {cpu:.1f} s (JVM {jvm_cpu:.1f} s){rest}, load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
             if args.verbose:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 import tomli_w
 from pyiceberg.catalog import Catalog, load_catalog
@@ -233,6 +234,36 @@ def batch_sizes(progress: Sequence[Mapping[str, Any]]) -> list[int]:
             for p, o in parts.items()
         ]
     return out
+
+
+def test_a_backlog_is_read_in_batches_that_start_small_and_grow_to_the_maximum(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """``source.first_batch_records``: on a backlog the first micro-batch is small (so the
+    first commit comes early), each next one twice as large up to ``max_records_per_batch``;
+    every record is still committed once. Batch sizes come from Spark's own progress
+    reports, the rows from the table's Parquet files read by pyarrow."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    name = f"e2e-ramp-{uuid.uuid4().hex[:10]}"
+    data = pipeline_dict(
+        name, kafka_broker, topic, catalog_properties, "kafka", tmp_path / "c", batch=100
+    )
+    data["source"]["first_batch_records"] = 25
+    produce_json(bootstrap, topic, range(300))  # the backlog, before the start
+    with Pipeline(config_from_dict(data), spark=spark, source_extra_options=SOURCE_OPTIONS) as p:
+        wait_until(lambda: committed_rows(catalog) >= 300, WAIT_S, "all 300 rows")
+        assert p.query is not None
+        progress = [r for r in p.query.recentProgress if r["numInputRows"]]
+    # 25, doubled each batch, at most 100 (the maximum), the rest last
+    assert [sum(batch_sizes([r])) for r in progress] == [25, 50, 100, 100, 25]
+    paths = [path.removeprefix("file://") for path in committed_paths(catalog)]
+    ids = sorted(pq.read_table(paths, columns=["id"], partitioning=None)["id"].to_pylist())
+    assert ids == list(range(300))
 
 
 def test_fresh_checkpoint_at_the_same_place_resumes_from_the_table_and_loses_nothing(

@@ -158,6 +158,7 @@ def test_reader_options_from_the_config_are_applied_last() -> None:
     assert opts["kafka.bootstrap.servers"] == "h:1"
     assert opts["probeHighWatermark"] == "true"
     assert opts["maxOffsetsPerTrigger"] == "5"  # the explicit reader option wins
+    assert opts["firstBatchRecords"] == "50000"  # source.first_batch_records' default
     assert "icefloe.catalog.name" not in opts  # catalog properties only for "table"
 
 

@@ -153,11 +153,12 @@ def test_every_record_exactly_once_and_limit_respected(
     topic = new_topic(partitions=3)
     sent = [f"r{i}".encode() for i in range(40)]
     produce(topic, sent, partitions=3)
-    opts = source_options(topic, maxOffsetsPerTrigger="7")
+    opts = source_options(topic, maxOffsetsPerTrigger="7", firstBatchRecords="2")
     batches = run_available_now(spark, opts, tmp_path / "ck")
     non_empty = [rows for _, rows in batches if rows]
     assert all(len(rows) <= 7 for rows in non_empty)
-    assert len(non_empty) >= 6  # 40 records, at most 7 per batch
+    assert [len(rows) for rows in non_empty][:3] == [2, 4, 7]  # the ramp, then the limit
+    assert len(non_empty) >= 7  # 40 records: 2 + 4, then at most 7 per batch
     got = positions(batches)
     assert len(got) == len(set(got)) == 40
     assert values(batches) == sorted(sent)
@@ -516,6 +517,28 @@ def test_latest_offset_limits_and_new_partitions(
     reader.stop()
 
 
+def test_the_ramp_doubles_the_limit_for_each_batch_with_records(
+    new_topic: Any, produce: Any, source_options: Any
+) -> None:
+    """``firstBatchRecords``: 3, 6, 12, ... records, never more than the read limit; triggers
+    that find nothing leave the ramp where it was; without a limit it keeps doubling."""
+    topic = new_topic(partitions=1)
+    reader = _reader(source_options, topic, firstBatchRecords="3")
+    at = reader.initialOffset()
+    for _ in range(3):  # an empty topic: nothing planned, the ramp stays at its start
+        assert reader.latestOffset(at, ReadMaxRows(10)) == at
+    produce(topic, [b"r"] * 40, partition=0)
+    sizes = []
+    while (end := reader.latestOffset(at, ReadMaxRows(10))) != at:
+        sizes.append(end[topic]["0"] - at[topic]["0"])
+        at = end
+    assert sizes == [3, 6, 10, 10, 10, 1]
+    produce(topic, [b"s"] * 300, partition=0)
+    end = reader.latestOffset(at, ReadAllAvailable())  # the seventh batch: 3 * 2**6 = 192
+    assert end[topic]["0"] - at[topic]["0"] == 192
+    reader.stop()
+
+
 def test_offsets_beyond_the_log_are_data_loss(
     new_topic: Any, produce: Any, source_options: Any
 ) -> None:
@@ -544,6 +567,10 @@ def test_option_errors_name_the_option() -> None:
     with pytest.raises(ConfigError, match="maxOffsetsPerTrigger"):
         SourceOptions.parse(
             {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "maxOffsetsPerTrigger": "0"}
+        )
+    with pytest.raises(ConfigError, match="firstBatchRecords"):
+        SourceOptions.parse(
+            {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "firstBatchRecords": "-5"}
         )
     opts = SourceOptions.parse(
         {

@@ -22,6 +22,10 @@ Options (Spark-style names; keys are case-insensitive):
   at earliest. Takes precedence over ``startingOffsets``; used only without a checkpoint.
 * ``maxOffsetsPerTrigger`` (or ``maxRecordsPerBatch``): records per micro-batch, shared
   among partitions in proportion to their lag.
+* ``firstBatchRecords``: the first micro-batch of this run reads at most this many records,
+  each next one twice as many as the one before, up to ``maxOffsetsPerTrigger`` (or without
+  bound when that is unset): on a backlog the first commit comes after a small batch, not
+  the largest. Unset: no ramp.
 * ``failOnDataLoss`` (default true): fail when records between the checkpoint and the
   broker's earliest offset are gone; false: log it and go on from the earliest.
 * ``probeHighWatermark`` (``auto``, the default; ``true``; ``false``): learn a partition's
@@ -111,6 +115,7 @@ class SourceOptions:
     #: is ``"timestamp"``)
     starting_timestamps: Offsets = field(default_factory=dict)
     max_records: int | None = None
+    first_batch_records: int | None = None  # firstBatchRecords: the ramp's first limit
     fail_on_data_loss: bool = True
     probe_high_watermark: ProbeMode = "auto"
     poll_timeout_s: float = 30.0
@@ -183,6 +188,7 @@ class SourceOptions:
             starting_offsets=starting,
             starting_timestamps=stamps,
             max_records=max_records,
+            first_batch_records=_int(opts, "firstBatchRecords", None),
             fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
             probe_high_watermark=probe_mode(opts),
             poll_timeout_s=(poll_ms or 30_000) / 1000.0,
@@ -257,6 +263,7 @@ READER_OPTIONS = (
     "startingOffsetsByTimestamp",
     "maxOffsetsPerTrigger",
     "maxRecordsPerBatch",
+    "firstBatchRecords",
     "failOnDataLoss",
     "probeHighWatermark",
     "pollTimeoutMs",
@@ -341,6 +348,8 @@ def source_options(config: PipelineConfig) -> dict[str, str]:
         )
     if src.max_records_per_batch is not None:
         opts["maxOffsetsPerTrigger"] = str(src.max_records_per_batch)
+    if src.first_batch_records is not None:
+        opts["firstBatchRecords"] = str(src.first_batch_records)
     check_reader_options(src.reader_options, "source.reader_options")
     opts.update(src.reader_options)
     return opts
