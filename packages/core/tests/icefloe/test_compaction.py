@@ -13,12 +13,9 @@ import itertools
 import random
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import fastavro
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -38,6 +35,7 @@ from icefloe.commit.compaction import (
 )
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.records.datafiles import write_data_files, write_key_files
+from icefloe.testing.readers import independent_rows, live_files, local, read_avro
 
 GROUP = "pipe-c"
 NAME = "db.kv"
@@ -51,13 +49,9 @@ EAGER = Thresholds(delete_ratio=0.01, delete_files=2, small_files=2)
 
 
 @pytest.fixture
-def catalog(tmp_path: Path) -> Iterator[SqlCatalog]:
-    cat = SqlCatalog(
-        "test", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/wh"
-    )
-    cat.create_namespace("db")
-    yield cat
-    cat.engine.dispose()
+def catalog(sqlite_catalog: SqlCatalog) -> SqlCatalog:
+    sqlite_catalog.create_namespace("db")
+    return sqlite_catalog
 
 
 class Keyed:
@@ -118,49 +112,7 @@ class Keyed:
         table = self.catalog.load_table(self.name)
         scanned = sorted((r["id"], r["v"]) for r in table.scan().to_arrow().to_pylist())
         assert scanned == self.expected()
-        assert sorted(independent_rows(table)) == self.expected()
-
-
-def _local(path: str) -> str:
-    return urlsplit(path).path
-
-
-def _avro(path: str) -> list[dict[str, Any]]:
-    with open(_local(path), "rb") as stream:
-        return list(fastavro.reader(stream))
-
-
-def live_files(table: Table) -> tuple[list[str], list[str]]:
-    """Data and position delete files of the current snapshot, from its manifest list and
-    manifests read with fastavro (status 2 = deleted entries are skipped)."""
-    head = table.current_snapshot()
-    if head is None:
-        return [], []
-    data: list[str] = []
-    deletes: list[str] = []
-    for manifest in _avro(head.manifest_list):
-        for entry in _avro(manifest["manifest_path"]):
-            if entry["status"] == 2:
-                continue
-            f = entry["data_file"]
-            (data if f["content"] == 0 else deletes).append(f["file_path"])
-    return data, deletes
-
-
-def independent_rows(table: Table) -> list[tuple[int, str]]:
-    """The rows of the current snapshot: pyarrow over its data files minus the positions
-    its position delete files name (sequence numbers need no check here: paths are unique)."""
-    data, deletes = live_files(table)
-    dead: dict[str, set[int]] = {}
-    for path in deletes:
-        for r in pq.read_table(_local(path)).to_pylist():
-            dead.setdefault(r["file_path"], set()).add(r["pos"])
-    out = []
-    for path in data:
-        gone = dead.get(path, set())
-        rows = pq.read_table(_local(path), columns=["id", "v"]).to_pylist()
-        out += [(r["id"], r["v"]) for i, r in enumerate(rows) if i not in gone]
-    return out
+        assert sorted(independent_rows(table, ("id", "v"))) == self.expected()
 
 
 def compactor(catalog: SqlCatalog, **options: Any) -> Compactor:
@@ -201,13 +153,13 @@ def test_compaction_applies_deletes_in_one_replace_snapshot(
     keyed.check()
     # the rows of each new file are sorted by the key, so its bounds are tight
     for path in data_after:
-        ids = pq.read_table(_local(path), columns=["id"])["id"].to_pylist()
+        ids = pq.read_table(local(path), columns=["id"])["id"].to_pylist()
         assert ids == sorted(ids)
     # nothing was deleted from storage: the old snapshot still reads
     for path in data_before + deletes_before:
-        assert Path(_local(path)).exists()
+        assert Path(local(path)).exists()
     # one delete manifest at most (merged), none needed here
-    manifests = _avro(head.manifest_list)
+    manifests = read_avro(head.manifest_list)
     assert [m for m in manifests if m["content"] == 1 and m["existing_files_count"]] == []
     # later cycles resolve against the compacted files
     keyed.random_cycle(rng, 260, 40)

@@ -71,7 +71,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe.commit import branches, rowdelta, screening
-from icefloe.commit.compaction import RewrittenFiles, without_retries
+from icefloe.commit.compaction import Compactor, RewrittenFiles, Thresholds, without_retries
 from icefloe.commit.dedupe import CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.merge import Merge, SmallFileMerger, merged_originals
@@ -191,6 +191,21 @@ class IcebergCommitter:
     def branch(self) -> str:
         """The branch of tables the policies do not name."""
         return self._policies.default.branch
+
+    def compactor(self, after_write: Callable[[str], None] | None = None) -> Compactor:
+        """Compaction rounds for this pipeline's tables: the same catalog, branches and lease
+        check as the commits (``after_write``: a test hook, see :class:`Compactor`)."""
+        return Compactor(
+            self._group_id, self._load, self.branch_of, self._before_commit, after_write
+        )
+
+    def compaction_of(self, table: str) -> Thresholds | None:
+        """When ``table`` is compacted (its policy's thresholds; None: never)."""
+        return self._policies(table).compaction
+
+    def target_file_size_of(self, table: str) -> int:
+        """The data file size ``table``'s policy aims at."""
+        return self._policies(table).target_file_size_bytes
 
     def branch_of(self, table: str) -> str:
         """The branch ``table`` is committed to (its policy's)."""

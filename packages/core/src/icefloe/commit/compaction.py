@@ -54,6 +54,7 @@ from pyiceberg.table.update.snapshot import _OverwriteFiles
 from pyiceberg.typedef import EMPTY_DICT
 
 from icefloe.commit import branches
+from icefloe.commit.request import table_name
 from icefloe.commit.rowdelta import FILE_PATH_FIELD_ID, write_delete_manifest
 from icefloe.config import DEFAULT_TARGET_FILE_SIZE
 from icefloe.records.changes import comparable_type
@@ -349,6 +350,24 @@ class Compactor:
         self._after_write = after_write
         self._clock = clock
 
+    def pending(self, name: str, thresholds: Thresholds, force: bool = False) -> int:
+        """How many partitions a round would rewrite now (for a dry run)."""
+        return len(self._todo(self._load(name), thresholds, force))
+
+    def _todo(self, table: Table, thresholds: Thresholds, force: bool) -> list[PartitionState]:
+        """The partitions of the branch head to rewrite, the most in need first."""
+        head, fork_from = branches.branch_head(table, self._branch_of(table_name(table)))
+        if fork_from is not None or head is None:
+            return []  # nothing on the branch yet
+        todo = [
+            p
+            for p in partitions(table, head).values()
+            if p.key[0] == table.metadata.default_spec_id
+            and (needs(p, thresholds) or (force and _worth(p, thresholds)))
+        ]
+        todo.sort(key=lambda p: -(p.deleted_rows + len(p.delete_files) + len(p.tasks)))
+        return todo
+
     def compact(
         self,
         name: str,
@@ -366,17 +385,7 @@ class Compactor:
 
         start = self._clock()
         table = without_retries(self._load(name))
-        branch = self._branch_of(name)
-        head, fork_from = branches.branch_head(table, branch)
-        if fork_from is not None or head is None:
-            return CompactionResult(name, None)  # nothing on the branch yet
-        todo = [
-            p
-            for p in partitions(table, head).values()
-            if p.key[0] == table.metadata.default_spec_id
-            and (needs(p, thresholds) or (force and _worth(p, thresholds)))
-        ]
-        todo.sort(key=lambda p: -(p.deleted_rows + len(p.delete_files) + len(p.tasks)))
+        todo = self._todo(table, thresholds, force)
         rewrites: list[_Rewrite] = []
         skipped = 0
         for part in todo:
@@ -410,6 +419,7 @@ class Compactor:
             COMPACTED_DELETE_FILES_KEY: str(result.dropped_delete_files),
             COMPACTED_DELETED_ROWS_KEY: str(result.deleted_rows),
         }
+        branch = self._branch_of(name)
         tx = table.transaction()
         producer = _Replace(
             Operation.REPLACE,
