@@ -11,10 +11,13 @@ position deletes applied by hand).
 
 from __future__ import annotations
 
+import multiprocessing
 import random
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -34,8 +37,18 @@ from icefloe.coordination.coordinator import (
 )
 from icefloe.events import SourcePosition
 from icefloe.records.datafiles import write_data_files, write_key_files
-from icefloe.testing.harness import Pipe, RowSource, SimulatedCrash, crash, lead, wait_pending
-from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.testing.fixtures import make_sqlite_catalog, sqlite_catalog_properties
+from icefloe.testing.harness import (
+    DoomedCoordinator,
+    Pipe,
+    RowSource,
+    SimulatedCrash,
+    crash,
+    lead,
+    run_doomed_coordinator,
+    wait_pending,
+)
+from icefloe.testing.memory import MemoryBackend, MemoryServer, serve_memory_server
 from icefloe.testing.readers import independent_rows, live_files
 
 NAME = "db.kv"
@@ -53,17 +66,17 @@ class Pipeline:
     that commit and compact it; ``model`` is what the table must hold."""
 
     def __init__(self, server: MemoryServer, catalog: SqlCatalog) -> None:
-        group_id = f"pipe-{uuid.uuid4().hex[:8]}"
-        catalog.create_namespace("db")
-        catalog.create_table(NAME, schema=SCHEMA)
-        settings = CoordinatorSettings(
+        self.settings = CoordinatorSettings(
             commit_interval_s=3600.0,
             policies=TablePolicies(TablePolicy(), {NAME: TablePolicy(compaction=EAGER)}),
             table_retry_base_s=0.05,
         )
+        group_id = f"pipe-{uuid.uuid4().hex[:8]}"
+        catalog.create_namespace("db")
+        catalog.create_table(NAME, schema=SCHEMA)
         backend = MemoryBackend(server, group_id, 1.0)
         # the harness's pipe opens coordinators and the writer; rows are published here
-        self.pipe = Pipe.open(backend, catalog, group_id, RowSource(catalog, []), settings)
+        self.pipe = Pipe.open(backend, catalog, group_id, RowSource(catalog, []), self.settings)
         self.group_id = group_id
         self.catalog = catalog
         self.writer = self.pipe.writer
@@ -242,3 +255,47 @@ def test_a_rollback_across_a_compaction_snapshot(pipeline: Pipeline) -> None:
     rollback = committer.roll_back(NAME, first.snapshot_id)
     assert rollback is not None
     assert rollback.restored_snapshot_id == first.snapshot_id
+
+
+def test_a_coordinator_process_killed_during_a_compaction_loses_nothing(tmp_path: Path) -> None:
+    """A real SIGKILL of a coordinator process while its compaction round's files are
+    written (the cycle before it committed); the channel lives in a server process. Slow
+    (~10 s, more on a loaded machine) because a real kill needs a spawned child process,
+    which imports icefloe and pyiceberg afresh."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    rng = random.Random(17)
+    with serve_memory_server() as (server, address):
+        pipeline = Pipeline(server, catalog)
+        try:
+            c1 = pipeline.coordinator("c1")
+            pipeline.cycle(c1, pipeline.publish({k: "v0" for k in range(120)}))
+            c1.close()
+            compacted = len(pipeline.compactions())
+            files = pipeline.random_batch(rng)
+            spec = DoomedCoordinator(
+                address,
+                catalog.name,
+                props,
+                pipeline.group_id,
+                1.0,
+                files,
+                policies=pipeline.settings.policies,
+                die_in_compaction=True,
+            )
+            child = multiprocessing.get_context("spawn").Process(
+                target=run_doomed_coordinator, args=(spec,)
+            )
+            child.start()
+            child.join(120)
+            assert child.exitcode == -signal.SIGKILL, f"child exit code {child.exitcode}"
+            assert len(pipeline.compactions()) == compacted  # the round never landed
+            pipeline.check()  # the cycle before it did
+
+            c2 = pipeline.coordinator("c2")
+            for _ in range(2):
+                pipeline.cycle(c2, pipeline.random_batch(rng))
+                pipeline.check()
+            assert len(pipeline.compactions()) > compacted
+        finally:
+            pipeline.close()
