@@ -38,6 +38,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.expressions import AlwaysTrue
 from pyiceberg.io.pyarrow import ArrowScan
 from pyiceberg.manifest import (
@@ -375,14 +376,11 @@ class Compactor:
         budget_s: float | None = None,
         force: bool = False,
     ) -> CompactionResult:
-        """One round for table ``name``: rewrite the partitions that pass ``thresholds`` (all
-        with ``force``), oldest need first, until ``budget_s`` is spent (at least one partition
-        per round, so every round makes progress), and commit them as one snapshot. A commit
-        conflict (someone committed meanwhile) commits nothing: the next round plans again.
-        Raises CommitFailedException only to a caller that wants it: here it is returned as
-        nothing committed."""
-        from pyiceberg.exceptions import CommitFailedException
-
+        """One round for table ``name``: rewrite the partitions that pass ``thresholds`` (with
+        ``force`` every one with deletes or small files), the most in need first, starting no
+        new partition once ``budget_s`` is spent (at least one per round, so every round makes
+        progress), and commit them as one snapshot. A commit conflict (someone committed
+        meanwhile) is no error: nothing is committed, and the next round plans again."""
         start = self._clock()
         table = without_retries(self._load(name))
         todo = self._todo(table, thresholds, force)
