@@ -296,3 +296,55 @@ def test_random_cycles_with_compaction_rounds_equal_the_model(catalog: SqlCatalo
         keyed.check()
     _, deletes = live_files(catalog.load_table(NAME))
     assert len(deletes) <= 4 * 2
+
+
+def _file(path: str, size: int, content: Any = None, bounds: tuple[str, str] | None = None) -> Any:
+    from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+    from pyiceberg.typedef import Record
+
+    from icefloe.commit.rowdelta import FILE_PATH_FIELD_ID
+
+    f = DataFile.from_args(
+        content=content or DataFileContent.DATA,
+        file_path=path,
+        file_format=FileFormat.PARQUET,
+        partition=Record(),
+        record_count=100,
+        file_size_in_bytes=size,
+        lower_bounds=None if bounds is None else {FILE_PATH_FIELD_ID: bounds[0].encode()},
+        upper_bounds=None if bounds is None else {FILE_PATH_FIELD_ID: bounds[1].encode()},
+    )
+    f.spec_id = 0
+    return f
+
+
+@pytest.mark.parametrize(
+    ("bounds", "rewritten"),
+    [
+        (("s3://b/a.parquet", "s3://b/a.parquet"), ["s3://b/a.parquet"]),
+        (("s3://b/a.parquet", "s3://b/c.parquet"), ["s3://b/a.parquet", "s3://b/b.parquet"]),
+        (None, ["s3://b/a.parquet", "s3://b/b.parquet"]),
+        (("s3://b/x.parquet", "s3://b/z.parquet"), []),  # targets nothing live
+    ],
+    ids=["one-target", "range", "no-bounds", "dangling"],
+)
+def test_a_delete_file_goes_only_with_every_file_it_may_target(
+    bounds: tuple[str, str] | None, rewritten: list[str]
+) -> None:
+    """Big files (not small) are rewritten only when the delete file's path bounds say it
+    may target them; the delete file is then dropped, as no file left can be its target."""
+    from pyiceberg.manifest import DataFileContent
+    from pyiceberg.table import FileScanTask
+
+    from icefloe.commit.compaction import PartitionState, plan_rewrite
+
+    big = 100 * 1024 * 1024
+    delete = _file("s3://b/d.parquet", 10, DataFileContent.POSITION_DELETES, bounds)
+    part = PartitionState(
+        (0, ()),
+        [FileScanTask(_file(p, big)) for p in ("s3://b/a.parquet", "s3://b/b.parquet")],
+        {delete.file_path: delete},
+    )
+    chosen, drop = plan_rewrite(part, 128 * 1024 * 1024)
+    assert [t.file.file_path for t in chosen] == rewritten
+    assert drop == [delete]
