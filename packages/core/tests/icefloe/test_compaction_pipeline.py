@@ -35,7 +35,7 @@ from icefloe.coordination.coordinator import (
     CoordinatorSettings,
     CycleResult,
 )
-from icefloe.events import SourcePosition
+from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.records.datafiles import write_data_files, write_key_files
 from icefloe.testing.fixtures import make_sqlite_catalog, sqlite_catalog_properties
 from icefloe.testing.harness import (
@@ -65,15 +65,22 @@ class Pipeline:
     """One keyed table, one writer publishing upsert batches as write tasks do, coordinators
     that commit and compact it; ``model`` is what the table must hold."""
 
-    def __init__(self, server: MemoryServer, catalog: SqlCatalog) -> None:
+    def __init__(
+        self, server: MemoryServer, catalog: SqlCatalog, tables: tuple[str, ...] = (NAME,)
+    ) -> None:
+        self.tables = tables
         self.settings = CoordinatorSettings(
             commit_interval_s=3600.0,
-            policies=TablePolicies(TablePolicy(), {NAME: TablePolicy(compaction=EAGER)}),
+            policies=TablePolicies(
+                TablePolicy(), {t: TablePolicy(compaction=EAGER) for t in tables}
+            ),
             table_retry_base_s=0.05,
+            compaction_budget_s=1e-6 if len(tables) > 1 else 30.0,
         )
         group_id = f"pipe-{uuid.uuid4().hex[:8]}"
         catalog.create_namespace("db")
-        catalog.create_table(NAME, schema=SCHEMA)
+        for name in tables:
+            catalog.create_table(name, schema=SCHEMA)
         backend = MemoryBackend(server, group_id, 1.0)
         # the harness's pipe opens coordinators and the writer; rows are published here
         self.pipe = Pipe.open(backend, catalog, group_id, RowSource(catalog, []), self.settings)
@@ -91,22 +98,25 @@ class Pipeline:
         return c
 
     def publish(self, upserts: dict[int, str], deletes: tuple[int, ...] = ()) -> int:
-        """Publish one batch; the number of files it announces."""
-        table = self.catalog.load_table(NAME)
-        metas = []
-        if upserts:
-            rows = pa.table({"id": list(upserts), "v": list(upserts.values())}, schema=ARROW)
-            metas += write_data_files(table, rows)
-        keys = pa.table({"id": pa.array([*upserts, *deletes], pa.int64())})
-        metas += write_key_files(table, keys)
+        """Publish one batch (the same changes to every table); the files it announces."""
+        files: dict[str, list[DataFileMeta]] = {}
+        uids: dict[str, str] = {}
+        for name in self.tables:
+            table = self.catalog.load_table(name)
+            metas = []
+            if upserts:
+                rows = pa.table({"id": list(upserts), "v": list(upserts.values())}, schema=ARROW)
+                metas += write_data_files(table, rows)
+            keys = pa.table({"id": pa.array([*upserts, *deletes], pa.int64())})
+            files[name] = metas + write_key_files(table, keys)
+            uids[name] = str(table.metadata.table_uuid)
         self.seq += 1
-        uid = str(table.metadata.table_uuid)
         position = [SourcePosition("cdc", 0, self.seq, 0)]
-        self.writer.publish(self.seq, {NAME: metas}, position, {NAME: uid})
+        self.writer.publish(self.seq, files, position, uids)
         self.model.update(upserts)
         for k in deletes:
             self.model.pop(k, None)
-        return len(metas)
+        return sum(len(m) for m in files.values())
 
     def random_batch(self, rng: random.Random) -> int:
         picked = rng.sample(range(120), 20)
@@ -124,8 +134,8 @@ class Pipeline:
         assert sorted((r["id"], r["v"]) for r in table.scan().to_arrow().to_pylist()) == want
         assert sorted(independent_rows(table, ("id", "v"))) == want
 
-    def compactions(self) -> list[Any]:
-        table = self.catalog.load_table(NAME)
+    def compactions(self, name: str = NAME) -> list[Any]:
+        table = self.catalog.load_table(name)
         return [
             s
             for s in table.snapshots()
@@ -299,3 +309,23 @@ def test_a_coordinator_process_killed_during_a_compaction_loses_nothing(tmp_path
             assert len(pipeline.compactions()) > compacted
         finally:
             pipeline.close()
+
+
+def test_a_spent_budget_starves_no_table(
+    memory_server: MemoryServer, sqlite_catalog: SqlCatalog
+) -> None:
+    """With a round budget that one table's round spends, rounds take turns: the second table
+    is compacted in the next round, not never."""
+    other = "db.kv2"
+    pipeline = Pipeline(memory_server, sqlite_catalog, (NAME, other))
+    try:
+        c1 = pipeline.coordinator("c1")
+        pipeline.cycle(c1, pipeline.publish({k: "v0" for k in range(50)}))
+        rounds = []
+        for n in range(2):
+            pipeline.cycle(c1, pipeline.publish({k: f"v{n + 1}" for k in range(10)}))
+            rounds.append((len(pipeline.compactions()), len(pipeline.compactions(other))))
+        assert rounds == [(0, 1), (1, 1)]  # one table per round, in turns
+        pipeline.check()
+    finally:
+        pipeline.close()

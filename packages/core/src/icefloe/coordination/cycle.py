@@ -91,6 +91,7 @@ class CommitCycle:
         self._plugins = plugins
         self._quarantine = quarantine
         self._trouble: dict[str, _TableBackoff] = {}
+        self._compaction_turn = 0  # which table a compaction round starts with
         # tables marked failing in the quarantine (by any leader), read at the first commit
         self._marked: set[str] | None = None
         self.quarantined_files = 0  # since this coordinator started (a metric)
@@ -294,15 +295,19 @@ class CommitCycle:
         )
         if not tables:
             return
+        # each round starts with another table, so a spent budget starves none of them
+        first = self._compaction_turn % len(tables)
+        self._compaction_turn += 1
+        tables = tables[first:] + tables[:first]
         compactor = committer.compactor(self._hooks.during_compaction)
         deadline = time.monotonic() + self._settings.compaction_budget_s
-        for table in tables:
+        for i, table in enumerate(tables):
             thresholds = committer.compaction_of(table)
             left = deadline - time.monotonic()
-            if thresholds is None or left <= 0:
-                continue
+            if thresholds is None or (i and left <= 0):
+                continue  # the first table of a round always gets its turn
             try:
-                result = compactor.compact(table, thresholds, left)
+                result = compactor.compact(table, thresholds, max(left, 0.0))
             except NotLeaderError:
                 raise  # a newer leader exists: stop here, as a commit would
             except Exception as exc:  # the table keeps its files; the next round retries
