@@ -17,8 +17,10 @@ with pyiceberg's scan that the table still holds ``--rows`` rows and every updat
 new value, and times that read.
 
 With ``--cycles N`` it instead commits N upsert cycles of ``--updates`` random keys each to
-one table and reports the commit times and the scan time after them (the table's final
-content is checked against the expected version of every id).
+one table and reports the commit times and the scan time before and after them (the table's
+final content is checked against the expected version of every id). ``--compact`` runs a
+compaction round after every cycle, as the coordinator does for a table with ``compact =
+true`` (default thresholds), and reports its times and the files left.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.commit import rowdelta
 from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.compaction import Thresholds
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.events import DataFileMeta
 from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
+from icefloe.testing.readers import live_files
 
 SCHEMA = Schema(
     NestedField(1, "id", LongType(), required=True),
@@ -145,6 +149,12 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
     for n in range(args.files):
         seed += write_data_files(table, rows(np.arange(n * per_file, (n + 1) * per_file), "v0"))
     committer.commit(request(table, seed, 0))
+    began = time.perf_counter()
+    assert catalog.load_table("db.t").scan().to_arrow().num_rows == args.rows
+    before_s = time.perf_counter() - began
+    compactor = committer.compactor()
+    thresholds = Thresholds()
+    rounds: list[float] = []
     version = np.zeros(args.rows, dtype=np.int64)
     rng = np.random.default_rng(11)
     times: list[float] = []
@@ -157,18 +167,33 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
         began = time.perf_counter()
         committer.commit(request(table, [*metas, key_file], cycle))
         times.append(time.perf_counter() - began)
+        if args.compact:
+            began = time.perf_counter()
+            compactor.compact("db.t", thresholds)
+            rounds.append(time.perf_counter() - began)
     began = time.perf_counter()
     scanned = catalog.load_table("db.t").scan().to_arrow()
     read_s = time.perf_counter() - began
     scanned = scanned.sort_by("id")
     assert scanned["id"].to_pylist() == list(range(args.rows))
     assert scanned["name"].to_pylist() == [f"v{v}" for v in version]
-    ordered = sorted(times)
+    data, deletes = live_files(catalog.load_table("db.t"))
     print(
-        f"{args.cycles} cycles of {args.updates} random upserts on {args.rows} rows: commit "
-        f"p50 {ordered[len(ordered) // 2]:.2f} s, max {ordered[-1]:.2f} s, first "
-        f"{times[0]:.2f} s, last {times[-1]:.2f} s; pyiceberg scan after: {read_s:.2f} s"
+        f"{args.cycles} cycles of {args.updates} random upserts on {args.rows} rows, "
+        f"compaction {'on' if args.compact else 'off'}: commit p50 {_p50(times):.2f} s, max "
+        f"{max(times):.2f} s, first {times[0]:.2f} s, last {times[-1]:.2f} s; pyiceberg scan "
+        f"before {before_s:.2f} s, after {read_s:.2f} s; {len(data)} data file(s), "
+        f"{len(deletes)} delete file(s) live"
+        + (
+            f"; compaction round p50 {_p50(rounds):.2f} s, max {max(rounds):.2f} s"
+            if rounds
+            else ""
+        )
     )
+
+
+def _p50(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def main() -> None:
@@ -178,6 +203,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=100_000)
     parser.add_argument("--layout", choices=["clustered", "random", "both"], default="both")
     parser.add_argument("--cycles", type=int, default=0, help="run N upsert cycles instead")
+    parser.add_argument("--compact", action="store_true", help="with --cycles: compact too")
     args = parser.parse_args()
     print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
     layouts = ["clustered", "random"] if args.layout == "both" else [args.layout]

@@ -139,19 +139,45 @@ def upsert(run: Run) -> None:
     """An upsert table keyed by id, every key written twice (the update in a later chunk,
     so it crosses batches and cycles), kill -9 after a publish and after a commit: every key
     once, at its last version, read by pyiceberg and by hand (data minus position deletes)."""
+    keyed_table(run)
+    run.start_producer()
+    crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 3, "kill -9 after publish")
+    crash_at(run, faults.EXIT_AFTER_COMMIT_ENV, 1, 2, "kill -9 after commit")
+    run.finish()
+
+
+@scenario("upsert-compaction", ci=("redis",))
+def upsert_compaction(run: Run) -> None:
+    """The upsert table compacted by the coordinator after (nearly) every cycle, kill -9 after
+    a commit (before the round) and at random moments (in a round, or between a round and the
+    next cycle, wherever they land): every key once, at its last version, read by pyiceberg
+    and by hand."""
+    keyed_table(
+        run, compact=True, compact_delete_ratio=0.001, compact_delete_files=1, compact_small_files=2
+    )
+    run.start_producer()
+    crash_at(run, faults.EXIT_AFTER_COMMIT_ENV, 1, 2, "kill -9 after commit")
+    kill_at_random(run, 0.0, 20.0)
+    kill_at_random(run, 0.0, 20.0)
+    run.finish()
+    table = run.catalog().load_table(TABLE)
+    rounds = [s for s in table.snapshots() if s.summary and s.summary.operation.value == "replace"]
+    if not rounds:
+        raise RunError("no compaction round landed: the scenario tested nothing of it")
+    run.notes.append(f"{len(rounds)} compaction snapshot(s)")
+
+
+def keyed_table(run: Run, **options: object) -> None:
+    """Recreate the run's table in upsert mode keyed by id (``options``: more table keys)."""
     catalog = run.catalog()
     catalog.drop_table(TABLE)
     keyed = Schema(*SCHEMA.fields, identifier_field_ids=[SCHEMA.find_field("id").field_id])
     catalog.create_table(
         TABLE, schema=keyed, partition_spec=SPEC, properties={"format-version": "2"}
     )
-    run.config["tables"] = [{"name": TABLE, "mode": "upsert", "id_columns": ["id"]}]
+    run.config["tables"] = [{"name": TABLE, "mode": "upsert", "id_columns": ["id"], **options}]
     run.write_config()
     run.keyed = True
-    run.start_producer()
-    crash_at(run, faults.EXIT_AFTER_PUBLISH_ENV, 1, 3, "kill -9 after publish")
-    crash_at(run, faults.EXIT_AFTER_COMMIT_ENV, 1, 2, "kill -9 after commit")
-    run.finish()
 
 
 # -- leadership ---------------------------------------------------------------------------

@@ -184,6 +184,12 @@ class TableCommitOptions(ChangeOptions):
     branch: str | None = Field(default=None, pattern=r"^[^\s]+$")
     merge_small_files: bool = False
     target_file_size_bytes: int = Field(default=DEFAULT_TARGET_FILE_SIZE, gt=0)
+    # compaction rounds between cycles (icefloe.commit.compaction): on, and when a partition
+    # needs one (any threshold passed)
+    compact: bool = False
+    compact_delete_ratio: float = Field(default=0.2, gt=0)
+    compact_delete_files: int = Field(default=8, ge=1)
+    compact_small_files: int = Field(default=16, ge=2)
 
     @field_validator("merge_small_files")
     @classmethod
@@ -318,6 +324,8 @@ class CoordinationConfig(BaseModel):
     # the channel's end moving while the coordinator's read position stands still this long
     # is reported (log, metric): see icefloe.coordination.stall
     stall_after_s: float = Field(default=120.0, gt=0)
+    # the longest compaction round between two cycles (every table's partitions together)
+    compaction_budget_s: float = Field(default=30.0, gt=0)
 
     def backend_options(self) -> dict[str, Any]:
         """The raw section of the selected backend (empty when absent)."""

@@ -525,3 +525,40 @@ def test_source_takes_topics_or_a_pattern_exactly_one() -> None:
         config_from_dict({**base, "source": {"topic_pattern": "("}})
     src = config_from_dict({**base, "source": {"topic_pattern": "ord.*"}}).source
     assert src.subscribed(["orders", "xorders", "__ord", "ord"]) == ["ord", "orders"]
+
+
+@pytest.mark.parametrize(
+    ("where", "key", "value"),
+    [
+        ("tables", "compact_delete_ratio", 0),
+        ("tables", "compact_delete_files", 0),
+        ("tables", "compact_small_files", 1),
+        ("coordination", "compaction_budget_s", 0),
+    ],
+)
+def test_compaction_keys_are_validated_and_errors_name_the_key(
+    where: str, key: str, value: float
+) -> None:
+    table = {"name": "db.t", "mode": "upsert", "id_columns": ["id"], "compact": True}
+    if where == "tables":
+        data = {**MINIMAL, "tables": [{**table, key: value}]}
+        name = f"tables.0.{key}"
+    else:
+        data = {**MINIMAL, "tables": [table], "coordination": {key: value}}
+        name = f"coordination.{key}"
+    assert name in str(_error(data))
+
+
+def test_compaction_policy_follows_the_table_keys() -> None:
+    from icefloe.commit.policy import TablePolicies
+
+    table = {"name": "db.t", "compact": True, "compact_delete_files": 3}
+    policies = TablePolicies.from_config(config_from_dict({**MINIMAL, "tables": [table]}))
+    thresholds = policies("db.t").compaction
+    assert thresholds is not None
+    assert (thresholds.delete_files, thresholds.delete_ratio, thresholds.small_files) == (
+        3,
+        0.2,
+        16,
+    )
+    assert policies("db.other").compaction is None  # off unless a table asks

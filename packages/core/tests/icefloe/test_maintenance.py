@@ -312,3 +312,43 @@ def test_dry_run_counts_the_orphans_the_real_run_deletes(
     assert did[1].startswith(f"{TABLE}: delete 4 orphan file(s)"), did
     assert not Path(_key(stray.path)).exists()
     assert_exactly_once(catalog, TABLE, [0, 1, 2, 3])
+
+
+def test_maintain_compacts_then_expires_then_removes_orphans(
+    tmp_path: Path, memory_plugins: Plugins
+) -> None:
+    """`icefloe maintain --compact` on an append table: the small files of earlier cycles are
+    merged in one replace snapshot (never deleted by the compaction), and only then can
+    expiry and orphan removal, in the same run, delete the originals."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    create_rows_table(catalog, TABLE)
+    commit_cycles(catalog, 4)
+    originals = [t.file.file_path for t in catalog.load_table(TABLE).scan().plan_files()]
+    with serve_memory_server() as (_, address):
+        config = pipe_config(catalog.name, props, address)
+        would = maintain(config, (), 0.0, 1, 0.0, dry_run=True, compact=True)
+        assert would[0] == f"{TABLE}: would compact 1 partition(s)"
+        _age_everything(catalog.load_table(TABLE).location(), 10)
+        lines = maintain(config, (), 0.0, 1, 0.0, compact=True)
+    assert lines[0].startswith(f"{TABLE}: compacted 1 partition(s): 4 data file(s) into 1"), lines
+    table = catalog.load_table(TABLE)
+    head = table.current_snapshot()
+    assert head is not None
+    assert head.summary is not None
+    assert head.summary.operation.value == "replace"
+    assert len(list(table.scan().plan_files())) == 1
+    assert_exactly_once(catalog, TABLE, [0, 1, 2, 3])
+    # the compaction only un-referenced them, and the pipeline's last cycle, which the dedupe
+    # rule reads, still names them; after the next cycle expiry and orphan removal delete them
+    assert all(Path(_key(p)).exists() for p in originals)
+    [meta] = write_rows(table, [4], "w2", 0)
+    pending = PendingFile(meta, "w2", 0, "0", 9, str(table.metadata.table_uuid))
+    IcebergCommitter(catalog, "pipe").commit(
+        TableCommitRequest(TABLE, str(uuid.uuid4()), (pending,), {"0": 10}, {}, 1)
+    )
+    _age_everything(table.location(), 10)
+    with serve_memory_server() as (_, address):
+        maintain(pipe_config(catalog.name, props, address), (), 0.0, 1, 0.0)
+    assert not any(Path(_key(p)).exists() for p in originals)
+    assert_exactly_once(catalog, TABLE, [0, 1, 2, 3, 4])

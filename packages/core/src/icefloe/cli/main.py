@@ -184,8 +184,17 @@ def maintain(
         str, typer.Option(help="Delete unreferenced files only when older than this.")
     ] = "3d",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report, change nothing.")] = False,
+    compact: Annotated[
+        bool,
+        typer.Option(
+            "--compact",
+            help="First rewrite data files with their position deletes applied, and merge "
+            "small files (every partition that has deletes or small files).",
+        ),
+    ] = False,
 ) -> None:
-    """Expire old snapshots and delete orphan files; safe next to a running pipeline."""
+    """Expire old snapshots and delete orphan files (with --compact: compact first); safe
+    next to a running pipeline."""
     from icefloe.ops import maintenance  # pulls in pyiceberg
 
     for line in maintenance.maintain(
@@ -195,6 +204,7 @@ def maintain(
         retain_last,
         maintenance.parse_age(orphans_older_than),
         dry_run,
+        compact,
     ):
         typer.echo(line)
 

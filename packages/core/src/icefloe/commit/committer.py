@@ -65,12 +65,13 @@ from pyiceberg.exceptions import (
     CommitStateUnknownException,
     NoSuchTableError,
 )
-from pyiceberg.table import Table, TableProperties, Transaction
+from pyiceberg.table import Table, Transaction
 from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe.commit import branches, rowdelta, screening
+from icefloe.commit.compaction import Compactor, RewrittenFiles, Thresholds, without_retries
 from icefloe.commit.dedupe import CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.merge import Merge, SmallFileMerger, merged_originals
@@ -163,6 +164,7 @@ class IcebergCommitter:
         self._retry_wait_s = retry_wait_s
         self._max_retry_wait_s = max_retry_wait_s
         self._live_files = LiveFiles()
+        self._rewritten = RewrittenFiles()
         self._side_files = SideFiles()
         self._ownership = Ownership(group_id)
         # per table: the merged originals deleted after its last commit here (not to look for)
@@ -189,6 +191,21 @@ class IcebergCommitter:
     def branch(self) -> str:
         """The branch of tables the policies do not name."""
         return self._policies.default.branch
+
+    def compactor(self, after_write: Callable[[str], None] | None = None) -> Compactor:
+        """Compaction rounds for this pipeline's tables: the same catalog, branches and lease
+        check as the commits (``after_write``: a test hook, see :class:`Compactor`)."""
+        return Compactor(
+            self._group_id, self._load, self.branch_of, self._before_commit, after_write
+        )
+
+    def compaction_of(self, table: str) -> Thresholds | None:
+        """When ``table`` is compacted (its policy's thresholds; None: never)."""
+        return self._policies(table).compaction
+
+    def target_file_size_of(self, table: str) -> int:
+        """The data file size ``table``'s policy aims at."""
+        return self._policies(table).target_file_size_bytes
 
     def branch_of(self, table: str) -> str:
         """The branch ``table`` is committed to (its policy's)."""
@@ -447,16 +464,7 @@ class IcebergCommitter:
                 f"table '{name}' does not exist in the catalog; create it (or route its records "
                 "elsewhere): its pending files are quarantined after repeated attempts"
             ) from e
-        metadata = table.metadata
-        properties = {**metadata.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}
-        return Table(
-            identifier=table.name(),
-            metadata=metadata.model_copy(update={"properties": properties}),
-            metadata_location=table.metadata_location,
-            io=table.io,
-            catalog=table.catalog,
-            config=table.config,
-        )
+        return without_retries(table)
 
     def _branch_head(self, table: Table) -> tuple[Snapshot | None, int | None]:
         """The branch's head, and the snapshot to fork it from when it does not exist yet."""
@@ -586,7 +594,10 @@ class IcebergCommitter:
             )
         files, skipped = _select(request.files, state, replay)
         # files the head holds are dropped before any refusal, as screen() accepts them
-        live = self._live_files.live_paths(table, head, {f.meta.path for f in files})
+        paths = {f.meta.path for f in files}
+        live = self._live_files.live_paths(table, head, paths)
+        # a file a compaction rewrote was committed too, though the head no longer lists it
+        live |= self._rewritten.among(table, head, paths - live)
         if live:
             logger.warning(
                 "%s: %d announced file(s) are already in the table (announced again, e.g. "

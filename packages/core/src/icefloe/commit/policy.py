@@ -1,6 +1,7 @@
-"""How the committer treats each table: the branch it commits to and whether it merges a
-cycle's small files (the per-table ``branch``, ``merge_small_files`` and
-``target_file_size_bytes`` keys of ``[[tables]]`` and ``[dynamic_tables]``).
+"""How the committer treats each table: the branch it commits to, whether it merges a
+cycle's small files and when it compacts the table (the per-table ``branch``,
+``merge_small_files``, ``target_file_size_bytes`` and ``compact*`` keys of ``[[tables]]`` and
+``[dynamic_tables]``).
 
 One object answers for every table, so every reader of per-branch state (committer, resume,
 status, drain, maintain) resolves a table's branch the same way: its ``[[tables]]`` entry,
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from icefloe.commit.compaction import Thresholds
 from icefloe.config import DEFAULT_TARGET_FILE_SIZE
 
 if TYPE_CHECKING:
@@ -30,6 +32,9 @@ class TablePolicy:
     """Rewrite a cycle's small data files into files of about ``target_file_size_bytes``
     before the commit (append tables only; see :mod:`icefloe.commit.merge`)."""
     target_file_size_bytes: int = DEFAULT_TARGET_FILE_SIZE
+    compaction: Thresholds | None = None
+    """When the coordinator compacts the table between cycles (None: never; see
+    :mod:`icefloe.commit.compaction`)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,14 @@ class TablePolicies:
                 branch=options.branch or base,
                 merge_small_files=options.merge_small_files,
                 target_file_size_bytes=options.target_file_size_bytes,
+                compaction=Thresholds(
+                    delete_ratio=options.compact_delete_ratio,
+                    delete_files=options.compact_delete_files,
+                    small_files=options.compact_small_files,
+                    target_file_size_bytes=options.target_file_size_bytes,
+                )
+                if options.compact
+                else None,
             )
 
         dynamic = config.dynamic_tables

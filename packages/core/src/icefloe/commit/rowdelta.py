@@ -53,7 +53,7 @@ from pyiceberg.partitioning import PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table, Transaction
 from pyiceberg.table.snapshots import Operation
-from pyiceberg.table.update.snapshot import _MergeAppendFiles
+from pyiceberg.table.update.snapshot import _MergeAppendFiles, _SnapshotProducer
 from pyiceberg.typedef import EMPTY_DICT, Record
 from pyiceberg.types import (
     DateType,
@@ -322,6 +322,24 @@ class _DeleteManifestWriter(ManifestWriterV2):
         return {**super()._meta, "content": "deletes"}
 
 
+def write_delete_manifest(
+    producer: _SnapshotProducer[Any], spec_id: int, entries: Iterable[ManifestEntry]
+) -> ManifestFile:
+    """One DELETES manifest of ``entries`` (under spec ``spec_id``) for ``producer``'s
+    snapshot: the row delta adds delete files in one, compaction merges them into one."""
+    writer = _DeleteManifestWriter(
+        spec=producer.spec(spec_id),
+        schema=producer.schema(),
+        output_file=producer.new_manifest_output(),
+        snapshot_id=producer.snapshot_id,
+        avro_compression=producer._compression,
+    )
+    with writer:
+        for entry in entries:
+            writer.add_entry(entry)
+    return writer.to_manifest_file()
+
+
 class _RowDelta(_MergeAppendFiles):
     """A merge append that also adds delete files, in their own DELETES manifest(s).
 
@@ -353,25 +371,17 @@ class _RowDelta(_MergeAppendFiles):
         for f in self._added_delete_files:
             by_spec.setdefault(f.spec_id or 0, []).append(f)
         for spec_id, files in sorted(by_spec.items()):
-            writer = _DeleteManifestWriter(
-                spec=self.spec(spec_id),
-                schema=self.schema(),
-                output_file=self.new_manifest_output(),
-                snapshot_id=self.snapshot_id,
-                avro_compression=self._compression,
+            entries = (
+                ManifestEntry.from_args(
+                    status=ManifestEntryStatus.ADDED,
+                    snapshot_id=self.snapshot_id,
+                    sequence_number=None,
+                    file_sequence_number=None,
+                    data_file=f,
+                )
+                for f in files
             )
-            with writer:
-                for f in files:
-                    writer.add(
-                        ManifestEntry.from_args(
-                            status=ManifestEntryStatus.ADDED,
-                            snapshot_id=self.snapshot_id,
-                            sequence_number=None,
-                            file_sequence_number=None,
-                            data_file=f,
-                        )
-                    )
-            merged.append(writer.to_manifest_file())
+            merged.append(write_delete_manifest(self, spec_id, entries))
         return merged
 
     def _summary(self, snapshot_properties: dict[str, str] = EMPTY_DICT) -> Any:

@@ -91,6 +91,7 @@ class CommitCycle:
         self._plugins = plugins
         self._quarantine = quarantine
         self._trouble: dict[str, _TableBackoff] = {}
+        self._compaction_turn = 0  # which table a compaction round starts with
         # tables marked failing in the quarantine (by any leader), read at the first commit
         self._marked: set[str] | None = None
         self.quarantined_files = 0  # since this coordinator started (a metric)
@@ -277,7 +278,43 @@ class CommitCycle:
             len(deferred),
             sum(quarantined.values()),
         )
+        self._compact(results)
         return cycle
+
+    def _compact(self, results: Sequence[TableCommitResult]) -> None:
+        """A compaction round right after the cycle, for the tables it committed to whose
+        policy compacts them: the coordinator is their one writer, so a round never races its
+        own cycles (:mod:`icefloe.commit.compaction`). Bounded by ``compaction_budget_s``; a
+        table whose round fails stays as it is (its rows unchanged) and is tried after its
+        next commit."""
+        committer = self._committer
+        tables = sorted(
+            r.table
+            for r in results
+            if r.snapshot_id is not None and committer.compaction_of(r.table) is not None
+        )
+        if not tables:
+            return
+        # each round starts with another table, so a spent budget starves none of them
+        first = self._compaction_turn % len(tables)
+        self._compaction_turn += 1
+        tables = tables[first:] + tables[:first]
+        compactor = committer.compactor(self._hooks.during_compaction)
+        deadline = time.monotonic() + self._settings.compaction_budget_s
+        for i, table in enumerate(tables):
+            thresholds = committer.compaction_of(table)
+            left = deadline - time.monotonic()
+            if thresholds is None or (i and left <= 0):
+                continue  # the first table of a round always gets its turn
+            try:
+                result = compactor.compact(table, thresholds, max(left, 0.0))
+            except NotLeaderError:
+                raise  # a newer leader exists: stop here, as a commit would
+            except Exception as exc:  # the table keeps its files; the next round retries
+                log.warning("compaction of %s failed, nothing changed: %s", table, exc)
+                continue
+            if result.snapshot_id is not None and self._hooks.after_compaction is not None:
+                self._hooks.after_compaction(table)
 
     def _failed(self, commit_id: str, table: str, exc: Exception) -> int:
         """Count a table failure and set its backoff; once ``quarantine_after_failures`` are

@@ -41,6 +41,9 @@ class CoordinatorSettings:
     stall_after_s: float = 120.0
     """How long the channel's end may move on while the read position stands still before
     the coordinator reports a stalled channel (see :mod:`icefloe.coordination.stall`)."""
+    compaction_budget_s: float = 30.0
+    """The longest compaction round after a cycle (tables whose policy compacts them; see
+    :mod:`icefloe.commit.compaction`): a cycle waits for at most one round."""
 
     @classmethod
     def for_pipeline(cls, config: PipelineConfig) -> CoordinatorSettings:
@@ -66,6 +69,7 @@ class CoordinatorSettings:
             table_retry_base_s=c.table_retry_base_s,
             table_retry_max_s=c.table_retry_max_s,
             stall_after_s=c.stall_after_s,
+            compaction_budget_s=c.compaction_budget_s,
         )
 
 
@@ -100,3 +104,8 @@ class CoordinatorHooks:
     here is the race invariant 3 is about)."""
     after_iceberg_commits: Callable[[CycleResult], None] | None = None
     """After every table commit of the cycle, before the broadcasts and ``store_position``."""
+    during_compaction: Callable[[str], None] | None = None
+    """In a compaction round after a cycle: the table's new files are written, its replace
+    snapshot is not committed yet."""
+    after_compaction: Callable[[str], None] | None = None
+    """After a table's compaction snapshot landed, before the next cycle."""

@@ -30,6 +30,8 @@ from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import ancestors_of
 
 from icefloe.channel import CoordinatorChannel
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.compaction import CompactionResult, Thresholds
 from icefloe.commit.dedupe import MERGED_KEY, RETIRED_KEY
 from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile
@@ -98,6 +100,10 @@ class OrphanResult:
     deleted: tuple[str, ...]
     kept_pending: tuple[str, ...]  # unreferenced, old enough, but announced by a writer
     kept_quarantined: tuple[str, ...] = ()  # unreferenced, old enough, but quarantined
+
+
+# rounds of `icefloe maintain --compact` per table that may meet a pipeline's commit
+_COMPACT_ATTEMPTS = 3
 
 
 def icefloe_groups(metadata: TableMetadata) -> set[str]:
@@ -269,6 +275,25 @@ def announced_files(
     return {f.meta.path for _, f in announced(channel, group_id, timeout_s)}
 
 
+def compact_table(committer: IcebergCommitter, name: str, dry_run: bool = False) -> str:
+    """Compact every partition of ``name`` with position deletes or several small files (the
+    operator asked: no threshold), on the table's branch, with its policy's target file size.
+    Next to a running pipeline a round may meet a cycle's commit and then commits nothing: it
+    is tried again a few times."""
+    policy = committer.compaction_of(name) or Thresholds(
+        target_file_size_bytes=committer.target_file_size_of(name)
+    )
+    compactor = committer.compactor()
+    if dry_run:
+        return f"{name}: would compact {compactor.pending(name, policy, force=True)} partition(s)"
+    result = CompactionResult(name, None)
+    for _ in range(_COMPACT_ATTEMPTS):
+        result = compactor.compact(name, policy, force=True)
+        if result.snapshot_id is not None or not result.skipped_partitions:
+            break
+    return result.describe()
+
+
 def parse_age(text: str) -> float:
     """``"7d"``, ``"12h"``, ``"30m"``, ``"45s"`` or plain seconds, in seconds."""
     units = {"d": 86_400.0, "h": 3_600.0, "m": 60.0, "s": 1.0}
@@ -290,10 +315,13 @@ def maintain(
     retain_last: int = 1,
     orphans_older_than_s: float = 3 * 86_400.0,
     dry_run: bool = False,
+    compact: bool = False,
 ) -> list[str]:
-    """``icefloe maintain``: expire snapshots, then delete orphan files, in every table the
-    pipeline commits to (:func:`icefloe.ops.tables.pipeline_tables`) or in ``tables``;
-    returns one line per table and step for the operator."""
+    """``icefloe maintain``: with ``compact`` first compact (:func:`compact_table`), then
+    expire snapshots, then delete orphan files, in every table the pipeline commits to
+    (:func:`icefloe.ops.tables.pipeline_tables`) or in ``tables``; returns one line per
+    table and step for the operator. In that order because a compaction un-references files
+    that only expiry and then orphan removal delete."""
     import time
 
     from pyiceberg.catalog import load_catalog
@@ -318,7 +346,10 @@ def maintain(
     names = list(tables) or pipeline_tables(catalog, config)
     verb = "would " if dry_run else ""
     lines: list[str] = []
+    committer = IcebergCommitter.for_pipeline(catalog, config) if compact else None
     for name in names:
+        if committer is not None:
+            lines.append(compact_table(committer, name, dry_run))
         table = catalog.load_table(name)
         expiry = expire_snapshots(
             table, now_ms - int(expire_older_than_s * 1000), retain_last, dry_run

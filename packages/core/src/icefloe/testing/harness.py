@@ -18,6 +18,7 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import Backend
+from icefloe.commit.policy import TablePolicies
 from icefloe.coordination.coordinator import (
     Coordinator,
     CoordinatorHooks,
@@ -151,24 +152,33 @@ class DoomedCoordinator:
     group_id: str
     lease_ttl_s: float
     pending_files: int
+    policies: TablePolicies | None = None
+    die_in_compaction: bool = False
+    """Die in the compaction round after the cycle (its files written, not committed),
+    instead of right after the Iceberg commits."""
 
 
-def _sigkill_self(_: CycleResult) -> None:
+def _sigkill_self(_: object) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_doomed_coordinator(spec: DoomedCoordinator) -> None:
     """Child process body: lead, read ``pending_files`` files, commit them to Iceberg and die
-    by SIGKILL right after the Iceberg commits, before the channel position is stored."""
+    by SIGKILL right after the Iceberg commits, before the channel position is stored (or,
+    with ``die_in_compaction``, in the compaction round after the cycle)."""
     backend = MemoryBackend(connect_memory_server(spec.address), spec.group_id, spec.lease_ttl_s)
     coordinator = Coordinator(
         spec.group_id,
         backend.coordinator("doomed"),
         SqlCatalog(spec.catalog_name, **spec.catalog_properties),
-        CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0),
+        CoordinatorSettings(
+            commit_interval_s=3600.0, commit_timeout_s=30.0, policies=spec.policies
+        ),
         coordinator_id="doomed",
         plugins=new_plugins(autoload=False),
-        hooks=CoordinatorHooks(after_iceberg_commits=_sigkill_self),
+        hooks=CoordinatorHooks(during_compaction=_sigkill_self)
+        if spec.die_in_compaction
+        else CoordinatorHooks(after_iceberg_commits=_sigkill_self),
     )
     lead(coordinator)
     wait_pending(coordinator, spec.pending_files)

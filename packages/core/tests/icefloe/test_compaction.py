@@ -1,0 +1,350 @@
+"""Compaction of upsert/CDC and append tables against a real SqlCatalog with real files.
+
+Upsert cycles are committed by the real committer (key files resolved into position deletes);
+the tables are read twice: by pyiceberg's scan, and by a reader that shares no code with
+pyiceberg or icefloe (fastavro over the manifest list and manifests, pyarrow over the data
+files minus the rows their position delete files name). Both must equal the model: the last
+value written per key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.partitioning import PartitionField, PartitionSpec
+from pyiceberg.schema import Schema
+from pyiceberg.table import Table
+from pyiceberg.transforms import BucketTransform
+from pyiceberg.types import LongType, NestedField, StringType
+
+from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.compaction import (
+    COMPACTED_DELETE_FILES_KEY,
+    COMPACTED_FILES_KEY,
+    Compactor,
+    Thresholds,
+)
+from icefloe.commit.request import PendingFile, TableCommitRequest
+from icefloe.records.datafiles import write_data_files, write_key_files
+from icefloe.testing.readers import independent_rows, live_files, local, read_avro
+
+GROUP = "pipe-c"
+NAME = "db.kv"
+SCHEMA = Schema(
+    NestedField(1, "id", LongType(), required=True),
+    NestedField(2, "v", StringType(), required=False),
+    identifier_field_ids=[1],
+)
+BY_BUCKET = PartitionSpec(PartitionField(1, 1000, BucketTransform(4), "id_bucket"))
+EAGER = Thresholds(delete_ratio=0.01, delete_files=2, small_files=2)
+
+
+@pytest.fixture
+def catalog(sqlite_catalog: SqlCatalog) -> SqlCatalog:
+    sqlite_catalog.create_namespace("db")
+    return sqlite_catalog
+
+
+class Keyed:
+    """Drives upsert cycles through the real committer and keeps the model (id -> value)."""
+
+    def __init__(self, catalog: SqlCatalog, name: str = NAME, **committer: Any) -> None:
+        self.catalog = catalog
+        self.name = name
+        self.model: dict[int, str] = {}
+        self.committer = IcebergCommitter(catalog, GROUP, **committer)
+        self.requests: list[TableCommitRequest] = []
+        self._seq = itertools.count()
+
+    def cycle(
+        self, upserts: dict[int, str], deletes: tuple[int, ...] = (), writer: str = "w"
+    ) -> TableCommitRequest:
+        table = self.catalog.load_table(self.name)
+        seq = next(self._seq)
+        metas = []
+        if upserts:
+            rows = pa.table(
+                {
+                    "id": pa.array(list(upserts), pa.int64(), from_pandas=False),
+                    "v": pa.array(list(upserts.values()), pa.string()),
+                },
+                schema=pa.schema([pa.field("id", pa.int64(), False), pa.field("v", pa.string())]),
+            )
+            metas += write_data_files(table, rows)
+        keys = [*upserts, *deletes]
+        metas += write_key_files(table, pa.table({"id": pa.array(keys, pa.int64())}))
+        uid = str(table.metadata.table_uuid)
+        files = tuple(PendingFile(m, writer, seq, "0", seq, uid) for m in metas)
+        request = TableCommitRequest(
+            table=self.name,
+            commit_id=str(uuid.uuid4()),
+            files=files,
+            positions={"0": seq + 1},
+            source_offsets={},
+            fencing_token=1,
+        )
+        self.committer.commit(request)
+        self.requests.append(request)
+        self.model.update(upserts)
+        for k in deletes:
+            self.model.pop(k, None)
+        return request
+
+    def random_cycle(self, rng: random.Random, keys: int, changes: int) -> None:
+        picked = rng.sample(range(keys), changes)
+        cut = changes // 4
+        self.cycle({k: f"v{rng.random():.6f}" for k in picked[cut:]}, tuple(picked[:cut]))
+
+    def expected(self) -> list[tuple[int, str]]:
+        return sorted(self.model.items())
+
+    def check(self) -> None:
+        """pyiceberg's scan and the independent reader both equal the model."""
+        table = self.catalog.load_table(self.name)
+        scanned = sorted((r["id"], r["v"]) for r in table.scan().to_arrow().to_pylist())
+        assert scanned == self.expected()
+        assert sorted(independent_rows(table, ("id", "v"))) == self.expected()
+
+
+def compactor(catalog: SqlCatalog, **options: Any) -> Compactor:
+    return Compactor(GROUP, catalog.load_table, lambda _: "main", **options)
+
+
+@pytest.mark.parametrize("spec", [PartitionSpec(), BY_BUCKET], ids=["unpartitioned", "bucket"])
+def test_compaction_applies_deletes_in_one_replace_snapshot(
+    catalog: SqlCatalog, spec: PartitionSpec
+) -> None:
+    catalog.create_table(NAME, schema=SCHEMA, partition_spec=spec)
+    keyed = Keyed(catalog)
+    rng = random.Random(7)
+    keyed.cycle({k: "v0" for k in range(200)})
+    for _ in range(6):
+        keyed.random_cycle(rng, 260, 40)
+    keyed.check()
+    table = catalog.load_table(NAME)
+    data_before, deletes_before = live_files(table)
+    assert deletes_before
+    snapshots = len(table.snapshots())
+
+    result = compactor(catalog).compact(NAME, EAGER)
+
+    table = catalog.load_table(NAME)
+    assert len(table.snapshots()) == snapshots + 1
+    head = table.current_snapshot()
+    assert head is not None
+    assert head.summary is not None
+    assert head.summary.operation.value == "replace"
+    assert head.summary[COMPACTED_FILES_KEY] == str(result.rewritten_files)
+    assert head.summary[COMPACTED_DELETE_FILES_KEY] == str(len(deletes_before))
+    assert head.summary["deleted-data-files"] == str(len(data_before))
+    assert head.summary["removed-delete-files"] == str(len(deletes_before))
+    data_after, deletes_after = live_files(table)
+    assert deletes_after == []
+    assert 1 <= len(data_after) <= (4 if spec.fields else 1)
+    keyed.check()
+    # the rows of each new file are sorted by the key, so its bounds are tight
+    for path in data_after:
+        ids = pq.read_table(local(path), columns=["id"])["id"].to_pylist()
+        assert ids == sorted(ids)
+    # nothing was deleted from storage: the old snapshot still reads
+    for path in data_before + deletes_before:
+        assert Path(local(path)).exists()
+    # one delete manifest at most (merged), none needed here
+    manifests = read_avro(head.manifest_list)
+    assert [m for m in manifests if m["content"] == 1 and m["existing_files_count"]] == []
+    # later cycles resolve against the compacted files
+    keyed.random_cycle(rng, 260, 40)
+    keyed.check()
+
+
+def test_only_partitions_that_need_it_are_rewritten(catalog: SqlCatalog) -> None:
+    catalog.create_table(NAME, schema=SCHEMA, partition_spec=BY_BUCKET)
+    keyed = Keyed(catalog)
+    keyed.cycle({k: "v0" for k in range(400)})
+    table = catalog.load_table(NAME)
+    in_bucket = [k for k in range(400) if _bucket(table, k) == 0]
+    for n in range(3):  # deletes in bucket 0 only
+        keyed.cycle({k: f"v{n + 1}" for k in in_bucket[n * 10 : n * 10 + 10]})
+    before, _ = live_files(catalog.load_table(NAME))
+
+    result = compactor(catalog).compact(NAME, Thresholds(delete_ratio=1.0, delete_files=2))
+
+    assert result.partitions == 1
+    after, deletes = live_files(catalog.load_table(NAME))
+    assert deletes == []
+    untouched = set(before) & set(after)
+    assert len(untouched) == 3  # the seed's files of buckets 1-3
+    keyed.check()
+
+
+def _bucket(table: Table, key: int) -> int:
+    transform = BucketTransform(4).pyarrow_transform(LongType())
+    return int(transform(pa.array([key], pa.int64()))[0].as_py())
+
+
+def test_below_thresholds_nothing_is_committed(catalog: SqlCatalog) -> None:
+    catalog.create_table(NAME, schema=SCHEMA)
+    keyed = Keyed(catalog)
+    keyed.cycle({k: "v0" for k in range(100)})
+    keyed.cycle({1: "v1"})
+    snapshots = len(catalog.load_table(NAME).snapshots())
+    result = compactor(catalog).compact(NAME, Thresholds())
+    assert result.snapshot_id is None
+    assert len(catalog.load_table(NAME).snapshots()) == snapshots
+
+
+def test_a_cycle_after_an_external_rewrite_resolves_against_the_new_files(
+    catalog: SqlCatalog,
+) -> None:
+    """Another engine rewrites the table (pyiceberg's overwrite: every data file replaced,
+    the position delete files left dangling) after the committer loaded the table and before
+    it commits: the commit must fail on the moved branch and resolve its keys again against
+    the new files, or the update would delete rows of files that are gone and the old image
+    of its keys would come back."""
+    catalog.create_table(NAME, schema=SCHEMA)
+    keyed = Keyed(catalog)
+    keyed.cycle({k: "v0" for k in range(50)})
+    keyed.cycle({k: "v1" for k in range(0, 50, 5)})
+    rewritten = threading.Event()
+
+    def external_rewrite() -> None:
+        if rewritten.is_set():
+            return
+        rewritten.set()
+        table = catalog.load_table(NAME)
+        table.overwrite(table.scan().to_arrow())
+
+    keyed.committer = IcebergCommitter(
+        catalog, GROUP, before_commit=external_rewrite, retry_wait_s=0.001
+    )
+    keyed.cycle({k: "v2" for k in range(0, 50, 2)}, deletes=(3, 9))
+    assert rewritten.is_set()
+    keyed.check()
+    # the rewrite left delete files that target nothing: compaction drops them
+    assert live_files(catalog.load_table(NAME))[1]
+    compactor(catalog).compact(NAME, EAGER)
+    assert live_files(catalog.load_table(NAME))[1] == []
+    keyed.check()
+
+
+def test_a_compaction_planned_on_an_older_head_commits_nothing(catalog: SqlCatalog) -> None:
+    """A live cycle lands after the compaction read the table: the compaction must fail (its
+    rewrite would bring back the rows the cycle replaced) and the next round redo it."""
+    catalog.create_table(NAME, schema=SCHEMA)
+    keyed = Keyed(catalog)
+    keyed.cycle({k: "v0" for k in range(50)})
+    keyed.cycle({k: "v1" for k in range(10)})
+
+    def cycle_meanwhile(_: str) -> None:
+        keyed.cycle({k: "v2" for k in range(5)}, deletes=(40,))
+
+    racing = compactor(catalog, after_write=cycle_meanwhile)
+    assert racing.compact(NAME, EAGER).snapshot_id is None
+    keyed.check()
+    assert compactor(catalog).compact(NAME, EAGER).snapshot_id is not None
+    keyed.check()
+
+
+def test_a_compacted_file_announced_again_is_not_committed_again(catalog: SqlCatalog) -> None:
+    """A batch announced again under a fresh writer id (a restart that lost its checkpoint)
+    after compaction rewrote its files: the head no longer lists them, yet they were
+    committed; committing them again would duplicate rows (and re-apply old images)."""
+    catalog.create_table(NAME, schema=SCHEMA)
+    keyed = Keyed(catalog)
+    keyed.cycle({k: "v0" for k in range(20)})
+    first = keyed.cycle({1: "v1", 2: "v1"})
+    keyed.cycle({1: "v2"})
+    assert compactor(catalog).compact(NAME, EAGER).snapshot_id is not None
+
+    again = tuple(
+        PendingFile(f.meta, "w-restarted", 0, "0", 100 + i, f.table_uuid)
+        for i, f in enumerate(first.files)
+    )
+    result = keyed.committer.commit(
+        TableCommitRequest(
+            table=NAME,
+            commit_id="again",
+            files=again,
+            positions={"0": 200},
+            source_offsets={},
+            fencing_token=1,
+        )
+    )
+    assert result.snapshot_id is None
+    keyed.check()
+
+
+def test_random_cycles_with_compaction_rounds_equal_the_model(catalog: SqlCatalog) -> None:
+    catalog.create_table(NAME, schema=SCHEMA, partition_spec=BY_BUCKET)
+    keyed = Keyed(catalog)
+    rng = random.Random(11)
+    rounds = compactor(catalog)
+    keyed.cycle({k: "v0" for k in range(300)})
+    for n in range(12):
+        keyed.random_cycle(rng, 400, 30)
+        if n % 3 == 2:
+            rounds.compact(NAME, EAGER)
+        keyed.check()
+    _, deletes = live_files(catalog.load_table(NAME))
+    assert len(deletes) <= 4 * 2
+
+
+def _file(path: str, size: int, content: Any = None, bounds: tuple[str, str] | None = None) -> Any:
+    from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+    from pyiceberg.typedef import Record
+
+    from icefloe.commit.rowdelta import FILE_PATH_FIELD_ID
+
+    f = DataFile.from_args(
+        content=content or DataFileContent.DATA,
+        file_path=path,
+        file_format=FileFormat.PARQUET,
+        partition=Record(),
+        record_count=100,
+        file_size_in_bytes=size,
+        lower_bounds=None if bounds is None else {FILE_PATH_FIELD_ID: bounds[0].encode()},
+        upper_bounds=None if bounds is None else {FILE_PATH_FIELD_ID: bounds[1].encode()},
+    )
+    f.spec_id = 0
+    return f
+
+
+@pytest.mark.parametrize(
+    ("bounds", "rewritten"),
+    [
+        (("s3://b/a.parquet", "s3://b/a.parquet"), ["s3://b/a.parquet"]),
+        (("s3://b/a.parquet", "s3://b/c.parquet"), ["s3://b/a.parquet", "s3://b/b.parquet"]),
+        (None, ["s3://b/a.parquet", "s3://b/b.parquet"]),
+        (("s3://b/x.parquet", "s3://b/z.parquet"), []),  # targets nothing live
+    ],
+    ids=["one-target", "range", "no-bounds", "dangling"],
+)
+def test_a_delete_file_goes_only_with_every_file_it_may_target(
+    bounds: tuple[str, str] | None, rewritten: list[str]
+) -> None:
+    """Big files (not small) are rewritten only when the delete file's path bounds say it
+    may target them; the delete file is then dropped, as no file left can be its target."""
+    from pyiceberg.manifest import DataFileContent
+    from pyiceberg.table import FileScanTask
+
+    from icefloe.commit.compaction import PartitionState, plan_rewrite
+
+    big = 100 * 1024 * 1024
+    delete = _file("s3://b/d.parquet", 10, DataFileContent.POSITION_DELETES, bounds)
+    part = PartitionState(
+        (0, ()),
+        [FileScanTask(_file(p, big)) for p in ("s3://b/a.parquet", "s3://b/b.parquet")],
+        {delete.file_path: delete},
+    )
+    chosen, drop = plan_rewrite(part, 128 * 1024 * 1024)
+    assert [t.file.file_path for t in chosen] == rewritten
+    assert drop == [delete]
