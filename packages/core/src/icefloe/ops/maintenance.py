@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import pyarrow.fs as pafs
 from pyiceberg.table import Table, TableProperties
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
@@ -199,6 +200,21 @@ def referenced_files(table: Table, expiring: Iterable[int] = ()) -> set[str]:
     return {_file_key(r) for r in refs | manifests}
 
 
+def table_filesystem(table: Table) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow file system the table's own FileIO reads and writes with (its catalog's
+    ``s3.endpoint``, credentials, region...), and the table location as that file system
+    names it (``bucket/prefix`` on object stores). ``FileSystem.from_uri`` would instead use
+    the environment's defaults: AWS's endpoint and credentials, not the catalog's."""
+    from pyiceberg.io.pyarrow import PyArrowFileIO
+
+    location = table.location()
+    if not isinstance(table.io, PyArrowFileIO):  # e.g. FsspecFileIO: pyarrow's own lookup
+        fs, path = pafs.FileSystem.from_uri(location)
+        return fs, str(path)
+    scheme, netloc, path = table.io.parse_location(location)
+    return table.io.fs_by_scheme(scheme, netloc), path
+
+
 def remove_orphan_files(
     table: Table,
     older_than_ms: int,
@@ -213,12 +229,11 @@ def remove_orphan_files(
     quarantine entry names (``quarantined``: no snapshot and, once the channel moved past
     them, no batch names those files either; only the entry keeps them recoverable).
     ``expiring``: snapshots a dry run would have expired first (see :func:`referenced_files`)."""
-    import pyarrow.fs as pafs
-
     referenced = referenced_files(table, expiring)
     announced = {_file_key(p) for p in pending}
     refused = {_file_key(p) for p in quarantined}
-    fs, base = pafs.FileSystem.from_uri(table.location())
+    fs, base = table_filesystem(table)
+    # pyarrow pages through object-store listings itself (S3: 1000 keys a request)
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
     deleted: list[str] = []
     spared: list[str] = []
