@@ -149,3 +149,44 @@ def test_orphans_are_listed_and_deleted_over_several_pages(
     assert sorted(removed.deleted) == sorted(found.deleted)
     assert [k for k in s3_store.keys(f"s3://{bucket}/{prefix}/data/") if "orphan-" in k] == []
 
+
+def doctor_storage(properties: Mapping[str, str], tables: list[str]) -> list[tuple[str, str]]:
+    """``icefloe doctor``'s storage lines for a pipeline over ``tables`` on this catalog."""
+    from icefloe.config import config_from_dict
+    from icefloe.ops.doctor import catalog_checks
+
+    config = config_from_dict(
+        {
+            "name": "p",
+            "source": {"topics": ["t"]},
+            "catalog": {"name": "s3test", "properties": dict(properties)},
+            "tables": [{"name": t} for t in tables],
+        }
+    )
+    return [(c.status, c.detail) for c in catalog_checks(config) if c.name.startswith("storage")]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("s3.secret-access-key", "not-the-secret"), ("s3.access-key-id", "AKIANOSUCHKEY000000")],
+)
+def test_doctor_probes_the_store_and_names_the_rejected_key(
+    s3_catalog_properties: Mapping[str, str],
+    catalog: Catalog,
+    s3_store: S3Store,
+    key: str,
+    value: str,
+) -> None:
+    create_rows_table(catalog, "db.there")
+    tables = ["db.there", "db.created_by_run"]
+    ok = doctor_storage(s3_catalog_properties, tables)
+    location = catalog.load_table("db.there").location()
+    assert [status for status, _ in ok] == ["ok", "ok"]  # the table's data, the warehouse
+    assert f"{location}/data: written, read and deleted" in ok[0][1]
+    assert not [k for k in s3_store.keys(s3_catalog_properties["warehouse"]) if "doctor" in k]
+
+    wrong = doctor_storage({**s3_catalog_properties, key: value}, tables)
+    assert wrong
+    assert all(status == "fail" for status, _ in wrong)  # reading metadata fails too
+    assert all(f"check catalog property {key}:" in detail for _, detail in wrong), wrong
+    assert value not in " ".join(d for _, d in wrong)  # a secret is never echoed
