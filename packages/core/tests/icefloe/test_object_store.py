@@ -17,6 +17,7 @@ from pyiceberg.catalog import Catalog, load_catalog
 from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.quarantine import Quarantine
 from icefloe.coordination.coordinator import CoordinatorSettings
+from icefloe.events import DataFileMeta
 from icefloe.ops.maintenance import expire_snapshots, remove_orphan_files
 from icefloe.testing.fixtures import (
     KEYED_ROWS_SCHEMA,
@@ -76,10 +77,7 @@ def test_commits_merges_quarantines_and_maintains_on_the_object_store(
 
         # an s3a:// alias of a file under the table is the same object: committed
         batch = pipe.source.batch("w", 3, group_id=pipe.group_id)
-        aliased = {
-            t: [dataclasses.replace(m, path="s3a://" + m.path.removeprefix("s3://")) for m in ms]
-            for t, ms in batch.files.items()
-        }
+        aliased = s3a(batch.files)
         # and a file of another table announced for MERGED lies outside it: quarantined
         outside = write_rows(catalog.load_table(PLAIN), [10_000], "w", 4, pipe.group_id)
         pipe.writer.publish(3, aliased, batch.positions)
@@ -118,6 +116,15 @@ def test_commits_merges_quarantines_and_maintains_on_the_object_store(
     # nothing referenced was deleted (the s3a:// paths are the same objects)
     for t in (MERGED, PLAIN):
         assert s3_store.read_ids(catalog.load_table(t)) == expected[t]
+
+
+def s3a(files: dict[str, list[DataFileMeta]]) -> dict[str, list[DataFileMeta]]:
+    """The same files, named with the ``s3a://`` alias (Hadoop's spelling of the bucket)."""
+    alias = "s3a://"
+    return {
+        t: [dataclasses.replace(m, path=alias + m.path.removeprefix("s3://")) for m in ms]
+        for t, ms in files.items()
+    }
 
 
 def test_upserts_write_position_deletes_to_the_object_store(
@@ -163,7 +170,12 @@ def doctor_storage(properties: Mapping[str, str], tables: list[str]) -> list[tup
             "tables": [{"name": t} for t in tables],
         }
     )
-    return [(c.status, c.detail) for c in catalog_checks(config) if c.name.startswith("storage")]
+    checks = catalog_checks(config)
+    return [
+        (c.status, c.detail)
+        for c in checks
+        if c.name in ("table db.there", "storage") or c.name.startswith("storage ")
+    ]
 
 
 @pytest.mark.parametrize(
@@ -178,15 +190,19 @@ def test_doctor_probes_the_store_and_names_the_rejected_key(
     value: str,
 ) -> None:
     create_rows_table(catalog, "db.there")
-    tables = ["db.there", "db.created_by_run"]
+    tables = ["db.there", "db.missing"]
     ok = doctor_storage(s3_catalog_properties, tables)
     location = catalog.load_table("db.there").location()
-    assert [status for status, _ in ok] == ["ok", "ok"]  # the table's data, the warehouse
-    assert f"{location}/data: written, read and deleted" in ok[0][1]
+    # the table, then the probes of its data location and of the warehouse (db.missing)
+    assert [status for status, _ in ok] == ["ok", "ok", "ok"], ok
+    assert ok[1][1] == f"{location}/data: written, read and deleted"
     assert not [k for k in s3_store.keys(s3_catalog_properties["warehouse"]) if "doctor" in k]
 
     wrong = doctor_storage({**s3_catalog_properties, key: value}, tables)
-    assert wrong
-    assert all(status == "fail" for status, _ in wrong)  # reading metadata fails too
-    assert all(f"check catalog property {key}:" in detail for _, detail in wrong), wrong
+    # the table's metadata cannot be read (a HEAD request: no error code to tell why) and
+    # the probe of the warehouse fails naming the key
+    assert [s for s, _ in wrong] == ["fail", "fail"], wrong
+    assert "check catalog properties s3.access-key-id and s3.secret-access-key" in wrong[0][1]
+    assert wrong[-1][1].startswith(f"cannot write to {s3_catalog_properties['warehouse']}: ")
+    assert f"check catalog property {key}:" in wrong[-1][1], wrong
     assert value not in " ".join(d for _, d in wrong)  # a secret is never echoed

@@ -115,12 +115,14 @@ def catalog_checks(config: PipelineConfig) -> list[Check]:
     if not holder:
         return out
     catalog = holder[0]
-    existing: dict[str, bool] = {}
+    existing: dict[str, bool | None] = {}
     for t in config.tables:
+        existing[t.name] = None
         try:
             exists = existing[t.name] = catalog.table_exists(t.name)
         except Exception as exc:
-            out.append(Check(f"table {t.name}", "fail", cause_of(exc)))
+            cause = cause_of(exc)
+            out.append(Check(f"table {t.name}", "fail", hint(cause, catalog.properties) or cause))
             continue
         if exists:
             out.append(Check(f"table {t.name}", "ok", "exists"))
@@ -139,7 +141,8 @@ def catalog_checks(config: PipelineConfig) -> list[Check]:
         locations = storage_locations(catalog, existing)
     except Exception as exc:
         locations = []
-        out.append(Check("storage", "fail", hint(cause_of(exc), catalog.properties)))
+        cause = cause_of(exc)
+        out.append(Check("storage", "fail", hint(cause, catalog.properties) or cause))
     for location in locations:
         out.append(
             attempt(f"storage {location}", functools.partial(probe_location, catalog, location))
