@@ -17,6 +17,7 @@ from pyiceberg.catalog import Catalog, load_catalog
 from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.quarantine import Quarantine
 from icefloe.coordination.coordinator import CoordinatorSettings
+from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataFileMeta
 from icefloe.ops.maintenance import expire_snapshots, remove_orphan_files
 from icefloe.testing.fixtures import (
@@ -125,6 +126,30 @@ def s3a(files: dict[str, list[DataFileMeta]]) -> dict[str, list[DataFileMeta]]:
         t: [dataclasses.replace(m, path=alias + m.path.removeprefix("s3://")) for m in ms]
         for t, ms in files.items()
     }
+
+
+def test_a_committed_file_announced_again_under_its_s3a_name_is_not_added_twice(
+    pipe: Pipe, catalog: Catalog, s3_store: S3Store
+) -> None:
+    """s3a://b/k and s3://b/k are one object: the check that a file the branch already
+    holds is never appended again must see through the alias."""
+    first = pipe.source.publish(pipe.writer, 0)
+    again = WriterClient(pipe.backend.writer("w2"), pipe.group_id, "w2")
+    again.start()
+    coordinator = pipe.coordinator("c1")
+    try:
+        lead(coordinator)
+        wait_pending(coordinator, first.file_count)
+        assert not coordinator.commit_now().failed
+        again.publish(0, {PLAIN: s3a(first.files)[PLAIN]}, first.positions)
+        wait_pending(coordinator, len(first.files[PLAIN]))
+        result = coordinator.commit_now()
+    finally:
+        again.close()
+        coordinator.close()
+    assert not result.failed, result.failed
+    assert result.quarantined == {}
+    assert s3_store.read_ids(catalog.load_table(PLAIN)) == sorted(pipe.source.expected[PLAIN])
 
 
 def test_upserts_write_position_deletes_to_the_object_store(
