@@ -39,6 +39,7 @@ from icefloe.config import PipelineConfig
 from icefloe.coordination.reading import READ_TO_END_S, backlog
 from icefloe.errors import ConfigError
 from icefloe.events import DataWritten
+from icefloe.ops.storage import location_filesystem
 
 #: Table properties icefloe sets on tables it creates, with why (for ``doctor``'s advice).
 RECOMMENDED_TABLE_PROPERTIES: dict[str, tuple[str, str]] = {
@@ -200,21 +201,6 @@ def referenced_files(table: Table, expiring: Iterable[int] = ()) -> set[str]:
     return {_file_key(r) for r in refs | manifests}
 
 
-def table_filesystem(table: Table) -> tuple[pafs.FileSystem, str]:
-    """The pyarrow file system the table's own FileIO reads and writes with (its catalog's
-    ``s3.endpoint``, credentials, region...), and the table location as that file system
-    names it (``bucket/prefix`` on object stores). ``FileSystem.from_uri`` would instead use
-    the environment's defaults: AWS's endpoint and credentials, not the catalog's."""
-    from pyiceberg.io.pyarrow import PyArrowFileIO
-
-    location = table.location()
-    if not isinstance(table.io, PyArrowFileIO):  # e.g. FsspecFileIO: pyarrow's own lookup
-        fs, path = pafs.FileSystem.from_uri(location)
-        return fs, str(path)
-    scheme, netloc, path = table.io.parse_location(location)
-    return table.io.fs_by_scheme(scheme, netloc), path
-
-
 def remove_orphan_files(
     table: Table,
     older_than_ms: int,
@@ -232,7 +218,7 @@ def remove_orphan_files(
     referenced = referenced_files(table, expiring)
     announced = {_file_key(p) for p in pending}
     refused = {_file_key(p) for p in quarantined}
-    fs, base = table_filesystem(table)
+    fs, base = location_filesystem(table.location(), io=table.io)
     # pyarrow pages through object-store listings itself (S3: 1000 keys a request)
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
     deleted: list[str] = []
