@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
+from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.manifest import DataFileContent
 from pyiceberg.table import Table
 
@@ -113,15 +115,15 @@ class S3Store:
             region=self.region,
         )
 
-    def read_ids(self, table: Table, column: str = "id") -> list[int]:
-        """``column`` of every live row of ``table``, sorted, read by pyarrow over this
-        store: pyiceberg only plans which files are live; the Parquet data and position
-        delete files are read and applied here, not by pyiceberg's reader or icefloe."""
+    def read_table(self, table: Table) -> pa.Table:
+        """Every live row of ``table``, read by pyarrow over this store: pyiceberg only plans
+        which files are live; the Parquet data and position delete files are read and applied
+        here, not by pyiceberg's reader or icefloe's."""
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
         fs = self.filesystem()
-        out: list[int] = []
+        parts = [pa.Table.from_pylist([], schema_to_pyarrow(table.schema()))]
         for task in table.scan().plan_files():
             data = pq.read_table(_key(task.file.file_path), filesystem=fs)
             dead: set[int] = set()
@@ -130,9 +132,13 @@ class S3Store:
                 deletes = pq.read_table(_key(d.file_path), filesystem=fs)
                 mine = pc.equal(deletes["file_path"], task.file.file_path)
                 dead.update(deletes.filter(mine)["pos"].to_pylist())
-            values = data[column].to_pylist()
-            out.extend(int(v) for i, v in enumerate(values) if i not in dead)
-        return sorted(out)
+            keep = pa.array([i not in dead for i in range(data.num_rows)], pa.bool_())
+            parts.append(data.filter(keep).select(parts[0].column_names))
+        return pa.concat_tables(parts, promote_options="permissive")
+
+    def read_ids(self, table: Table, column: str = "id") -> list[int]:
+        """``column`` of every live row (:meth:`read_table`), sorted, duplicates kept."""
+        return sorted(int(v) for v in self.read_table(table)[column].to_pylist())
 
 
 def _key(url: str) -> str:
