@@ -164,7 +164,10 @@ def running_s3_store() -> Iterator[S3Store]:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line.strip().isdigit():
-            raise RuntimeError(f"moto's S3 server did not start (status {proc.poll()})")
+            raise RuntimeError(
+                f"moto's S3 server did not start (status {proc.poll()}): is moto[server] "
+                "installed (core's test extra)? `python -m icefloe.testing.s3server 50` shows why"
+            )
         endpoint = f"http://127.0.0.1:{int(line)}"
         iam = boto3.client(
             "iam",
@@ -189,12 +192,10 @@ def running_s3_store() -> Iterator[S3Store]:
 
 def s3_sqlite_catalog_properties(store: S3Store, path: Path) -> dict[str, str]:
     """A private SQLite SqlCatalog in ``path`` whose warehouse is a new bucket on ``store``."""
-    path.mkdir(parents=True, exist_ok=True)
-    return {
-        "type": "sql",
-        "uri": f"sqlite:///{path / 'catalog.db'}",
-        **store.warehouse_properties(store.new_warehouse()),
-    }
+    from icefloe.testing.fixtures import sqlite_catalog_properties
+
+    catalog = sqlite_catalog_properties(path)
+    return {"type": "sql", **catalog, **store.warehouse_properties(store.new_warehouse())}
 
 
 @pytest.fixture(scope="session")
