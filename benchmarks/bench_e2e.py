@@ -8,6 +8,8 @@
    the records become Kafka-layout Arrow batches (the source's own ``to_record_batch``), are
    decoded and conformed by the sink's converter and written as Parquet by pyiceberg's writer
    (``write_data_files``), ``--write`` records at a time. Nothing is committed.
+   With ``--store s3`` the warehouse is a bucket of moto's S3 server (a Python process on the
+   same machine, checking every request's signature), for both the ceiling and the pipeline.
 3. End to end: the real pipeline (icefloe-kafka source -> Spark local -> icefloe sink ->
    backend -> coordinator -> Iceberg commits) into a fresh table; with ``--cluster N`` Spark
    runs on a standalone cluster of N one-core workers started from the PySpark wheel on
@@ -61,6 +63,7 @@ from pyiceberg.types import (
 from icefloe.config import PipelineConfig, SourceConfig, SparkConfig, TableConfig, config_from_dict
 from icefloe.records.converter import RecordConverter, TargetTable
 from icefloe.records.datafiles import write_data_files
+from icefloe.testing.objectstore import running_s3_store
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
 from icefloe_spark.kafka.reading import to_record_batch
@@ -360,6 +363,12 @@ def main() -> None:
     ap.add_argument("--cpu-detail", action="store_true", help="CPU seconds per process")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
+    ap.add_argument(
+        "--store",
+        default="file",
+        choices=("file", "s3"),
+        help="the warehouse: local disk, or a bucket of moto's S3 server (started here)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -372,6 +381,15 @@ def main() -> None:
         "uri": f"sqlite:///{root / 'catalog.db'}",
         "warehouse": f"file://{root / 'warehouse'}",
     }
+    with contextlib.ExitStack() as services:
+        if args.store == "s3":  # every data and metadata file goes over HTTP to the store
+            store = services.enter_context(running_s3_store())
+            props.update(store.warehouse_properties(store.new_warehouse()))
+        run(args, root, props)
+
+
+def run(args: argparse.Namespace, root: Path, props: dict[str, str]) -> None:
+    """The broker, the pipeline and the ceiling on the warehouse of ``props``."""
     with EmbeddedKafkaBroker(log_path=root / "broker.log") as broker:
         bootstrap = broker.bootstrap_servers
         create_topic(bootstrap, TOPIC, args.partitions)
@@ -471,6 +489,7 @@ def main() -> None:
         load = os.getloadavg()[0]
         cmd = "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
         on = f", standalone cluster of {args.cluster} x 1 core" if args.cluster else ""
+        on += ", warehouse in moto's S3" if args.store == "s3" else ""
         print("\nMarkdown row for docs/benchmarks.md:")
         print(
             f"| {datetime.now(UTC):%Y-%m-%d} | `{cmd.strip()}` | {args.records:,} | "
