@@ -231,3 +231,50 @@ def test_doctor_probes_the_store_and_names_the_rejected_key(
     assert wrong[-1][1].startswith(f"cannot write to {s3_catalog_properties['warehouse']}: ")
     assert f"check catalog property {key}:" in wrong[-1][1], wrong
     assert value not in " ".join(d for _, d in wrong)  # a secret is never echoed
+
+
+@pytest.mark.parametrize(
+    ("error", "properties", "named"),
+    [
+        (
+            "AWS Error SIGNATURE_DOES_NOT_MATCH during PutObject",
+            {"s3.secret-access-key": "x"},
+            "property s3.secret-access-key:",
+        ),
+        (
+            "SignatureDoesNotMatch",
+            {"client.secret-access-key": "x"},
+            "property client.secret-access-key:",
+        ),
+        (
+            "AWS Error INVALID_ACCESS_KEY_ID",
+            {},
+            "property s3.access-key-id (s3.access-key-id not set",
+        ),
+        (
+            "AWS Error ACCESS_DENIED during HeadObject",
+            {"s3.access-key-id": "k", "s3.secret-access-key": "s"},
+            "properties s3.access-key-id and s3.secret-access-key:",
+        ),
+        (
+            "AWS Error NETWORK_CONNECTION during HeadBucket: Couldn't connect to server",
+            {"s3.endpoint": "http://x"},
+            "property s3.endpoint:",
+        ),
+        (
+            "AWS Error NO_SUCH_BUCKET during PutObject",
+            {"warehouse": "s3://gone/wh"},
+            "property warehouse:",
+        ),
+    ],
+)
+def test_a_store_error_names_the_catalog_property_to_check(
+    error: str, properties: dict[str, str], named: str
+) -> None:
+    from icefloe.ops.storage import hint
+
+    said = hint(error, properties)
+    assert said is not None
+    assert said.startswith(f"check catalog {named}"), said
+    assert said.endswith(f"({error})")
+    assert hint("sqlite3.OperationalError: no such table", properties) is None
