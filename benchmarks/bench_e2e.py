@@ -15,6 +15,8 @@
      written by pyiceberg's writer (``write_data_files``), ``--write`` records at a time: the
      pipeline's own per-record work in one process, so a ratio against it hides that work's
      cost.
+   With ``--store s3`` the warehouse is a bucket of moto's S3 server (a Python process on the
+   same machine, checking every request's signature), for both ceilings and the pipeline.
 3. End to end: the real pipeline (icefloe-kafka source -> Spark local -> icefloe sink ->
    backend -> coordinator -> Iceberg commits) into a fresh table; with ``--cluster N`` Spark
    runs on a standalone cluster of N one-core workers started from the PySpark wheel on
@@ -58,6 +60,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 from confluent_kafka import Consumer, Message, TopicPartition
 from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.io import load_file_io
 from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.schema import Schema
 from pyiceberg.types import (
@@ -73,6 +76,7 @@ from pyiceberg.types import (
 from icefloe.config import PipelineConfig, SourceConfig, SparkConfig, TableConfig, config_from_dict
 from icefloe.records.converter import RecordConverter, TargetTable
 from icefloe.records.datafiles import write_data_files
+from icefloe.testing.objectstore import running_s3_store
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
 from icefloe_spark.kafka.reading import to_record_batch
@@ -197,7 +201,7 @@ def converter_ceiling(
 
 
 def arrow_ceiling(
-    bootstrap: str, out: Path, file_records: int, starts: dict[int, int]
+    bootstrap: str, props: dict[str, str], out: str, file_records: int, starts: dict[int, int]
 ) -> tuple[float, int]:
     """The fastest honest single-process program: consume whole batches, parse each batch's
     values at once with ``pyarrow.json`` (the table's schema given, so nothing is inferred),
@@ -213,7 +217,7 @@ def arrow_ceiling(
         ]
     )
     parse = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    out.mkdir(parents=True, exist_ok=True)
+    io = load_file_io(props, out)  # the warehouse's store (local disk or S3), as the pipeline's
     writer: pq.ParquetWriter | None = None
     in_file = files = records = 0
     t0 = time.perf_counter()
@@ -223,16 +227,19 @@ def arrow_ceiling(
         data = b"\n".join([m.value() or b"null" for m in msgs])
         table = pa_json.read_json(pa.BufferReader(data), parse_options=parse)
         if writer is None:
-            writer = pq.ParquetWriter(out / f"{files:05d}.parquet", schema, compression="zstd")
+            sink = io.new_output(f"{out}/{files:05d}.parquet").create(overwrite=True)
+            writer = pq.ParquetWriter(sink, schema, compression="zstd")
             files += 1
         writer.write_table(table)
         in_file += table.num_rows
         records += table.num_rows
         if in_file >= file_records:
             writer.close()
+            sink.close()  # a sink it was given, ParquetWriter leaves open
             writer, in_file = None, 0
     if writer is not None:
         writer.close()
+        sink.close()
     return time.perf_counter() - t0, records
 
 
@@ -447,6 +454,12 @@ def main() -> None:
     ap.add_argument("--cpu-detail", action="store_true", help="CPU seconds per process")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
+    ap.add_argument(
+        "--store",
+        default="file",
+        choices=("file", "s3"),
+        help="the warehouse: local disk, or a bucket of moto's S3 server (started here)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -459,6 +472,15 @@ def main() -> None:
         "uri": f"sqlite:///{root / 'catalog.db'}",
         "warehouse": f"file://{root / 'warehouse'}",
     }
+    with contextlib.ExitStack() as services:
+        if args.store == "s3":  # every data and metadata file goes over HTTP to the store
+            store = services.enter_context(running_s3_store())
+            props.update(store.warehouse_properties(store.new_warehouse()))
+        run(args, root, props)
+
+
+def run(args: argparse.Namespace, root: Path, props: dict[str, str]) -> None:
+    """The broker, the pipeline and the ceiling on the warehouse of ``props``."""
     with EmbeddedKafkaBroker(log_path=root / "broker.log") as broker:
         bootstrap = broker.bootstrap_servers
         create_topic(bootstrap, TOPIC, args.partitions)
@@ -543,7 +565,7 @@ def main() -> None:
         )
         ceilings: dict[str, Callable[[], tuple[float, int]]] = {
             "pyarrow": lambda: arrow_ceiling(
-                bootstrap, root / "ceiling-parquet", args.write, warm_ends
+                bootstrap, props, f"{props['warehouse']}/ceiling-parquet", args.write, warm_ends
             ),
             "converter": lambda: converter_ceiling(
                 bootstrap, config, catalog, "bench.ceiling", args.write, warm_ends
@@ -572,6 +594,7 @@ def main() -> None:
         load = os.getloadavg()[0]
         cmd = "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
         on = f", standalone cluster of {args.cluster} x 1 core" if args.cluster else ""
+        on += ", warehouse in moto's S3" if args.store == "s3" else ""
         print("\nMarkdown row for docs/benchmarks.md:")
         print(
             f"| {datetime.now(UTC):%Y-%m-%d} | `{cmd.strip()}` | {args.records:,} | "

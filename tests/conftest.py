@@ -14,7 +14,7 @@ import pytest
 
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
-pytest_plugins = ["icefloe.testing.fixtures"]
+pytest_plugins = ["icefloe.testing.fixtures", "icefloe.testing.objectstore"]
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Core test configuration: the shared fixtures (real SQLite catalog, reference channel).
+"""Core test configuration: the shared fixtures (real SQLite catalog, reference channel, an
+S3-compatible object store).
 
 Imported, not listed in ``pytest_plugins``: pytest only honours that in a rootdir conftest."""
 
@@ -9,8 +10,9 @@ import pytest
 from icefloe.plugins import manager as plugins_module
 from icefloe.testing.fixtures import memory_server, sqlite_catalog
 from icefloe.testing.memory import MemoryPlugin
+from icefloe.testing.objectstore import s3_catalog_properties, s3_store
 
-__all__ = ["memory_server", "sqlite_catalog"]
+__all__ = ["memory_server", "s3_catalog_properties", "s3_store", "sqlite_catalog"]
 
 
 @pytest.fixture

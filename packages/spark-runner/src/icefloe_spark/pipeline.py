@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
 
 from pyiceberg.catalog import Catalog, load_catalog
 from pyspark.sql import DataFrame, SparkSession
@@ -30,7 +32,7 @@ from icefloe.commit.policy import TablePolicies
 from icefloe.config import PipelineConfig
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.resume import check_batch_continuity, committed, published, start_offsets
-from icefloe.errors import ChannelIdentityError
+from icefloe.errors import ChannelIdentityError, ConfigError
 from icefloe.plugins.backends import open_backend
 from icefloe.plugins.manager import Plugins, get_plugins
 from icefloe.records.codecs.options import self_contained
@@ -43,6 +45,7 @@ from icefloe_spark.sink.datasource import (
     OPT_SOURCE,
     SINK_NAME,
     IcefloeSink,
+    checkpoint_filesystem,
     derive_writer_id,
     sink_options,
 )
@@ -64,16 +67,50 @@ def checkpoint_location(config: PipelineConfig, override: str | None = None) -> 
     return str(Path(DEFAULT_CHECKPOINT_ROOT, config.name).absolute())
 
 
-def checkpoint_batch(location: str) -> int | None:
+def checkpoint_batch(location: str, properties: Mapping[str, str] | None = None) -> int | None:
     """The newest batch id Spark planned in this checkpoint (its offsets log), or None for a
-    new or empty checkpoint. Any pyarrow filesystem URI works, as for the checkpoint itself."""
+    new or empty checkpoint. Read as :func:`checkpoint_filesystem` opens it (``properties``:
+    the catalog's FileIO settings, for a checkpoint on the warehouse's object store)."""
     from pyarrow import fs as pafs
 
-    uri = location if "://" in location else os.path.abspath(location)
-    filesystem, base = pafs.FileSystem.from_uri(uri)
+    filesystem, base = checkpoint_filesystem(location, properties)
     selector = pafs.FileSelector(base.rstrip("/") + "/offsets", allow_not_found=True)
     ids = [int(i.base_name) for i in filesystem.get_file_info(selector) if i.base_name.isdigit()]
     return max(ids, default=None)
+
+
+def check_checkpoint_filesystem(spark: SparkSession, location: str) -> None:
+    """Refuse, before the query starts, a checkpoint whose scheme Spark's Hadoop has no file
+    system for: PySpark's wheel ships none for ``s3a://`` (Hadoop's S3 connector,
+    ``hadoop-aws``, is a separate jar), and Spark would fail the query with a Java stack trace
+    instead (docs/spark-runner.md says what to add)."""
+    from py4j.protocol import Py4JJavaError
+
+    scheme = urlsplit(location).scheme.lower()
+    if scheme in ("", "file") or len(scheme) == 1:  # a local path (or a Windows drive)
+        return
+    context = spark.sparkContext
+    jvm: Any = context._jvm
+    try:
+        jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(
+            scheme, context._jsc.hadoopConfiguration()
+        )
+    except Py4JJavaError as exc:
+        cause = str(exc.java_exception).splitlines()[0]
+        hadoop = jvm.org.apache.hadoop.util.VersionInfo.getVersion()
+        connector = (
+            f"add Hadoop's S3 connector: spark.jars.packages = "
+            f"'org.apache.hadoop:hadoop-aws:{hadoop}' (or spark.jars with hadoop-aws and the "
+            "AWS SDK bundle it names) and the store's spark.hadoop.fs.s3a.* settings"
+            if scheme in ("s3a", "s3", "s3n")
+            else f"add the Hadoop file system jar for {scheme}:// to spark.jars"
+        )
+        raise ConfigError(
+            "spark.checkpoint_location",
+            f"Spark (Hadoop {hadoop}) has no file system for {scheme}:// ({cause})",
+            f"{connector}; or put the checkpoint where Spark can write (a shared mount, hdfs://)",
+            location,
+        ) from None
 
 
 def build_session(config: PipelineConfig, log_level: int = logging.INFO) -> SparkSession:
@@ -213,7 +250,9 @@ class Pipeline:
         self.log_level = log_level
         self.spark_log: Path | None = None
         self.checkpoint = checkpoint_location(config, checkpoint)
-        self.writer_id = writer_id or derive_writer_id(config.name, self.checkpoint)
+        self.writer_id = writer_id or derive_writer_id(
+            config.name, self.checkpoint, config.catalog.properties
+        )
         self.run_coordinator = coordinator
         self.plugins = plugins or get_plugins()
         self.sink_extra_options = dict(sink_extra_options or {})
@@ -292,6 +331,7 @@ class Pipeline:
             raise
         if session is not None:
             self._spark = activate(session.result())
+        check_checkpoint_filesystem(self.spark, self.checkpoint)
         self.spark_log = sparklog.log_file_of(dict(self.spark.sparkContext.getConf().getAll()))
         register(self.spark)
         reader_options = {**source_options(config), **resume, **self.source_extra_options}
@@ -332,7 +372,7 @@ class Pipeline:
         tables' offsets and those of the batches still on the channel; see
         icefloe.coordination.resume)."""
         config = self.config
-        latest = checkpoint_batch(self.checkpoint)
+        latest = checkpoint_batch(self.checkpoint, self.config.catalog.properties)
         channel = backend.coordinator(f"start-{uuid.uuid4().hex[:8]}")
         try:  # the channel before the tables: see icefloe.coordination.resume on the read order
             on_channel = published(channel, config.name)

@@ -71,6 +71,15 @@ def test_writer_id_is_stable_per_checkpoint(
     assert a.startswith("orders-spark-")
 
 
+@pytest.mark.parametrize("location", ["nofs://somewhere/ckpt", "s4://bucket/ckpt"])
+def test_a_checkpoint_no_file_system_serves_is_a_config_error(location: str) -> None:
+    """Not pyarrow's ArrowInvalid from deep inside the driver's start: the key and a fix."""
+    with pytest.raises(ConfigError) as refused:
+        derive_writer_id("orders", location)
+    assert refused.value.key == "spark.checkpoint_location"
+    assert location in str(refused.value)
+
+
 def test_a_fresh_checkpoint_at_the_same_place_gets_a_new_writer_id(tmp_path: Path) -> None:
     """Spark restarts batch ids at 0 in a fresh checkpoint; the old id's watermark would make
     the coordinator drop those batches, so the id must change with the checkpoint."""

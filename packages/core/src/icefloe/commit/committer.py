@@ -742,11 +742,12 @@ def _select(
     for f in files:
         stale = is_replay_writer(f.writer_id) and f.writer_id != replay
         held = boundary.holds(f, f.meta.path)
-        if f.meta.path in seen or f.meta.record_count <= 0 or stale or held:
+        name = screening.canonical_path(f.meta.path)  # s3a://b/k is s3://b/k
+        if name in seen or f.meta.record_count <= 0 or stale or held:
             skipped += 1
         else:
             keep.append(f)
-        seen.add(f.meta.path)
+        seen.add(name)
     return tuple(keep), skipped
 
 

@@ -14,6 +14,8 @@ from pyiceberg.manifest import ManifestContent, ManifestFile
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
 
+from icefloe.commit.screening import canonical_path
+
 logger = logging.getLogger("icefloe.committer")
 
 # Manifests whose live paths are kept in memory (oldest dropped first).
@@ -21,19 +23,24 @@ _MANIFEST_CACHE_SIZE = 4096
 
 
 class LiveFiles:
-    """The live data-file paths of manifests, cached by manifest location."""
+    """The live data-file paths of manifests (canonical: :func:`canonical_path`), cached by
+    manifest location."""
 
     def __init__(self) -> None:
         self._manifest_paths: dict[str, frozenset[str]] = {}  # manifest location -> live paths
 
     def live_paths(self, table: Table, head: Snapshot | None, paths: set[str]) -> set[str]:
-        """Which of ``paths`` the branch head already references as live data files.
+        """Which of ``paths`` the branch head already references as live data files (under
+        any name of the same object: ``s3a://`` is ``s3://``, see
+        :func:`~icefloe.commit.screening.canonical_path`).
 
         Reads the head's data manifests; manifest files never change once written, so each
         one's paths are cached by its location and only new manifests are read per commit.
         """
         if head is None or not paths:
             return set()
+        named = {canonical_path(p): p for p in paths}
+        wanted = named.keys()
         found: set[str] = set()
         for manifest in head.manifests(table.io):
             if manifest.content != ManifestContent.DATA:
@@ -42,14 +49,14 @@ class LiveFiles:
             if cached is None:
                 cached = self._decode_live(table, manifest)
                 self._cache_manifest(manifest.manifest_path, cached)
-            found |= paths & cached
-        return found
+            found |= wanted & cached
+        return {named[p] for p in found}
 
     @staticmethod
     def _decode_live(table: Table, manifest: ManifestFile) -> frozenset[str]:
         """The live data-file paths of one manifest: the costly read the cache avoids."""
         return frozenset(
-            e.data_file.file_path
+            canonical_path(e.data_file.file_path)
             for e in manifest.fetch_manifest_entry(table.io, discard_deleted=True)
         )
 
@@ -81,7 +88,7 @@ class LiveFiles:
             return
         if older is None:
             return  # a replaced manifest is not cached: the next check decodes the merged one
-        added = frozenset(appended)
+        added = frozenset(canonical_path(p) for p in appended)
         own = [m for m in written if not m.existing_files_count]
         if len(written) == 1:  # the files just appended, with the replaced ones if merged
             guesses = [(written[0], older | added)]

@@ -314,6 +314,14 @@ def _split_root(root: str) -> _Root:
     return root.rstrip("/") + "/", scheme, netloc, path.rstrip("/") + "/"
 
 
+def canonical_path(path: str) -> str:
+    """``path`` under one name per object: ``s3a://`` and ``s3n://`` (Hadoop's spellings)
+    become ``s3://``, so a file announced under either name is recognised as the same file."""
+    scheme, sep, rest = path.partition("://")
+    alias = _SCHEME_ALIASES.get(scheme.lower()) if sep else None
+    return f"{alias}://{rest}" if alias is not None and alias != scheme else path
+
+
 def lies_under(path: str, root: str) -> bool:
     """Whether ``path`` lies under the directory ``root`` ('..' normalised, so it cannot
     escape; ``s3a``/``s3n`` name ``s3``)."""

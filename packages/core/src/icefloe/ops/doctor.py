@@ -9,6 +9,7 @@ not hide the others' results.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -96,8 +97,11 @@ def backend_checks(config: PipelineConfig) -> list[Check]:
 
 
 def catalog_checks(config: PipelineConfig) -> list[Check]:
-    """The catalog answers, and every table exists or is created by ``run``."""
+    """The catalog answers, every table exists or is created by ``run``, and the store under
+    the tables (and the warehouse) takes writes with the catalog's FileIO settings."""
     from pyiceberg.catalog import Catalog, load_catalog
+
+    from icefloe.ops.storage import hint, probe_location, storage_locations
 
     holder: list[Catalog] = []
 
@@ -111,11 +115,14 @@ def catalog_checks(config: PipelineConfig) -> list[Check]:
     if not holder:
         return out
     catalog = holder[0]
+    existing: dict[str, bool | None] = {}
     for t in config.tables:
+        existing[t.name] = None
         try:
-            exists = catalog.table_exists(t.name)
+            exists = existing[t.name] = catalog.table_exists(t.name)
         except Exception as exc:
-            out.append(Check(f"table {t.name}", "fail", cause_of(exc)))
+            cause = cause_of(exc)
+            out.append(Check(f"table {t.name}", "fail", hint(cause, catalog.properties) or cause))
             continue
         if exists:
             out.append(Check(f"table {t.name}", "ok", "exists"))
@@ -130,6 +137,16 @@ def catalog_checks(config: PipelineConfig) -> list[Check]:
                     "does not exist; create it (or set auto_create = true)",
                 )
             )
+    try:
+        locations = storage_locations(catalog, existing)
+    except Exception as exc:
+        locations = []
+        cause = cause_of(exc)
+        out.append(Check("storage", "fail", hint(cause, catalog.properties) or cause))
+    for location in locations:
+        out.append(
+            attempt(f"storage {location}", functools.partial(probe_location, catalog, location))
+        )
     return out + channel_checks(config, catalog)
 
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import pyarrow.fs as pafs
 from pyiceberg.table import Table, TableProperties
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
@@ -40,6 +41,7 @@ from icefloe.config import PipelineConfig
 from icefloe.coordination.reading import READ_TO_END_S, backlog
 from icefloe.errors import ConfigError
 from icefloe.events import DataWritten
+from icefloe.ops.storage import location_filesystem
 
 #: Table properties icefloe sets on tables it creates, with why (for ``doctor``'s advice).
 RECOMMENDED_TABLE_PROPERTIES: dict[str, tuple[str, str]] = {
@@ -219,12 +221,11 @@ def remove_orphan_files(
     quarantine entry names (``quarantined``: no snapshot and, once the channel moved past
     them, no batch names those files either; only the entry keeps them recoverable).
     ``expiring``: snapshots a dry run would have expired first (see :func:`referenced_files`)."""
-    import pyarrow.fs as pafs
-
     referenced = referenced_files(table, expiring)
     announced = {_file_key(p) for p in pending}
     refused = {_file_key(p) for p in quarantined}
-    fs, base = pafs.FileSystem.from_uri(table.location())
+    fs, base = location_filesystem(table.location(), io=table.io)
+    # pyarrow pages through object-store listings itself (S3: 1000 keys a request)
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
     deleted: list[str] = []
     spared: list[str] = []

@@ -75,22 +75,44 @@ OPT_SOURCE = "source.options"  # JSON reader options: tasks read the ranges they
 INCARNATION_FILE = "icefloe-incarnation"
 
 
-def checkpoint_incarnation(checkpoint_location: str) -> str:
-    """An id kept inside the checkpoint: the same for every restart from this checkpoint, new
-    when the checkpoint is deleted and started afresh at the same location.
-
-    Why: a fresh checkpoint restarts Spark's batch ids at 0, and the coordinator drops batches
-    at or below a writer's committed watermark, so reusing the old writer id would silently
-    drop the new query's first batches. Any pyarrow filesystem URI works (local, s3, hdfs...).
-    """
-    from pyarrow import fs as pafs
+def checkpoint_filesystem(
+    checkpoint_location: str, properties: Mapping[str, str] | None = None
+) -> tuple[Any, str]:
+    """The pyarrow file system of the checkpoint and its path there, made as pyiceberg makes
+    one for a table location from the catalog's FileIO ``properties`` (so a checkpoint on the
+    warehouse's object store uses its ``s3.endpoint`` and credentials; ``s3a://`` is S3).
+    Raises a :class:`ConfigError` naming ``spark.checkpoint_location`` for a scheme that no
+    file system serves."""
+    from icefloe.ops.storage import location_filesystem
 
     uri = (
         checkpoint_location
         if "://" in checkpoint_location
         else os.path.abspath(checkpoint_location)
     )
-    filesystem, base = pafs.FileSystem.from_uri(uri)
+    try:
+        return location_filesystem(uri, properties)
+    except ValueError as exc:
+        raise ConfigError(
+            "spark.checkpoint_location",
+            f"no file system serves {uri} ({exc})",
+            "use a local or shared path, hdfs://, or an object store URL (s3://, gs://, "
+            "abfs://) reachable with the catalog's FileIO properties",
+        ) from None
+
+
+def checkpoint_incarnation(
+    checkpoint_location: str, properties: Mapping[str, str] | None = None
+) -> str:
+    """An id kept inside the checkpoint: the same for every restart from this checkpoint, new
+    when the checkpoint is deleted and started afresh at the same location.
+
+    Why: a fresh checkpoint restarts Spark's batch ids at 0, and the coordinator drops batches
+    at or below a writer's committed watermark, so reusing the old writer id would silently
+    drop the new query's first batches. Any location :func:`checkpoint_filesystem` serves
+    (local, object stores with the catalog's ``properties``, hdfs...).
+    """
+    filesystem, base = checkpoint_filesystem(checkpoint_location, properties)
     marker = base.rstrip("/") + "/" + INCARNATION_FILE
     try:
         with filesystem.open_input_stream(marker) as f:
@@ -106,15 +128,19 @@ def checkpoint_incarnation(checkpoint_location: str) -> str:
     return incarnation
 
 
-def derive_writer_id(group_id: str, checkpoint_location: str) -> str:
+def derive_writer_id(
+    group_id: str, checkpoint_location: str, properties: Mapping[str, str] | None = None
+) -> str:
     """A writer id that stays the same across restarts of one query: the pipeline name, a
     digest of the checkpoint location (the query's identity in Spark) and the checkpoint's
-    incarnation (see :func:`checkpoint_incarnation`)."""
+    incarnation (see :func:`checkpoint_incarnation`; ``properties``: the catalog's, for a
+    checkpoint on the warehouse's object store)."""
     location = checkpoint_location
     if "://" not in location:
         location = os.path.abspath(location)
     digest = hashlib.sha256(location.rstrip("/").encode()).hexdigest()[:16]
-    return f"{group_id}-spark-{digest}-{checkpoint_incarnation(checkpoint_location)}"
+    incarnation = checkpoint_incarnation(checkpoint_location, properties)
+    return f"{group_id}-spark-{digest}-{incarnation}"
 
 
 @dataclass(frozen=True)
@@ -156,7 +182,7 @@ class SinkOptions:
                     "cannot derive a stable writer id without a checkpoint location",
                     "set .option('checkpointLocation', ...) or .option('writer_id', ...)",
                 )
-            writer_id = derive_writer_id(config.name, checkpoint)
+            writer_id = derive_writer_id(config.name, checkpoint, config.catalog.properties)
         address = opts.get(OPT_PUBLISHER_ADDRESS) or None
         secret = opts.get(OPT_PUBLISHER_SECRET) or None
         if (address is None) != (secret is None):
