@@ -228,3 +228,28 @@ def test_without_a_cheap_lookup_only_the_commit_right_after_screening_reuses(
     assert versions.reusable(catalog, NAME, after_screen=False) is not None
     table.transaction().set_properties({"k": "v"}).commit_transaction()
     assert versions.reusable(catalog, NAME, after_screen=True) is None
+
+
+def test_a_refused_append_leaves_no_orphan_manifests(catalog: SqlCatalog) -> None:
+    """A commit refused for a moved branch head deletes the manifest and manifest list it
+    wrote; the retry's are the only ones left besides the foreign writer's."""
+    create_rows_table(catalog, NAME)
+    foreign: list[int] = []
+
+    def foreign_append() -> None:
+        if not foreign:  # once: between the first attempt's planning and its commit
+            foreign.append(1)
+            other = catalog.load_table(NAME)
+            pyiceberg_append(other, write_rows(other, [100], "foreign", 0), merge=False)
+
+    committer = IcebergCommitter(catalog, GROUP, before_commit=foreign_append)
+    assert cycle(committer, catalog, NAME, [1], 0).data_files == 1
+    table = catalog.load_table(NAME)
+    referenced: set[str] = set()
+    for snapshot in table.snapshots():
+        referenced.add(snapshot.manifest_list)
+        referenced |= {m.manifest_path for m in snapshot.manifests(table.io)}
+    metadata_dir = Path(table.location().removeprefix("file://")) / "metadata"
+    on_disk = {f"file://{p}" for p in metadata_dir.glob("*.avro")}
+    assert on_disk == referenced, sorted(on_disk - referenced)
+    assert_exactly_once(catalog, NAME, [1, 100])

@@ -18,10 +18,12 @@ row deltas, a merge due) goes through pyiceberg's transaction as before.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.manifest import (
     DataFile,
     ManifestContent,
@@ -69,11 +71,23 @@ class StagedAppend:
     manifest_list: str
     manifests: tuple[ManifestFile, ...]  # as the manifest list holds them
 
+    @property
+    def _written(self) -> list[str]:
+        """The manifest this append wrote (the first; the others are the head's)."""
+        return [self.manifests[0].manifest_path]
+
     def commit(self) -> Table:
         """Commit to the catalog; returns the table as committed. Raises what the catalog
         raises (CommitFailedException when the branch head or the table changed)."""
         table = self.table
-        response = table.catalog.commit_table(table, self.requirements, self.updates)
+        try:
+            response = table.catalog.commit_table(table, self.requirements, self.updates)
+        except CommitFailedException:
+            # refused for sure (an unknown outcome keeps them: the snapshot may have landed)
+            for path in (self.manifest_list, *self._written):
+                with contextlib.suppress(Exception):
+                    table.io.delete(path)
+            raise
         if response.metadata.table_uuid != table.metadata.table_uuid:
             raise CommitError(f"table '{table_name(table)}': its uuid changed during the commit")
         _delete_old_metadata(table, response.metadata)
