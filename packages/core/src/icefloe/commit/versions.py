@@ -20,8 +20,10 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 
-# Tables whose versions are kept in memory (the oldest dropped first).
-_CACHE_SIZE = 10_000
+# Tables whose versions are kept in memory (the least recently committed dropped first). A
+# version is the parsed metadata, which grows with the table's snapshots until they are
+# expired: bounded so that thousands of long-history tables cannot hold gigabytes.
+_CACHE_SIZE = 1024
 
 
 def current_location(catalog: Catalog, name: str) -> str | None:
