@@ -2,6 +2,8 @@
 
     nox -s bench-coordinator -- --backend redis --writers 64 --files 1000 --cycles 20
     # or: python benchmarks/bench_coordinator.py --backend kafka --writers 256 --files 100
+    # many tables (dynamic tables): 2 files per table per cycle over 100 tables
+    python benchmarks/bench_coordinator.py --writers 16 --tables 100 --files 200 --cycles 10
 
 A simulation of a pipeline without Spark, on the real code paths:
 
@@ -9,7 +11,8 @@ A simulation of a pipeline without Spark, on the real code paths:
 thread)
   on the chosen backend, spread over ``--processes`` child processes;
 * coordinator: the real :class:`~icefloe.coordination.coordinator.Coordinator` and committer in this
-  process, committing to a real SQLite-catalog table;
+  process, committing to a real SQLite-catalog table (``--tables T``: T tables, the cycle's
+  files spread over them round-robin, as a stream fanned out by ``[dynamic_tables]``);
 * files: every published file is a real Parquet file inside the table location. Each writer
   process writes one small Parquet file through pyiceberg's writer and hard-links it under a
   new name for every file it publishes, so 100,000 files per cycle cost no Parquet writing
@@ -19,15 +22,18 @@ Per cycle: every writer publishes one batch (``--files`` spread over the writers
 coordinator reads until all are pending, then runs one commit cycle (StartCommit, every
 writer answers, one Iceberg commit). "cycle" is that whole commit cycle; "commit" is the
 Iceberg commit alone (from the coordinator's ``before_table_commit`` hook to its
-``after_iceberg_commits`` hook). Reports p50/p99 of both, the last-10 / first-10 ratio of the
-commit time (growth with table history), the metadata directory's size, and with ``--idle-s``
-the CPU the writer processes burn while nothing happens. At the end it checks that the table
-holds exactly the published files, and every row, with a pyarrow scan of the table.
+``after_iceberg_commits`` hook); "coordinator CPU" is this process's CPU time over the
+whole cycle, also divided by the tables committed. Reports p50/p99 of these, the
+last-10 / first-10 ratio of the commit time (growth with table history), the metadata
+directory's size, and with ``--idle-s`` the CPU the writer processes burn while nothing
+happens. At the end it checks that each table holds exactly its published files, and every
+row, with a pyarrow scan.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import multiprocessing as mp
 import os
@@ -61,6 +67,13 @@ from icefloe.testing.harness import drive, lead
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 TABLE = "bench.events"
+
+
+def table_names(count: int) -> list[str]:
+    """The benchmark's tables: ``bench.events`` alone, or ``bench.events_00000``... ."""
+    return [TABLE] if count == 1 else [f"{TABLE}_{i:05d}" for i in range(count)]
+
+
 ROWS_PER_FILE = 10
 
 
@@ -103,6 +116,7 @@ class WorkerSpec:
     group: str
     catalog_dir: str
     writers: list[tuple[int, str]]  # (index, writer id)
+    tables: list[str]
 
 
 def _local_path(uri: str) -> str:
@@ -135,8 +149,7 @@ class Templates:
 def worker_main(spec: WorkerSpec, commands: Any, replies: Any) -> None:
     """One writer process: its writers publish when told to; replies with CPU seconds used."""
     catalog = make_sqlite_catalog(Path(spec.catalog_dir))
-    table = catalog.load_table(TABLE)
-    templates = Templates(table)
+    templates = {name: Templates(catalog.load_table(name)) for name in spec.tables}
     backend = open_backend(spec.backend, spec.options, spec.group)
     clients = [
         (index, WriterClient(backend.writer(wid), spec.group, wid)) for index, wid in spec.writers
@@ -144,12 +157,14 @@ def worker_main(spec: WorkerSpec, commands: Any, replies: Any) -> None:
     for _, client in clients:
         client.start()
 
-    def publish(index: int, client: WriterClient, cycle: int, count: int) -> None:
-        metas: list[DataFileMeta] = []
-        for i in range(count):
-            metas.append(templates.link(f"bench-{client.writer_id}-{cycle}-{i}.parquet"))
+    def publish(index: int, client: WriterClient, cycle: int, first: int, count: int) -> None:
+        metas: dict[str, list[DataFileMeta]] = {}
+        for i in range(first, first + count):  # the cycle's i-th file goes to table i % T
+            name = spec.tables[i % len(spec.tables)]
+            link = templates[name].link(f"bench-{client.writer_id}-{cycle}-{i}.parquet")
+            metas.setdefault(name, []).append(link)
         position = SourcePosition("bench", index, cycle + 1, int(time.time() * 1000))
-        client.publish(cycle, {TABLE: metas} if metas else {}, [position])
+        client.publish(cycle, metas, [position])
 
     replies.put(("ready", time.process_time()))
     with ThreadPoolExecutor(max_workers=8) as pool:
@@ -160,10 +175,10 @@ def worker_main(spec: WorkerSpec, commands: Any, replies: Any) -> None:
             if command[0] == "cpu":
                 replies.put(("cpu", time.process_time()))
                 continue
-            _, cycle, counts = command
+            _, cycle, ranges = command
             jobs = [
-                pool.submit(publish, index, client, cycle, count)
-                for (index, client), count in zip(clients, counts, strict=True)
+                pool.submit(publish, index, client, cycle, first, count)
+                for (index, client), (first, count) in zip(clients, ranges, strict=True)
             ]
             for job in jobs:
                 job.result()
@@ -187,10 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="redis", choices=("redis", "postgres", "kafka"))
     parser.add_argument("--writers", type=int, default=8)
     parser.add_argument("--files", type=int, default=100, help="files per cycle, all writers")
+    parser.add_argument(
+        "--tables", type=int, default=1, help="tables the files are spread over (round-robin)"
+    )
     parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--processes", type=int, default=2, help="writer processes")
     parser.add_argument("--idle-s", type=float, default=0.0, help="measure idle writer CPU")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--profile", metavar="PATH", help="write cProfile stats of the commit cycles to PATH"
+    )
     parser.add_argument(
         "--plain-table",
         action="store_true",
@@ -207,9 +228,11 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-coordinator-"))
     catalog = make_sqlite_catalog(work / "iceberg")
-    table = create_rows_table(catalog, TABLE)
-    if not args.plain_table:  # as icefloe creates tables (spark-runner tables.py)
-        table.transaction().set_properties(recommended_properties()).commit_transaction()
+    tables = table_names(args.tables)
+    for name in tables:
+        table = create_rows_table(catalog, name)
+        if not args.plain_table:  # as icefloe creates tables (spark-runner tables.py)
+            table.transaction().set_properties(recommended_properties()).commit_transaction()
     broker = (
         EmbeddedKafkaBroker(log_path=work / "broker.log").start()
         if args.backend == "kafka"
@@ -224,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in range(args.processes):
         commands = ctx.Queue()
         spec = WorkerSpec(
-            args.backend, options, group, str(work / "iceberg"), ids[p :: args.processes]
+            args.backend, options, group, str(work / "iceberg"), ids[p :: args.processes], tables
         )
         proc = ctx.Process(target=worker_main, args=(spec, commands, replies), daemon=True)
         proc.start()
@@ -235,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     commit_cpu: list[float] = []  # this process's CPU seconds: robust on a shared machine
 
     def before(_: str) -> None:
-        commit_started.append((time.perf_counter(), time.process_time()))
+        if not commit_started:  # the cycle's first table
+            commit_started.append((time.perf_counter(), time.process_time()))
 
     def after(_: CycleResult) -> None:
         if commit_started:
@@ -251,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         CoordinatorSettings(commit_interval_s=3600, commit_timeout_s=60, writer_timeout_s=3600),
         hooks=CoordinatorHooks(before_table_commit=before, after_iceberg_commits=after),
     )
+    profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU, not waits
     cycle_times: list[float] = []
+    cycle_cpu: list[float] = []
     publish_times: list[float] = []
     idle_cores: float | None = None
     try:
@@ -263,11 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         for cycle in range(args.cycles):
             started = time.perf_counter()
             for _, commands, spec in workers:
-                counts = [
-                    args.files // args.writers + (1 if index < args.files % args.writers else 0)
-                    for index, _ in spec.writers
-                ]
-                commands.put(("publish", cycle, counts))
+                commands.put(("publish", cycle, [file_range(args, i) for i, _ in spec.writers]))
             for _ in workers:
                 replies.get(timeout=600)
             total_files += args.files
@@ -278,24 +300,35 @@ def main(argv: list[str] | None = None) -> int:
                 timeout=600,
             )
             publish_times.append(time.perf_counter() - started)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
+            if profiler is not None:
+                profiler.enable()
             result = coordinator.commit_now()
+            if profiler is not None:
+                profiler.disable()
             cycle_times.append(time.perf_counter() - started)
+            cycle_cpu.append(time.process_time() - cpu_started)
             if not result.complete or result.failed:
                 print(f"cycle {cycle}: complete={result.complete} failed={result.failed}")
             print(
-                f"cycle {cycle}: cycle {cycle_times[-1] * 1000:.0f} ms, "
+                f"cycle {cycle}: cycle {cycle_times[-1] * 1000:.0f} ms "
+                f"({cycle_cpu[-1] * 1000:.0f} ms CPU), "
                 f"commit {commit_times[-1] * 1000:.0f} ms ({commit_cpu[-1] * 1000:.0f} ms CPU)"
                 if commit_times
                 else "",
                 flush=True,
             )
             if args.retain_last > 0:
-                live = catalog.load_table(TABLE)
-                expire_snapshots(live, older_than_ms=2**62, retain_last=args.retain_last)
+                for name in tables:
+                    live = catalog.load_table(name)
+                    expire_snapshots(live, older_than_ms=2**62, retain_last=args.retain_last)
+        if profiler is not None:
+            profiler.dump_stats(args.profile)
         if args.idle_s > 0:
             idle_cores = measure_idle(workers, replies, args.idle_s)
-        check_table(catalog, total_files)
+        for i, name in enumerate(tables):  # table i got the cycle's files i, i + T, ...
+            per_cycle = len(range(i, args.files, len(tables)))
+            check_table(catalog, name, per_cycle * args.cycles)
     finally:
         for _, commands, _ in workers:
             commands.put(("stop",))
@@ -307,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         backend.close()
         if broker is not None:
             broker.stop()
-    report(args, cycle_times, commit_times, commit_cpu, work, idle_cores)
+    report(args, cycle_times, cycle_cpu, commit_times, commit_cpu, work, idle_cores)
     if not args.keep:
         import shutil
 
@@ -328,20 +361,27 @@ def measure_idle(workers: list[Any], replies: Any, seconds: float) -> float:
     return (cpu() - before) / (time.perf_counter() - started)
 
 
-def check_table(catalog: Any, files: int) -> None:
+def file_range(args: argparse.Namespace, index: int) -> tuple[int, int]:
+    """Writer ``index``'s share of a cycle's files: the first file's number, and how many."""
+    base, extra = divmod(args.files, args.writers)
+    return index * base + min(index, extra), base + (1 if index < extra else 0)
+
+
+def check_table(catalog: Any, name: str, files: int) -> None:
     """The table holds exactly the published files and their rows (pyarrow scan)."""
-    table = catalog.load_table(TABLE)
+    table = catalog.load_table(name)
     snapshot = table.current_snapshot()
     summary = snapshot.summary if snapshot else None
     got = int(summary["total-data-files"]) if summary else 0
     rows = table.scan(selected_fields=("id",)).to_arrow().num_rows
     if got != files or rows != files * ROWS_PER_FILE:
-        raise SystemExit(f"table holds {got} files / {rows} rows, expected {files} files")
+        raise SystemExit(f"{name} holds {got} files / {rows} rows, expected {files} files")
 
 
 def report(
     args: argparse.Namespace,
     cycles: list[float],
+    cycles_cpu: list[float],
     commits: list[float],
     cpu: list[float],
     work: Path,
@@ -360,11 +400,12 @@ def report(
         # mean of ten; the median shows whether the typical commit grew with history
         return statistics.median(values[-n:]) / statistics.median(values[:n]) if values else 0.0
 
-    meta = dir_size(next((work / "iceberg" / "warehouse").rglob("metadata")))
+    meta = sum(dir_size(p) for p in (work / "iceberg" / "warehouse").rglob("metadata"))
     load = os.getloadavg()[0]
     print()
     print(
         f"backend={args.backend} writers={args.writers} files/cycle={args.files} "
+        f"tables={args.tables} "
         f"cycles={args.cycles} processes={args.processes} plain_table={args.plain_table} "
         f"retain_last={args.retain_last} "
         f"cpus={os.cpu_count()} python={platform.python_version()} load(1m)={load:.1f}"
@@ -372,6 +413,11 @@ def report(
     print(
         f"cycle p50 {ms(percentile(cycles, 0.5))}, p99 {ms(percentile(cycles, 0.99))}, "
         f"max {ms(max(cycles, default=0.0))}"
+    )
+    cpu50 = percentile(cycles_cpu, 0.5)
+    print(
+        f"coordinator CPU per cycle p50 {ms(cpu50)}, p99 {ms(percentile(cycles_cpu, 0.99))}; "
+        f"per table {cpu50 / args.tables * 1000:.1f} ms"
     )
     print(f"commit p50 {ms(percentile(commits, 0.5))}, p99 {ms(percentile(commits, 0.99))}")
     print(f"commit CPU p50 {ms(percentile(cpu, 0.5))}, p99 {ms(percentile(cpu, 0.99))}")

@@ -1128,3 +1128,47 @@ def test_idle_cycles_log_at_debug_and_a_cycle_that_commits_at_info(
     cycles = [r for r in caplog.records if r.name == "icefloe.coordinator.cycles"]
     assert [r.levelno for r in cycles] == [logging.INFO], [r.getMessage() for r in cycles]
     assert f"{len(TABLES)} tables committed" in cycles[0].getMessage()
+
+
+def test_largest_tables_commit_first_and_a_table_that_failed_commits_last(
+    make: _Factory, sqlite_catalog: SqlCatalog
+) -> None:
+    """Tables commit in order of pending bytes, largest first; a table whose last attempt
+    failed goes after the healthy ones, and its failure keeps none of them from committing."""
+    small, large, mid = "db.a_small", "db.c_large", "db.b_mid"  # not in name order
+    source = RowSource.create(sqlite_catalog, (small, large, mid))
+    order: list[str] = []
+    failures: list[str] = []
+
+    def record(table: str) -> None:
+        order.append(table)
+        if table == large and not failures:
+            failures.append(table)
+            raise CommitError("injected: catalog unavailable")
+
+    w = make.writer("w")
+    coord = make.coordinator(
+        hooks=CoordinatorHooks(before_table_commit=record), **_fault_settings()
+    )
+    lead(coord)
+    sizes = {small: 1, mid: 500, large: 5000}  # rows: the files' sizes follow
+    rows = iter(range(1, 10**6))
+    ids = {t: [next(rows) for _ in range(n)] for t, n in sizes.items()}
+    batch = source.batch(w.writer_id, 0, ids=ids, group_id=w.group_id)
+    w.publish(0, batch.files, batch.positions)
+    wait_pending(coord, batch.file_count)
+    first = coord.commit_now()
+    assert order == [large, mid, small]
+    assert set(first.failed) == {large}
+    assert [r.table for r in first.tables] == [mid, small]
+
+    order.clear()
+    ids2 = {t: [next(rows) for _ in range(n)] for t, n in sizes.items()}
+    batch2 = source.batch(w.writer_id, 1, ids=ids2, group_id=w.group_id)
+    w.publish(1, batch2.files, batch2.positions)
+    wait_pending(coord, batch2.file_count)
+    second = coord.commit_now()
+    assert order == [mid, small, large]  # the table that failed goes last
+    assert second.failed == {}
+    for t in sizes:
+        assert_exactly_once(make.catalog, t, ids[t] + ids2[t])

@@ -1,7 +1,9 @@
 """The Iceberg committer: one idempotent, fenced fast append per table per commit cycle.
 
 For each :class:`~icefloe.commit.request.TableCommitRequest` the committer, inside its retry
-loop and after reloading the table from the catalog on every attempt:
+loop and against the table's current version on every attempt (loaded from the catalog, or
+the version it loaded or committed last while the catalog still names it:
+:mod:`icefloe.commit.versions`):
 
 1. finds the newest snapshot of this group (``icefloe.group-id``) in the branch's ancestry
    (:mod:`icefloe.commit.summary`), skipping snapshots of foreign writers and other
@@ -18,7 +20,8 @@ loop and after reloading the table from the catalog on every attempt:
    data files (:mod:`icefloe.commit.livefiles`);
 4. appends what is left in one fast append on the branch, with the summary properties of
    ``docs/architecture.md``, and raises the table property ``icefloe.fencing-token.<group>``
-   in the same transaction.
+   in the same transaction (the plain append built by :mod:`icefloe.commit.fastappend`,
+   else pyiceberg's transaction).
 
 Positions, watermarks and source offsets are merged per key with the previous snapshot's
 values, so they never move backwards. A commit conflict (``CommitFailedException``) or an
@@ -70,7 +73,7 @@ from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
-from icefloe.commit import branches, rowdelta, screening
+from icefloe.commit import branches, fastappend, rowdelta, screening
 from icefloe.commit.compaction import Compactor, RewrittenFiles, Thresholds, without_retries
 from icefloe.commit.dedupe import CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
@@ -94,6 +97,7 @@ from icefloe.commit.summary import (
     recorded_token,
     state_property,
 )
+from icefloe.commit.versions import KnownVersions
 from icefloe.config import PipelineConfig
 from icefloe.errors import (
     ChannelChangedError,
@@ -167,6 +171,7 @@ class IcebergCommitter:
         self._rewritten = RewrittenFiles()
         self._side_files = SideFiles()
         self._ownership = Ownership(group_id)
+        self._versions = KnownVersions()
         # per table: the merged originals deleted after its last commit here (not to look for)
         self._deleted: dict[str, set[str]] = {}
 
@@ -272,6 +277,8 @@ class IcebergCommitter:
                 tx.commit_transaction()
             except CommitFailedException:
                 continue
+            finally:
+                self._versions.forget(table)
             return self.rollback(table)
         raise CommitError(f"table '{table}': could not roll back to snapshot {snapshot_id}")
 
@@ -309,6 +316,8 @@ class IcebergCommitter:
                 return True
             except CommitFailedException:
                 continue
+            finally:
+                self._versions.forget(table)
         raise CommitError(f"table '{table}': could not record the drained channel")
 
     def screen(
@@ -326,6 +335,7 @@ class IcebergCommitter:
         table."""
         files = tuple(files)
         loaded = self._load(table)
+        self._versions.screened(table)  # the commit that follows may use this version
         head, _ = self._branch_head(loaded)
         state = self._for_channel(loaded, self._own_state(loaded, head), channel_id)
         live = self._live_files.live_paths(loaded, head, {f.meta.path for f in files})
@@ -351,7 +361,7 @@ class IcebergCommitter:
         for attempt in range(self._max_attempts):
             if attempt:
                 self._backoff(attempt)
-            table = self._load(request.table)
+            table = self._load(request.table, after_screen=attempt == 0)
             for snapshot_id, earlier in unknown:
                 if table.metadata.snapshot_by_id(snapshot_id) is not None:
                     return self._landed(table, request, earlier, snapshot_id)
@@ -375,9 +385,9 @@ class IcebergCommitter:
                 return _result(request, plan, None)
             if self._before_commit is not None:
                 self._before_commit()
-            tx, snapshot_id = self._stage(table, plan)
+            commit, snapshot_id = self._stage(table, plan)
             try:
-                committed = tx.commit_transaction()
+                committed = commit()
             except CommitFailedException as e:
                 last_error = e
                 logger.warning(
@@ -408,6 +418,7 @@ class IcebergCommitter:
                 request.commit_id,
             )
             appended = [m.path for m in plan.appended()]
+            self._versions.remember(request.table, committed)
             self._live_files.remember_added(committed, snapshot_id, appended)
             return self._landed(committed, request, plan, snapshot_id)
         # the last attempt may have landed even though its outcome was unknown
@@ -449,21 +460,26 @@ class IcebergCommitter:
         self._deleted[request.table] = deleted
         return _result(request, plan, snapshot_id)
 
-    def _load(self, name: str) -> Table:
-        """Load the table fresh from the catalog, with pyiceberg's own commit retries off.
+    def _load(self, name: str, after_screen: bool = False) -> Table:
+        """The table's current version (:mod:`icefloe.commit.versions`: reused when known
+        and unchanged, else loaded from the catalog), with pyiceberg's own commit retries off.
 
         Why off: pyiceberg 0.12 retries a failed commit by re-applying the same files and
         properties to the refreshed table, skipping our idempotency and fencing checks; every
         retry must redo them, so retries happen only in :meth:`commit`. The override lives
         only in this in-memory copy; catalogs apply our updates to their own metadata.
         """
-        try:
-            table = self._catalog.load_table(name)
-        except NoSuchTableError as e:
-            raise TableMissingError(
-                f"table '{name}' does not exist in the catalog; create it (or route its records "
-                "elsewhere): its pending files are quarantined after repeated attempts"
-            ) from e
+        table = self._versions.reusable(self._catalog, name, after_screen)
+        if table is None:
+            try:
+                table = self._catalog.load_table(name)
+            except NoSuchTableError as e:
+                self._versions.forget(name)
+                raise TableMissingError(
+                    f"table '{name}' does not exist in the catalog; create it (or route its "
+                    "records elsewhere): its pending files are quarantined after repeated attempts"
+                ) from e
+            self._versions.remember(name, table)
         return without_retries(table)
 
     def _branch_head(self, table: Table) -> tuple[Snapshot | None, int | None]:
@@ -474,6 +490,7 @@ class IcebergCommitter:
         """Add an empty snapshot that no ref points to yet, to fork the branch from."""
         if self._before_commit is not None:
             self._before_commit()
+        self._versions.forget(table_name(table))
         branches.commit_root(table, self._branch_for(table))
 
     def _own_state(self, table: Table, head: Snapshot | None) -> RecordedCommit | None:
@@ -647,26 +664,53 @@ class IcebergCommitter:
             == request.channel_id,
         )
 
-    def _stage(self, table: Table, plan: _Plan) -> tuple[Transaction, int]:
-        """Build the transaction for ``plan``; returns it and the snapshot id it will add."""
-        tx = table.transaction()
+    def _stage(self, table: Table, plan: _Plan) -> tuple[Callable[[], Table], int]:
+        """Stage the commit of ``plan``; returns what commits it (and returns the committed
+        table) and the snapshot id it will add."""
         branch = self._branch_for(table)
-        if plan.fork_from is not None:
-            with ManageSnapshots(tx) as refs:
-                refs.create_branch(plan.fork_from, branch)
-        if plan.raise_token:
-            tx.set_properties(
-                {fencing_token_property(self._group_id): plan.summary[FENCING_TOKEN_KEY]}
-            )
-        if plan.clear_drained:
-            # committing through the drained channel again: it holds work once more, so a
-            # later switch away from it needs a new drain
-            tx.remove_properties(drained_property(self._group_id))
         for location, content in plan.side_files:
             # before the commit that names it; named by its content, so a retry rewrites the
             # same file, and one left by a failed attempt is an orphan for `icefloe maintain`
             with table.io.new_output(location).create(overwrite=True) as stream:
                 stream.write(content)
+        properties: dict[str, str] = {}
+        if plan.raise_token:
+            properties[fencing_token_property(self._group_id)] = plan.summary[FENCING_TOKEN_KEY]
+        # committing through the drained channel again: it holds work once more, so a later
+        # switch away from it needs a new drain
+        removals = [drained_property(self._group_id)] if plan.clear_drained else []
+        head, _ = self._branch_head(table)
+        if (
+            plan.fork_from is None
+            and not any(f.is_key_file for f in plan.files)
+            and fastappend.applicable(table, branch, head)
+        ):
+            snapshot_id = table.metadata.new_snapshot_id()
+            kept = {"snapshot-id": snapshot_id, "summary": plan.summary}
+            properties[state_property(self._group_id, branch)] = compact_json(kept)
+            build = DataFileBuilder(table.metadata).build
+            staged = fastappend.stage(
+                table,
+                branch,
+                head,
+                () if head is None else self._live_files.manifests(table, head),
+                [build(meta) for meta in plan.appended()],
+                plan.summary,
+                properties,
+                removals,
+                snapshot_id,
+            )
+            if staged is not None:
+                return self._committing_append(staged), snapshot_id
+            del properties[state_property(self._group_id, branch)]
+        tx = table.transaction()
+        if plan.fork_from is not None:
+            with ManageSnapshots(tx) as refs:
+                refs.create_branch(plan.fork_from, branch)
+        if properties:
+            tx.set_properties(properties)
+        if removals:
+            tx.remove_properties(*removals)
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=branch)
         # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
         # read, which made this loop cost seconds per 10,000 files, growing with history
@@ -683,7 +727,15 @@ class IcebergCommitter:
             snapshot_id = append.snapshot_id
         kept = {"snapshot-id": snapshot_id, "summary": plan.summary}
         tx.set_properties({state_property(self._group_id, branch): compact_json(kept)})
-        return tx, snapshot_id
+        return tx.commit_transaction, snapshot_id
+
+    def _committing_append(self, staged: fastappend.StagedAppend) -> Callable[[], Table]:
+        def commit() -> Table:
+            committed = staged.commit()
+            self._live_files.remember_list(staged.manifest_list, staged.manifests)
+            return committed
+
+        return commit
 
     def _stage_row_delta(
         self, table: Table, tx: Transaction, plan: _Plan, build: Callable[[DataFileMeta], Any]

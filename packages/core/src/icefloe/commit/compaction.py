@@ -57,6 +57,7 @@ from pyiceberg.typedef import EMPTY_DICT
 from icefloe.commit import branches
 from icefloe.commit.request import table_name
 from icefloe.commit.rowdelta import FILE_PATH_FIELD_ID, write_delete_manifest
+from icefloe.commit.versions import with_metadata
 from icefloe.config import DEFAULT_TARGET_FILE_SIZE
 from icefloe.records.changes import comparable_type
 from icefloe.records.datafiles import DataFileBuilder, group_write_uuid, write_data_files
@@ -458,13 +459,8 @@ def without_retries(table: Table) -> Table:
     committer's idempotency and fencing checks, a compaction's choice of files)."""
     metadata = table.metadata
     properties = {**metadata.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}
-    return Table(
-        identifier=table.name(),
-        metadata=metadata.model_copy(update={"properties": properties}),
-        metadata_location=table.metadata_location,
-        io=table.io,
-        catalog=table.catalog,
-        config=table.config,
+    return with_metadata(
+        table, metadata.model_copy(update={"properties": properties}), table.metadata_location
     )
 
 

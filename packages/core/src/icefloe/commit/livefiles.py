@@ -2,7 +2,8 @@
 
 Answering that reads the head's data manifests, which grows with the table; manifests never
 change once written, so their live paths are cached by location and a running committer
-decodes only manifests it has not seen (and not even the ones it wrote itself).
+decodes only manifests it has not seen (and not even the ones it wrote itself). Manifest
+lists never change either: a snapshot's list is decoded once, not at every check.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ logger = logging.getLogger("icefloe.committer")
 
 # Manifests whose live paths are kept in memory (oldest dropped first).
 _MANIFEST_CACHE_SIZE = 4096
+# Manifest lists kept decoded (a few per table: the heads just checked and committed).
+_LIST_CACHE_SIZE = 4096
 
 
 class LiveFiles:
@@ -28,6 +31,22 @@ class LiveFiles:
 
     def __init__(self) -> None:
         self._manifest_paths: dict[str, frozenset[str]] = {}  # manifest location -> live paths
+        self._lists: dict[str, tuple[ManifestFile, ...]] = {}  # manifest list -> its manifests
+
+    def remember_list(self, location: str, manifests: tuple[ManifestFile, ...]) -> None:
+        """Keep the manifests of a manifest list this committer wrote (not to read it back)."""
+        if len(self._lists) >= _LIST_CACHE_SIZE:
+            self._lists.pop(next(iter(self._lists)))
+        self._lists[location] = manifests
+
+    def manifests(self, table: Table, snapshot: Snapshot) -> tuple[ManifestFile, ...]:
+        """The manifests of ``snapshot`` (its manifest list, decoded once per location)."""
+        location = snapshot.manifest_list
+        cached = self._lists.get(location)
+        if cached is None:
+            cached = tuple(snapshot.manifests(table.io))
+            self.remember_list(location, cached)
+        return cached
 
     def live_paths(self, table: Table, head: Snapshot | None, paths: set[str]) -> set[str]:
         """Which of ``paths`` the branch head already references as live data files (under
@@ -42,7 +61,7 @@ class LiveFiles:
         named = {canonical_path(p): p for p in paths}
         wanted = named.keys()
         found: set[str] = set()
-        for manifest in head.manifests(table.io):
+        for manifest in self.manifests(table, head):
             if manifest.content != ManifestContent.DATA:
                 continue
             cached = self._manifest_paths.get(manifest.manifest_path)
@@ -79,7 +98,7 @@ class LiveFiles:
         """
         try:
             snapshot = table.metadata.snapshot_by_id(snapshot_id)
-            manifests = [] if snapshot is None else _data_manifests(table, snapshot)
+            manifests = [] if snapshot is None else self._data_manifests(table, snapshot)
             written = [m for m in manifests if m.added_snapshot_id == snapshot_id]
             merged = [m for m in written if m.existing_files_count]
             older = self._replaced_paths(table, snapshot, manifests) if merged else frozenset()
@@ -114,13 +133,12 @@ class LiveFiles:
         kept = {m.manifest_path for m in manifests}
         replaced = [
             self._manifest_paths.get(m.manifest_path)
-            for m in _data_manifests(table, parent)
+            for m in self._data_manifests(table, parent)
             if m.manifest_path not in kept
         ]
         if any(paths is None for paths in replaced):
             return None
         return frozenset().union(*(paths for paths in replaced if paths is not None))
 
-
-def _data_manifests(table: Table, snapshot: Snapshot) -> list[ManifestFile]:
-    return [m for m in snapshot.manifests(table.io) if m.content == ManifestContent.DATA]
+    def _data_manifests(self, table: Table, snapshot: Snapshot) -> list[ManifestFile]:
+        return [m for m in self.manifests(table, snapshot) if m.content == ManifestContent.DATA]

@@ -15,7 +15,8 @@ One table's trouble never stops the others, nor the position:
   until it commits again. Its files stay pending: a transient fault (catalog or storage
   down) must not quarantine data, and an upsert/CDC table's batches must commit in order;
 * the stored position is the read position lowered to the oldest file still pending, so it
-  advances (and the channel is pruned) while a table fails.
+  advances (and the channel is pruned) while a table fails;
+* tables commit largest first, and tables that failed their last attempt after the others.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ class CommitCycle:
         failed: dict[str, str] = {}
         quarantined: dict[str, int] = {}
         deferred: list[str] = []
-        for table in sorted(reader.pending):
+        for table in self._schedule():
             if self.backing_off(table):
                 deferred.append(table)
                 continue
@@ -315,6 +316,18 @@ class CommitCycle:
                 continue
             if result.snapshot_id is not None and self._hooks.after_compaction is not None:
                 self._hooks.after_compaction(table)
+
+    def _schedule(self) -> list[str]:
+        """The pending tables in commit order: the largest (pending bytes) first, so a cycle's
+        biggest commits start earliest; tables that failed their last attempt after all the
+        others, so a table that keeps failing (often slowly: timeouts) does not delay the
+        healthy ones in the cycle it is retried."""
+        reader = self._reader
+
+        def order(table: str) -> tuple[bool, int, str]:
+            return table in self._trouble, -reader.pending_size([table])[1], table
+
+        return sorted(reader.pending, key=order)
 
     def _failed(self, commit_id: str, table: str, exc: Exception) -> int:
         """Count a table failure and set its backoff; once ``quarantine_after_failures`` are

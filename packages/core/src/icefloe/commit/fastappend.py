@@ -1,0 +1,264 @@
+"""The plain append, built from pyiceberg's public parts instead of its transaction.
+
+Why: pyiceberg's ``Transaction`` re-derives the table metadata, as a deep copy, on every read
+of ``table_metadata``; its snapshot producer reads it about fifteen times per append, which was
+half the CPU of a commit of a few files and grew with the table's history. A coordinator
+committing hundreds of tables per cycle pays it per table. The commit this module builds is the
+one pyiceberg's fast append builds: one new manifest of the added data files, a manifest list of
+it plus the branch head's live manifests, a snapshot with pyiceberg's summary totals and the
+caller's properties, the branch moved to it, and the table properties set or removed in the same
+catalog commit, which requires the branch head (and table uuid) to be the one planned against.
+
+It is used only where it is that same commit (:func:`applicable`): data files appended to a
+format v1/v2 table, the branch existing (or ``main`` on a table without snapshots), and no
+manifest merge that pyiceberg's merge append would do (``commit.manifest-merge.enabled`` with
+enough manifests, or manifests of older partition specs). Everything else (a branch to fork,
+row deltas, a merge due) goes through pyiceberg's transaction as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.manifest import (
+    DataFile,
+    ManifestContent,
+    ManifestEntry,
+    ManifestEntryStatus,
+    ManifestFile,
+    write_manifest,
+    write_manifest_list,
+)
+from pyiceberg.table import Table, TableProperties
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
+from pyiceberg.table.snapshots import (
+    Operation,
+    Snapshot,
+    SnapshotSummaryCollector,
+    Summary,
+    update_snapshot_summaries,
+)
+from pyiceberg.table.update import (
+    AddSnapshotUpdate,
+    AssertRefSnapshotId,
+    AssertTableUUID,
+    RemovePropertiesUpdate,
+    SetPropertiesUpdate,
+    SetSnapshotRefUpdate,
+    TableRequirement,
+    TableUpdate,
+)
+from pyiceberg.utils.properties import property_as_bool, property_as_int
+
+from icefloe.commit.request import table_name
+from icefloe.commit.versions import with_metadata
+from icefloe.errors import CommitError
+
+
+@dataclass(frozen=True)
+class StagedAppend:
+    """An append whose manifest and manifest list are written, ready for the catalog."""
+
+    table: Table
+    snapshot_id: int
+    updates: tuple[TableUpdate, ...]
+    requirements: tuple[TableRequirement, ...]
+    manifest_list: str
+    manifests: tuple[ManifestFile, ...]  # as the manifest list holds them
+
+    @property
+    def _written(self) -> list[str]:
+        """The manifest this append wrote (the first; the others are the head's)."""
+        return [self.manifests[0].manifest_path]
+
+    def commit(self) -> Table:
+        """Commit to the catalog; returns the table as committed. Raises what the catalog
+        raises (CommitFailedException when the branch head or the table changed)."""
+        table = self.table
+        try:
+            response = table.catalog.commit_table(table, self.requirements, self.updates)
+        except CommitFailedException:
+            # refused for sure (an unknown outcome keeps them: the snapshot may have landed)
+            for path in (self.manifest_list, *self._written):
+                with contextlib.suppress(Exception):
+                    table.io.delete(path)
+            raise
+        if response.metadata.table_uuid != table.metadata.table_uuid:
+            raise CommitError(f"table '{table_name(table)}': its uuid changed during the commit")
+        _delete_old_metadata(table, response.metadata)
+        return with_metadata(table, response.metadata, response.metadata_location)
+
+
+def applicable(table: Table, branch: str, head: Snapshot | None) -> bool:
+    """Whether a plain append to ``branch`` (head ``head``) can be built here (see the
+    module docstring; the manifest merge is judged by :func:`stage`)."""
+    metadata = table.metadata
+    if metadata.format_version not in (1, 2):
+        return False
+    ref = metadata.refs.get(branch)
+    if ref is None:
+        return branch == MAIN_BRANCH and head is None
+    return ref.snapshot_ref_type == SnapshotRefType.BRANCH and head is not None
+
+
+def stage(
+    table: Table,
+    branch: str,
+    head: Snapshot | None,
+    head_manifests: Sequence[ManifestFile],
+    data_files: Sequence[DataFile],
+    snapshot_properties: Mapping[str, str],
+    set_properties: Mapping[str, str],
+    remove_properties: Sequence[str],
+    snapshot_id: int,
+) -> StagedAppend | None:
+    """Write the manifest and the manifest list of appending ``data_files`` on top of
+    ``head`` (whose manifests are ``head_manifests``) as snapshot ``snapshot_id``. None when
+    pyiceberg's merge append would merge manifests here: the caller commits through
+    pyiceberg instead."""
+    metadata = table.metadata
+    spec, schema = metadata.spec(), metadata.schema()
+    props = metadata.properties
+    compression = props.get(
+        TableProperties.WRITE_AVRO_COMPRESSION, TableProperties.WRITE_AVRO_COMPRESSION_DEFAULT
+    )
+    commit_uuid = uuid.uuid4()
+    locations = table.location_provider()
+    existing = [m for m in head_manifests if m.has_added_files() or m.has_existing_files()]
+    data = [m for m in existing if m.content == ManifestContent.DATA]
+    merging = property_as_bool(
+        props,
+        TableProperties.MANIFEST_MERGE_ENABLED,
+        TableProperties.MANIFEST_MERGE_ENABLED_DEFAULT,
+    )
+    if merging and _merge_possible(props, spec.spec_id, data):
+        return None
+    manifest_path = locations.new_metadata_location(f"{commit_uuid}-m0.avro")
+    with write_manifest(
+        format_version=metadata.format_version,
+        spec=spec,
+        schema=schema,
+        output_file=table.io.new_output(manifest_path),
+        snapshot_id=snapshot_id,
+        avro_compression=compression,  # type: ignore[arg-type]
+    ) as writer:
+        for data_file in data_files:
+            writer.add(
+                ManifestEntry.from_args(
+                    status=ManifestEntryStatus.ADDED,
+                    snapshot_id=snapshot_id,
+                    sequence_number=None,
+                    file_sequence_number=None,
+                    data_file=data_file,
+                )
+            )
+    added = writer.to_manifest_file()
+    if merging and not _one_bin(props, data, added):
+        table.io.delete(manifest_path)
+        return None
+    sequence_number = metadata.next_sequence_number()
+    list_path = locations.new_metadata_location(f"snap-{snapshot_id}-0-{commit_uuid}.avro")
+    with write_manifest_list(
+        format_version=metadata.format_version,
+        output_file=table.io.new_output(list_path),
+        snapshot_id=snapshot_id,
+        parent_snapshot_id=None if head is None else head.snapshot_id,
+        sequence_number=sequence_number,
+        avro_compression=compression,  # type: ignore[arg-type]
+    ) as list_writer:
+        # as written (sequence numbers assigned), so the caller may keep them as the list's
+        # content instead of reading it back
+        manifests = tuple(list_writer.prepare_manifest(m) for m in (added, *existing))
+        list_writer.add_manifests(list(manifests))
+    collector = SnapshotSummaryCollector(
+        partition_summary_limit=property_as_int(  # type: ignore[arg-type]
+            props,
+            TableProperties.WRITE_PARTITION_SUMMARY_LIMIT,
+            TableProperties.WRITE_PARTITION_SUMMARY_LIMIT_DEFAULT,
+        )
+    )
+    for data_file in data_files:
+        collector.add_file(data_file, schema=schema, partition_spec=spec)
+    summary = update_snapshot_summaries(
+        Summary(Operation.APPEND, **collector.build(), **snapshot_properties),
+        previous_summary=None if head is None else head.summary,
+    )
+    # pyiceberg's models take field names (populate_by_name); mypy's plugin knows only aliases
+    snapshot = Snapshot(  # type: ignore[call-arg]
+        snapshot_id=snapshot_id,
+        parent_snapshot_id=None if head is None else head.snapshot_id,
+        manifest_list=list_path,
+        sequence_number=sequence_number,
+        summary=summary,
+        schema_id=metadata.current_schema_id,
+    )
+    updates: list[TableUpdate] = [
+        AddSnapshotUpdate(snapshot=snapshot),
+        SetSnapshotRefUpdate(  # type: ignore[call-arg]
+            snapshot_id=snapshot_id,
+            parent_snapshot_id=snapshot.parent_snapshot_id,
+            ref_name=branch,
+            type=SnapshotRefType.BRANCH,
+        ),
+    ]
+    if set_properties:
+        updates.append(SetPropertiesUpdate(updates=dict(set_properties)))
+    if remove_properties:
+        updates.append(RemovePropertiesUpdate(removals=list(remove_properties)))
+    requirements = (
+        AssertTableUUID(uuid=metadata.table_uuid),
+        AssertRefSnapshotId(  # type: ignore[call-arg]
+            snapshot_id=None if head is None else head.snapshot_id,
+            ref=branch,
+        ),
+    )
+    return StagedAppend(table, snapshot_id, tuple(updates), requirements, list_path, manifests)
+
+
+def _merge_possible(props: dict[str, str], spec_id: int, data: Sequence[ManifestFile]) -> bool:
+    """Whether pyiceberg's merge append might merge some of ``data`` (the head's data
+    manifests) whatever the new manifest: enough manifests for the new one's bin, or
+    manifests of another spec (packed and merged in bins of their own)."""
+    min_count = property_as_int(
+        props,
+        TableProperties.MANIFEST_MIN_MERGE_COUNT,
+        TableProperties.MANIFEST_MIN_MERGE_COUNT_DEFAULT,
+    )
+    assert min_count is not None
+    return len(data) + 1 >= min_count or any(m.partition_spec_id != spec_id for m in data)
+
+
+def _one_bin(props: dict[str, str], data: Sequence[ManifestFile], added: ManifestFile) -> bool:
+    """Whether the new manifest and ``data`` fit in one bin of the merge's target size: the
+    merge append splits them into several bins otherwise, and merges a bin without the new
+    manifest whatever its count, so the decision is left to pyiceberg."""
+    target = property_as_int(
+        props,
+        TableProperties.MANIFEST_TARGET_SIZE_BYTES,
+        TableProperties.MANIFEST_TARGET_SIZE_BYTES_DEFAULT,
+    )
+    assert target is not None
+    return added.manifest_length + sum(m.manifest_length for m in data) <= target
+
+
+def _delete_old_metadata(table: Table, committed: TableMetadata) -> None:
+    """Delete the metadata files that left the metadata log, when the table asks for it
+    (``write.metadata.delete-after-commit.enabled``), as pyiceberg's commit does."""
+    if not property_as_bool(
+        committed.properties,
+        TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED,
+        TableProperties.METADATA_DELETE_AFTER_COMMIT_ENABLED_DEFAULT,
+    ):
+        return
+    kept = {e.metadata_file for e in committed.metadata_log}
+    for entry in table.metadata.metadata_log:
+        if entry.metadata_file not in kept:
+            try:
+                table.io.delete(entry.metadata_file)
+            except Exception:  # committed either way: the file is only garbage now
+                continue
