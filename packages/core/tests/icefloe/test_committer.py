@@ -9,7 +9,7 @@ import datetime as dt
 import json
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from icefloe.errors import (
 )
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.records.datafiles import write_data_files
+from icefloe.testing.harness import once
 
 GROUP = "pipe-a"
 SCHEMA = Schema(
@@ -145,19 +146,6 @@ def summary(catalog: Catalog, snapshot_id: int, name: str = "db.events") -> dict
     assert snap is not None
     assert snap.summary is not None
     return {"operation": snap.summary.operation.value, **snap.summary.additional_properties}
-
-
-def once(action: Callable[[], None]) -> Callable[[], None]:
-    """A before_commit callback that runs ``action`` on the first attempt only."""
-    calls: list[int] = []
-
-    def callback() -> None:
-        calls.append(1)
-        if len(calls) == 1:
-            action()
-
-    callback.calls = calls  # type: ignore[attr-defined]
-    return callback
 
 
 # --- basic commit -------------------------------------------------------------------------
