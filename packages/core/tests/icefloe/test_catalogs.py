@@ -179,6 +179,34 @@ def test_committer_retries_a_foreign_commit_between_its_load_and_its_commit(
     assert len(foreign) == 2
 
 
+@pytest.mark.parametrize("landed", [False, True], ids=["before-applied", "after-applied"])
+def test_a_5xx_commit_answer_is_an_unknown_outcome_resolved_without_a_duplicate(
+    landed: bool, server: RestCatalogServer
+) -> None:
+    """The server fails a commit request with 500, before applying it or after (the answer
+    lost): the REST client reports an unknown outcome, and the committer finds out whether
+    its snapshot landed instead of committing the files twice or dropping them."""
+    catalog = rest_client(server)
+    table = create_rows_table(catalog, TABLE)
+    failures: list[tuple[str, ...]] = []
+
+    def fail_once(identifier: tuple[str, ...]) -> None:
+        if not failures:
+            failures.append(identifier)
+            raise RuntimeError("the catalog's answer is lost")
+
+    if landed:
+        server.after_commit = fail_once
+    else:
+        server.before_commit = fail_once
+    committer = IcebergCommitter(catalog, GROUP, retry_wait_s=0.001)
+    result = committer.commit(request(pending(table, [1, 2], 0), 0))
+    assert failures == [("db", "rows")]
+    assert result.snapshot_id is not None
+    assert server.commits == 1  # applied once: retried when it had not landed, else not
+    assert data_file_ids(server.catalog.load_table(TABLE)) == [1, 2]
+
+
 def test_coordinator_through_rest_with_another_writer_before_every_commit(
     server: RestCatalogServer, tmp_path: Path
 ) -> None:

@@ -104,8 +104,10 @@ class RestCatalogServer:
     ``client_config``: properties every client gets from ``GET /v1/config`` and with every
     loaded table (FileIO settings such as ``s3.endpoint``), as a real server hands them out.
     ``before_commit(identifier)`` runs before each table commit is applied (tests use it to
-    slip another writer's commit in, or to fail the request). Use as a context manager, or
-    call :meth:`start` and :meth:`stop`.
+    slip another writer's commit in), ``after_commit(identifier)`` after it was applied; an
+    exception from either answers 500, which the client takes for an unknown outcome (whether
+    the commit landed or not). Use as a context manager, or call :meth:`start` and
+    :meth:`stop`.
     """
 
     def __init__(
@@ -113,10 +115,12 @@ class RestCatalogServer:
         catalog: Catalog,
         client_config: Mapping[str, str] | None = None,
         before_commit: Callable[[tuple[str, ...]], None] | None = None,
+        after_commit: Callable[[tuple[str, ...]], None] | None = None,
     ) -> None:
         self.catalog = catalog
         self.client_config = dict(client_config or {})
         self.before_commit = before_commit
+        self.after_commit = after_commit
         self.commits = 0  # commit requests answered 200
         self.conflicts = 0  # commit requests answered 409
         self._lock = threading.Lock()
@@ -259,6 +263,8 @@ class RestCatalogServer:
             raise
         with self._lock:
             self.commits += 1
+        if self.after_commit is not None:
+            self.after_commit(identifier)
         return _json(response)
 
     def _drop_table(self, request: Request, namespace: str, table: str) -> Response:
