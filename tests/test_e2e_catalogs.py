@@ -3,8 +3,10 @@ pyiceberg's SqlCatalog on the real PostgreSQL, and the Iceberg REST protocol (py
 RestCatalog client against ``icefloe.testing.rest_catalog``, a thin REST server over a
 SqlCatalog on that PostgreSQL: no REST catalog server installs here).
 
-Another writer appends to the same table through the same catalog while the pipeline runs
-(with REST, before each of the pipeline's commits is applied, so each conflicts and is redone).
+The pipeline writes a table that exists and one its write tasks auto-create from the first
+records (its tasks may race to create it). Another writer appends to the existing table through
+the same catalog while the pipeline runs (with REST, before each of the pipeline's commits to
+it is applied, so each conflicts and is redone).
 Rows are counted with pyarrow from the data files the table's manifests list, by a catalog
 client of its own: every produced record exactly once, every foreign row kept.
 """
@@ -43,6 +45,7 @@ from tests.test_e2e_spark import (
 )
 
 FOREIGN_BATCHES = 3  # the other writer's appends, 2 rows each
+CREATED = "e2e.created"  # auto-created from the first records by the write tasks, racing
 
 
 class ForeignWriter:
@@ -62,15 +65,30 @@ class ForeignWriter:
         table.append(pa.Table.from_pydict(rows, schema=schema_to_pyarrow(table.schema())))
         self.ids.extend(ids)
 
-    def slip_in(self, _: tuple[str, ...]) -> None:
-        """A REST server hook: append before the pipeline's commit is applied (not before the
-        foreign writer's own, which arrives on another server thread while the lock is held)."""
-        if len(self.ids) >= 2 * FOREIGN_BATCHES or not self.lock.acquire(blocking=False):
+    def slip_in(self, identifier: tuple[str, ...]) -> None:
+        """A REST server hook: append before the pipeline's commit to the table is applied (not
+        before the foreign writer's own, which arrives on another server thread while the lock
+        is held)."""
+        if identifier != tuple(TABLE.split(".")) or len(self.ids) >= 2 * FOREIGN_BATCHES:
+            return
+        if not self.lock.acquire(blocking=False):
             return
         try:
             self.append()
         finally:
             self.lock.release()
+
+
+def created_rows(catalog: Catalog) -> int:
+    """Rows committed to the auto-created table (0 before it exists)."""
+    if not catalog.table_exists(CREATED):
+        return 0
+    snapshot = catalog.load_table(CREATED).current_snapshot()
+    return (
+        0
+        if snapshot is None or snapshot.summary is None
+        else int(snapshot.summary["total-records"] or 0)
+    )
 
 
 def operator_commands_work(config: Path, name: str) -> None:
@@ -123,6 +141,7 @@ def test_every_record_lands_once_beside_another_writer(
         section = pipeline_dict(
             name, kafka_broker, topic, properties, "postgres", tmp_path / "ckpt"
         )
+        section["tables"].append({"name": CREATED, "auto_create": True})
         produce_json(kafka_broker.bootstrap_servers, topic, range(500))
         if server is not None:
             server.before_commit = foreign.slip_in
@@ -136,11 +155,13 @@ def test_every_record_lands_once_beside_another_writer(
             produce_json(kafka_broker.bootstrap_servers, topic, range(500, 750))
             total = 750 + 2 * FOREIGN_BATCHES
             wait_until(lambda: committed_rows(table_catalog) >= total, WAIT_S, "every row")
+            wait_until(lambda: created_rows(table_catalog) >= 750, WAIT_S, "every created row")
             assert pipeline.stats.records == 750
         if server is not None:
             assert server.conflicts >= FOREIGN_BATCHES, "no commit conflicted through REST"
         reader = load_catalog("e2e", **properties)  # a client of its own, not the committer's
         got = data_file_ids(reader.load_table(TABLE))
+        assert data_file_ids(reader.load_table(CREATED)) == list(range(750))
         operator_commands_work(write_config(tmp_path / "pipeline.toml", section), name)
         assert data_file_ids(reader.load_table(TABLE)) == got  # maintain kept every row
     assert len(foreign.ids) == 2 * FOREIGN_BATCHES
