@@ -23,7 +23,6 @@ import json
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import unquote
 
 from pydantic import BaseModel, ValidationError
 from pyiceberg.catalog import Catalog, MetastoreCatalog
@@ -83,8 +82,9 @@ _URLS = Map(
 
 
 def _namespace(raw: str) -> tuple[str, ...]:
-    """A namespace path parameter: levels joined by the unit separator, each URL-quoted."""
-    return tuple(unquote(part) for part in raw.split(DEFAULT_NAMESPACE_SEPARATOR))
+    """A namespace path parameter (werkzeug decoded it): levels joined by the unit separator.
+    A level holding "/" cannot be routed (its quoted slash is decoded before routing)."""
+    return tuple(raw.split(DEFAULT_NAMESPACE_SEPARATOR))
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -239,11 +239,11 @@ class RestCatalogServer:
         return self._table(staged)
 
     def _load_table(self, request: Request, namespace: str, table: str) -> Response:
-        return self._table(self.catalog.load_table((*_namespace(namespace), unquote(table))))
+        return self._table(self.catalog.load_table((*_namespace(namespace), table)))
 
     def _commit_table(self, request: Request, namespace: str, table: str) -> Response:
         body = CommitTableRequest.model_validate_json(request.get_data())
-        identifier = (*_namespace(namespace), unquote(table))
+        identifier = (*_namespace(namespace), table)
         if self.before_commit is not None:
             self.before_commit(identifier)
         try:
@@ -268,7 +268,7 @@ class RestCatalogServer:
         return _json(response)
 
     def _drop_table(self, request: Request, namespace: str, table: str) -> Response:
-        self.catalog.drop_table((*_namespace(namespace), unquote(table)))
+        self.catalog.drop_table((*_namespace(namespace), table))
         return Response(status=204)
 
     def _table(self, table: Table) -> Response:
