@@ -4,12 +4,13 @@ scanning."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ from icefloe.errors import (
 )
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.records.datafiles import write_data_files
+from icefloe.testing.fixtures import postgres_catalog_database
+from icefloe.testing.harness import once
 
 GROUP = "pipe-a"
 SCHEMA = Schema(
@@ -145,19 +148,6 @@ def summary(catalog: Catalog, snapshot_id: int, name: str = "db.events") -> dict
     assert snap is not None
     assert snap.summary is not None
     return {"operation": snap.summary.operation.value, **snap.summary.additional_properties}
-
-
-def once(action: Callable[[], None]) -> Callable[[], None]:
-    """A before_commit callback that runs ``action`` on the first attempt only."""
-    calls: list[int] = []
-
-    def callback() -> None:
-        calls.append(1)
-        if len(calls) == 1:
-            action()
-
-    callback.calls = calls  # type: ignore[attr-defined]
-    return callback
 
 
 # --- basic commit -------------------------------------------------------------------------
@@ -701,11 +691,27 @@ def test_missing_table_is_a_commit_error(catalog: SqlCatalog) -> None:
         IcebergCommitter(catalog, GROUP).commit(request([], {"0": 1}, name="db.nope"))
 
 
-def test_racing_committers_of_one_group_commit_each_file_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "database", ["sqlite", pytest.param("postgres", marks=pytest.mark.integration)]
+)
+def test_racing_committers_of_one_group_commit_each_file_once(
+    database: str, tmp_path: Path
+) -> None:
     """Three committers (say, a leader and two zombies that still believe they lead, same
     token) race on overlapping requests in different orders from their own catalog clients;
-    every file ends up in the table exactly once."""
-    props = {"uri": f"sqlite:///{tmp_path}/c.db", "warehouse": f"file://{tmp_path}/wh"}
+    every file ends up in the table exactly once. On PostgreSQL the clients' commits really
+    run at once (SQLite serialises them), racing on the catalog row's compare-and-set."""
+    with contextlib.ExitStack() as stack:
+        uri = (
+            f"sqlite:///{tmp_path}/c.db"
+            if database == "sqlite"
+            else stack.enter_context(postgres_catalog_database())
+        )
+        race_committers({"uri": uri, "warehouse": f"file://{tmp_path}/wh"})
+
+
+def race_committers(props: dict[str, str]) -> None:
+    """Three committers race; the table must end with every file once (see the test)."""
     setup = SqlCatalog("shared", **props)
     setup.create_namespace("db")
     table = setup.create_table("db.events", schema=SCHEMA)

@@ -4,17 +4,25 @@ real SqlCatalog."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pyiceberg.catalog import Catalog
+from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.exceptions import TableAlreadyExistsError
+from pyiceberg.table import CommitTableResponse, Table
+from pyiceberg.table.update import TableRequirement, TableUpdate
 from pyiceberg.transforms import BucketTransform, DayTransform, IdentityTransform
 
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.errors import ConfigError
-from icefloe.testing.fixtures import make_sqlite_catalog
-from icefloe_spark.sink.tables import ensure_tables, parse_partition
+from icefloe.plugins.manager import get_plugins
+from icefloe.records.changes import row_schema
+from icefloe.testing.fixtures import make_sqlite_catalog, sqlite_catalog_properties
+from icefloe.testing.rest_catalog import RestCatalogServer
+from icefloe_spark.sink.tables import create_table, ensure_tables, parse_partition, record_schema
 
 AVRO = {
     "type": "record",
@@ -116,3 +124,53 @@ def test_auto_created_tables_keep_metadata_bounded_and_take_configured_propertie
     assert props["write.metadata.delete-after-commit.enabled"] == "true"
     assert props["write.metadata.previous-versions-max"] == "7"  # the configured value wins
     assert props["owner"] == "sales"
+
+
+class _SlowSql(SqlCatalog):
+    """A SqlCatalog client whose commits run ``hook`` first (another client's commit lands
+    between this one's staging and its commit)."""
+
+    def __init__(self, hook: Callable[[tuple[str, ...]], None], **properties: str) -> None:
+        super().__init__("icefloe_test", **properties)
+        self._hook = hook
+
+    def commit_table(
+        self,
+        table: Table,
+        requirements: tuple[TableRequirement, ...],
+        updates: tuple[TableUpdate, ...],
+    ) -> CommitTableResponse:
+        self._hook(table.name())
+        return super().commit_table(table, requirements, updates)
+
+
+@pytest.mark.parametrize("catalog_kind", ["sql", "rest"])
+def test_a_create_that_loses_the_race_is_table_already_exists(
+    catalog_kind: str, tmp_path: Path
+) -> None:
+    """Two write tasks (or drivers) auto-create the same table; the one whose staged create
+    commits second finds the table there. Its callers take TableAlreadyExistsError for "another
+    was quicker" and load the table; the catalog answers a failed assert-create with
+    CommitFailedException (409 through REST), which used to fail the task (in local mode,
+    which retries no task, the query)."""
+    cfg = config([{"name": "sales.orders", "auto_create": True}])
+    declared = record_schema(cfg, get_plugins())
+    assert declared is not None
+    schema = row_schema(declared, cfg.tables[0])
+    backing = make_sqlite_catalog(tmp_path / "race")
+    backing.create_namespace("sales")
+    first: list[str] = []
+
+    def quicker(_: tuple[str, ...]) -> None:  # the other task's create lands first
+        if not first:
+            create_table(backing, cfg.tables[0], schema)
+            first.append(str(backing.load_table("sales.orders").metadata.table_uuid))
+
+    with RestCatalogServer(backing, before_commit=quicker) as server:
+        if catalog_kind == "rest":
+            client = load_catalog("client", **server.client_properties())
+        else:  # a SQL client of the same catalog, its commit slowed past the other's
+            client = _SlowSql(quicker, **sqlite_catalog_properties(tmp_path / "race"))
+        with pytest.raises(TableAlreadyExistsError):
+            create_table(client, cfg.tables[0], schema)
+    assert first == [str(backing.load_table("sales.orders").metadata.table_uuid)]

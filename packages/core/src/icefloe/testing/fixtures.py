@@ -7,21 +7,32 @@ plain functions, usable without pytest (e.g. in a child process).
 
 * ``sqlite_catalog``: a pyiceberg ``SqlCatalog`` on SQLite with a ``file://`` warehouse, both
   in the test's ``tmp_path`` (a real catalog: optimistic commits, metadata files, Parquet).
+* ``catalog_warehouse``: the warehouse URL of the catalogs below (``file://`` in ``tmp_path``;
+  override the fixture to put them on another store).
+* ``postgres_catalog_properties``: a pyiceberg ``SqlCatalog`` on the real PostgreSQL (a fresh
+  database per test, dropped afterwards), as production users run it.
+* ``rest_catalog``: a :class:`icefloe.testing.rest_catalog.RestCatalogServer` over an SQLite
+  ``SqlCatalog``; clients reach it with ``rest_catalog.client_properties()``.
 * ``memory_server``: a fresh :class:`icefloe.testing.memory.MemoryServer`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+import os
+import shlex
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from pyiceberg.catalog import Catalog
 from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import NamespaceAlreadyExistsError
+from pyiceberg.manifest import DataFileContent
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
@@ -32,6 +43,7 @@ from pyiceberg.types import LongType, NestedField, StringType
 from icefloe.events import DataFileMeta
 from icefloe.records.datafiles import group_write_uuid, write_data_files
 from icefloe.testing.memory import MemoryServer
+from icefloe.testing.rest_catalog import RestCatalogServer
 
 GROUP_ID_PROPERTY = "icefloe.group-id"
 
@@ -74,6 +86,58 @@ def sqlite_catalog_properties(path: Path) -> dict[str, str]:
         "uri": f"sqlite:///{path / 'catalog.db'}",
         "warehouse": f"file://{path / 'warehouse'}",
     }
+
+
+#: The PostgreSQL the integration tests use (``ICEFLOE_TEST_POSTGRES_DSN``, a libpq DSN); a
+#: catalog database is created there and dropped again, so its role needs CREATEDB.
+POSTGRES_ADMIN_DSN = os.environ.get(
+    "ICEFLOE_TEST_POSTGRES_DSN", "host=127.0.0.1 port=5432 user=postgres dbname=test"
+)
+
+
+def postgres_url(dsn: str, database: str | None = None) -> str:
+    """The SQLAlchemy URL (``postgresql+psycopg://``, what a SqlCatalog's ``uri`` takes) of a
+    libpq DSN, key/value (``host=... dbname=...``) or URI form, optionally of another
+    database. SQLAlchemy loads psycopg as the driver: core itself imports no backend library."""
+    from sqlalchemy.engine import URL, make_url
+
+    if dsn.startswith(("postgres://", "postgresql://")):
+        url = make_url(dsn).set(drivername="postgresql+psycopg")
+    else:
+        params = dict(part.split("=", 1) for part in shlex.split(dsn))
+        port = params.get("port")
+        url = URL.create(
+            "postgresql+psycopg",
+            username=params.get("user"),
+            password=params.get("password"),
+            host=params.get("host"),
+            port=int(port) if port else None,
+            database=params.get("dbname"),
+        )
+    if database is not None:
+        url = url.set(database=database)
+    return url.render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def postgres_catalog_database(admin_dsn: str = POSTGRES_ADMIN_DSN) -> Iterator[str]:
+    """A fresh PostgreSQL database for one SqlCatalog, dropped (connections and all) at the
+    end; yields its SQLAlchemy URL."""
+    from sqlalchemy import create_engine, text
+
+    name = f"icefloe_catalog_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(postgres_url(admin_dsn), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            # template0 takes no connections, so a session on template1 cannot block the copy
+            conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE template0'))
+        try:
+            yield postgres_url(admin_dsn, name)
+        finally:
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
 
 
 def make_sqlite_catalog(path: Path, name: str = "icefloe_test") -> SqlCatalog:
@@ -186,6 +250,56 @@ def assert_exactly_once(
 def sqlite_catalog(tmp_path: Path) -> SqlCatalog:
     """A real SqlCatalog (SQLite + file:// warehouse) private to the test."""
     return make_sqlite_catalog(tmp_path / "iceberg")
+
+
+def data_file_ids(table: Table) -> list[int]:
+    """Every ``id`` in the table's current snapshot, sorted, read with pyarrow from the data
+    files its manifests list (not through a pyiceberg scan, nor the committer's code). For
+    append-only tables: a delete file fails the read rather than being ignored."""
+    ids: list[int] = []
+    for task in table.scan().plan_files():
+        assert not task.delete_files, f"delete files in an append-only table: {task.delete_files}"
+        assert task.file.content == DataFileContent.DATA
+        with table.io.new_input(task.file.file_path).open() as f:
+            ids.extend(int(v) for v in pq.read_table(f, columns=["id"])["id"].to_pylist())
+    return sorted(ids)
+
+
+@pytest.fixture
+def catalog_warehouse(tmp_path: Path) -> str:
+    """Where the test's catalogs keep their tables: a ``file://`` URL in ``tmp_path``."""
+    return f"file://{tmp_path / 'warehouse'}"
+
+
+@pytest.fixture
+def postgres_catalog_properties(catalog_warehouse: str) -> Iterator[dict[str, str]]:
+    """pyiceberg properties of a SqlCatalog on the real PostgreSQL, in a database of its own;
+    fails (never skips) when PostgreSQL is not there."""
+    from sqlalchemy.exc import OperationalError
+
+    try:
+        database = postgres_catalog_database()
+        uri = database.__enter__()
+    except OperationalError as exc:
+        pytest.fail(
+            f"PostgreSQL is required at {POSTGRES_ADMIN_DSN!r} ({exc}); start it as .ci/run "
+            "does or set ICEFLOE_TEST_POSTGRES_DSN"
+        )
+    try:
+        yield {"type": "sql", "uri": uri, "warehouse": catalog_warehouse}
+    finally:
+        database.__exit__(None, None, None)
+
+
+@pytest.fixture
+def rest_catalog(tmp_path: Path, catalog_warehouse: str) -> Iterator[RestCatalogServer]:
+    """An Iceberg REST catalog server over an SQLite SqlCatalog private to the test."""
+    backing = SqlCatalog(
+        "rest_backing", uri=f"sqlite:///{tmp_path / 'rest-catalog.db'}", warehouse=catalog_warehouse
+    )
+    with RestCatalogServer(backing) as server:
+        yield server
+    backing.engine.dispose()
 
 
 @pytest.fixture

@@ -42,6 +42,20 @@ def crash(*_: object) -> None:
     raise SimulatedCrash
 
 
+def once(action: Callable[[], object]) -> Callable[[], None]:
+    """A ``before_commit`` callback that runs ``action`` on the first attempt only (its
+    ``calls`` attribute counts the attempts)."""
+    calls: list[int] = []
+
+    def callback() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            action()
+
+    callback.calls = calls  # type: ignore[attr-defined]
+    return callback
+
+
 def drive(
     coordinator: Coordinator, until: Callable[[], bool], what: str, timeout: float = 30.0
 ) -> None:

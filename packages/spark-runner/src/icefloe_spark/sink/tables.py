@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NoSuchTableError, TableAlreadyExistsError
+from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
 from pyiceberg.transforms import IdentityTransform, Transform, parse_transform
@@ -98,7 +98,12 @@ def record_schema(config: PipelineConfig, plugins: Plugins | None = None) -> pa.
 
 def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> None:
     """Create ``table`` with its partition spec, identifier fields and properties (icefloe's
-    bounded-metadata recommendations, then ``tables.properties``) in one transaction."""
+    bounded-metadata recommendations, then ``tables.properties``) in one transaction.
+
+    Raises TableAlreadyExistsError when the table exists, also when another task or driver
+    created it between this one's staging and its commit: catalogs answer that commit's failed
+    ``assert-create`` with CommitFailedException (a 409 through REST), and callers take
+    TableAlreadyExistsError for "another was quicker"."""
     # identifier fields must be required, and so must the structs holding nested ones
     fields = list(schema)
     for column in table.id_columns:
@@ -133,7 +138,12 @@ def create_table(catalog: Catalog, table: TableConfig, schema: pa.Schema) -> Non
     if table.id_columns:
         with txn.update_schema() as update:
             update.set_identifier_fields(*table.id_columns)
-    txn.commit_transaction()
+    try:
+        txn.commit_transaction()
+    except CommitFailedException as exc:
+        if not catalog.table_exists(table.name):
+            raise
+        raise TableAlreadyExistsError(f"table '{table.name}' was created meanwhile") from exc
 
 
 def _field_path(schema: pa.Schema, column: str) -> list[int] | None:
