@@ -12,7 +12,7 @@ PROBE = """
 import json, sys
 from icefloe.plugins.manager import get_plugins
 names = sorted(get_plugins().backends())
-heavy = ("psycopg_pool", "redis.asyncio", "icefloe_kafka.backend", "icefloe_redis.backend",
+heavy = ("psycopg", "psycopg_pool", "redis.asyncio", "icefloe_kafka.backend", "icefloe_redis.backend",
          "icefloe_postgres.backend", "pyspark")
 print(json.dumps({"backends": names, "imported": [m for m in heavy if m in sys.modules]}))
 """

@@ -6,8 +6,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from psycopg.conninfo import conninfo_to_dict
-from psycopg.errors import ProgrammingError
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from icefloe.errors import ConfigError
@@ -94,21 +92,29 @@ class PostgresConfig(BaseModel):
                     f"no DSN configured and environment variable {self.dsn_env} is not set",
                     f"set {SECTION}.dsn, or export {self.dsn_env}='host=... dbname=... user=...'",
                 )
-        try:
-            conninfo_to_dict(value)
-        except ProgrammingError:
-            # psycopg's message may quote the DSN (and a password in it): never pass it on.
+        if parse_dsn(value) is None:
             raise ConfigError(
                 key, "is not a valid libpq connection string", "use 'key=value ...' or a URL"
-            ) from None
+            )
         return value
+
+
+def parse_dsn(dsn: str) -> dict[str, Any] | None:
+    """The DSN's parameters, or None where libpq would refuse it. psycopg is imported here,
+    not with the module: every CLI command loads this plugin's config model (0.05-0.3 s)."""
+    from psycopg import ProgrammingError
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        return conninfo_to_dict(dsn)
+    except ProgrammingError:
+        return None  # its message may quote the DSN (and a password in it): never pass it on
 
 
 def describe_dsn(dsn: str) -> str:
     """Where a DSN points, without credentials: safe for logs and error messages."""
-    try:
-        params = conninfo_to_dict(dsn)
-    except ProgrammingError:
+    params = parse_dsn(dsn)
+    if params is None:
         return "<invalid dsn>"
     shown = {k: params[k] for k in ("host", "hostaddr", "port", "dbname", "user") if k in params}
     return " ".join(f"{k}={v}" for k, v in shown.items()) or "<default libpq connection>"
