@@ -286,6 +286,27 @@ class Replaying:
         replayer.close()
         return replayed
 
+    def two_commits(self) -> tuple[int, Batch]:
+        """Batches 0 and 1 of ``w1``, each committed by its own cycle: the first one's
+        snapshot (to roll back to) and the second batch (which that rollback loses)."""
+        wait_pending(self.coordinator, self.source.publish(self.writer, 0).file_count)
+        [kept] = self.coordinator.commit_now().tables
+        lost = self.source.publish(self.writer, 1)
+        wait_pending(self.coordinator, lost.file_count)
+        assert not self.coordinator.commit_now().failed
+        assert kept.snapshot_id is not None
+        return kept.snapshot_id, lost
+
+    def announce_again(self, batch: Batch) -> None:
+        """``batch``'s very files announced again by a writer with a fresh id (its watermark
+        covers nothing of them), and a cycle."""
+        again = WriterClient(self.backend.writer("w9"), "pipe", "w9")
+        again.start()
+        again.publish(0, batch.files, ())
+        again.close()
+        wait_pending(self.coordinator, batch.file_count)
+        assert not self.coordinator.commit_now(wait_for_writers=False).failed  # w9 is gone
+
     def close(self) -> None:
         self.writer.close()
         self.coordinator.close()
@@ -423,10 +444,6 @@ def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
     ]
 
 
-@simulation_finding(
-    "the dedupe rule knows files only while the branch head holds them: a file a rollback "
-    "without replay removed, announced again under another writer id, is committed again"
-)
 def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(
     tmp_path: Path,
 ) -> None:
@@ -434,19 +451,36 @@ def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(
     again by a writer with a fresh id (watermarks do not cover it) must not bring them back."""
     pipe = Replaying.open(tmp_path)
     try:
-        wait_pending(pipe.coordinator, pipe.source.publish(pipe.writer, 0).file_count)
-        [kept] = pipe.coordinator.commit_now().tables
-        removed = pipe.source.publish(pipe.writer, 1)
-        wait_pending(pipe.coordinator, removed.file_count)
-        assert not pipe.coordinator.commit_now().failed
-        assert kept.snapshot_id is not None
-        IcebergCommitter(pipe.catalog, "pipe").roll_back(ROWS, kept.snapshot_id, replay=False)
-        again = WriterClient(pipe.backend.writer("w9"), "pipe", "w9")
-        again.start()
-        again.publish(0, removed.files, ())
-        again.close()
-        wait_pending(pipe.coordinator, removed.file_count)
-        assert not pipe.coordinator.commit_now(wait_for_writers=False).failed  # w9 is gone
+        kept, removed = pipe.two_commits()
+        IcebergCommitter(pipe.catalog, "pipe").roll_back(ROWS, kept, replay=False)
+        pipe.announce_again(removed)
     finally:
         pipe.close()
     assert_exactly_once(pipe.catalog, ROWS, pipe.source.expected_ids_of("w1", 0)[ROWS])
+
+
+@pytest.mark.parametrize("by", ["icefloe rollback", "another tool"])
+def test_replayed_rows_are_not_joined_by_their_old_files_announced_again(
+    tmp_path: Path, by: str
+) -> None:
+    """After a replayed rollback the range's rows are in the table once, in the replay's new
+    files; the old files, announced again under a fresh writer id, must not add them twice,
+    whether ``icefloe rollback`` or another tool moved the branch."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source, coordinator = pipe.catalog, pipe.source, pipe.coordinator
+    try:
+        kept, lost = pipe.two_commits()
+        if by == "another tool":
+            with catalog.load_table(ROWS).manage_snapshots() as refs:
+                refs.create_branch(kept, "main")
+        else:
+            IcebergCommitter(catalog, "pipe").roll_back(ROWS, kept)
+        rollback = IcebergCommitter(catalog, "pipe").rollback(ROWS)
+        assert rollback is not None
+        replayed = pipe.replay(rollback.writer_id, source.expected_ids_of("w1", 1))
+        wait_pending(coordinator, replayed.file_count)
+        assert not coordinator.commit_now().failed
+        pipe.announce_again(lost)
+    finally:
+        pipe.close()
+    assert_exactly_once(catalog, ROWS, source.expected[ROWS])

@@ -30,11 +30,13 @@ from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.commit import rowdelta
 from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.dedupe import APPLIED_KEY, decode_applied
 from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
 from icefloe.commit.summary import COMMIT_ID_KEY, RowCounts
 from icefloe.config import config_from_dict
 from icefloe.errors import (
+    DataFileMissingError,
     KeyedBatchRefusedError,
     RowDeltaNotSupportedError,
     RowDeltaTableError,
@@ -322,14 +324,6 @@ def reannounced(cycle: Cycle, writer: str) -> Cycle:
     return again
 
 
-KEY_FILES_ONCE = (
-    "found by the commit-path simulation (test_simulation.py): key files are never committed, "
-    "so neither the watermarks (new writer id) nor the live-file check (no data file) know a "
-    "delete-only batch was applied; announced again, its keys are applied again"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=KEY_FILES_ONCE)
 def test_delete_only_batch_reannounced_under_another_writer_deletes_nothing_again(
     catalog: SqlCatalog, table: Table
 ) -> None:
@@ -344,7 +338,6 @@ def test_delete_only_batch_reannounced_under_another_writer_deletes_nothing_agai
     assert content(catalog) == [(0, "v0"), (1, "back"), (2, "v0")]
 
 
-@pytest.mark.xfail(strict=True, reason=KEY_FILES_ONCE)
 def test_reannounced_key_file_removed_as_an_orphan_does_not_fail_the_table(
     catalog: SqlCatalog, table: Table
 ) -> None:
@@ -360,6 +353,39 @@ def test_reannounced_key_file_removed_as_an_orphan_does_not_fail_the_table(
 
     assert result.snapshot_id is None
     assert content(catalog) == [(0, "v0"), (2, "v0")]
+
+
+def applied_keys(catalog: SqlCatalog) -> tuple[str, ...]:
+    """The key files the head's summary lists as applied (read from the side file itself)."""
+    with open(summary(catalog)[APPLIED_KEY].removeprefix("file://"), "rb") as f:
+        return decode_applied(f.read()).keys
+
+
+def test_applied_key_files_stay_listed_while_they_exist_then_are_quarantined_as_missing(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """The applied-files record is bounded: a key file ``icefloe maintain`` removed is dropped
+    from it at the next commit that applies keys. Announced again after that, the missing key
+    file is refused (quarantined as missing) and the batch's committed data file is not."""
+    seed(catalog, table, range(3))
+    first = Cycle(table).batch("w1", 0, upserts=[(1, "new")])
+    commit(catalog, first)
+    [key] = [f.meta.path for f in first.files if f.is_key_file]
+    assert applied_keys(catalog)[-1] == key  # after the seed's
+    remove_orphan_files(catalog.load_table(NAME), int(time.time() * 1000) + 60_000)
+    second = Cycle(catalog.load_table(NAME)).batch("w1", 1, deletes=[(2,)])
+    commit(catalog, second)
+    assert applied_keys(catalog) == tuple(f.meta.path for f in second.files)
+
+    again = reannounced(first, "w9")
+    screened = IcebergCommitter(catalog, GROUP).screen(NAME, again.files)
+
+    assert [(f.meta.path, type(e)) for f, e in screened.refused] == [(key, DataFileMissingError)]
+    assert [f.meta.path for f in screened.accepted] == [
+        f.meta.path for f in first.files if not f.is_key_file
+    ]
+    assert commit(catalog, Cycle(table).batch("w1", 2, upserts=[(3, "v")])).snapshot_id
+    assert content(catalog) == [(0, "v0"), (1, "new"), (3, "v")]
 
 
 def test_partitioned_table_reads_only_partitions_of_the_keys(catalog: SqlCatalog) -> None:

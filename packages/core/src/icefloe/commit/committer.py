@@ -71,7 +71,8 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe.commit import branches, rowdelta, screening
-from icefloe.commit.dedupe import CommitBoundary
+from icefloe.commit.applied import with_applied_keys, with_rolled_back
+from icefloe.commit.dedupe import APPLIED_KEY, CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.merge import Merge, SmallFileMerger, merged_originals
 from icefloe.commit.ownership import Ownership
@@ -248,15 +249,48 @@ class IcebergCommitter:
                 refs.create_branch(target, branch)
             prop = state_property(self._group_id, branch)
             raw = loaded.metadata.properties.get(prop)
-            if not replay and raw is not None:
+            if raw is not None:
                 kept = json.loads(raw)
-                tx.set_properties({prop: compact_json({**kept, "snapshot-id": target})})
+                lost = loaded.metadata.snapshot_by_id(int(kept["snapshot-id"]))
+                kept["summary"] = self._rolled_back(loaded, [head, lost], target, kept["summary"])
+                if not replay:
+                    kept["snapshot-id"] = target
+                tx.set_properties({prop: compact_json(kept)})
             try:
                 tx.commit_transaction()
             except CommitFailedException:
                 continue
             return self.rollback(table)
         raise CommitError(f"table '{table}': could not roll back to snapshot {snapshot_id}")
+
+    def _rolled_back(
+        self, table: Table, sources: list[Snapshot | None], target: int, summary: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The kept state's ``summary`` listing the data files a rollback of ``sources`` (the
+        head, the pipeline's lost snapshot) to ``target`` takes out of the branch, with the
+        side file it names written: announced again under any writer id, they are held as
+        committed (:mod:`icefloe.commit.applied`), so rows a rollback removed stay out."""
+        boundary = self._read_side_files(table, CommitBoundary.from_summary(summary))
+        restored = table.metadata.snapshot_by_id(target)
+        boundary, side = self._taken_out(table, boundary, sources, restored)
+        if side is None:
+            return summary
+        _write_side_file(table, *side)
+        return {**summary, APPLIED_KEY: side[0]}
+
+    def _taken_out(
+        self,
+        table: Table,
+        boundary: CommitBoundary,
+        sources: Iterable[Snapshot | None],
+        target: Snapshot | None,
+    ) -> tuple[CommitBoundary, tuple[str, bytes] | None]:
+        """``boundary`` listing the data files live in ``sources`` but not in ``target``."""
+        live = self._live_files.all_live
+        taken = set().union(*(live(table, s) for s in sources if s is not None))
+        if target is not None:
+            taken -= live(table, target)
+        return with_rolled_back(table, boundary, taken)
 
     def boundary(self, table: str, channel_id: str | None) -> CommitBoundary:
         """What ``table`` holds already, as seen through the channel ``channel_id``.
@@ -518,14 +552,18 @@ class IcebergCommitter:
             )
         if state is None:
             return state, rollback
-        boundary = state.boundary
+        return replace(state, boundary=self._read_side_files(table, state.boundary)), rollback
+
+    def _read_side_files(self, table: Table, boundary: CommitBoundary) -> CommitBoundary:
+        """``boundary`` (parsed from a summary) with the side files it names read."""
+        side, group = self._side_files, self._group_id
         if boundary.retired_file is not None:
-            retired = self._side_files.retired(table, boundary.retired_file, self._group_id)
-            boundary = replace(boundary, retired=retired)
+            boundary = replace(boundary, retired=side.retired(table, boundary.retired_file, group))
         if boundary.merged_file is not None:
-            merged = self._side_files.merged(table, boundary.merged_file, self._group_id)
-            boundary = replace(boundary, merged=merged)
-        return replace(state, boundary=boundary), rollback
+            boundary = replace(boundary, merged=side.merged(table, boundary.merged_file, group))
+        if boundary.applied_file is not None:
+            boundary = replace(boundary, applied=side.applied(table, boundary.applied_file, group))
+        return boundary
 
     def _for_channel(
         self, table: Table, state: RecordedCommit | None, channel_id: str | None
@@ -622,11 +660,17 @@ class IcebergCommitter:
         boundary, retired = next_boundary(table, request, state)
         deleted = self._deleted.get(request.table, set())
         boundary, merged = merged_originals(table, boundary, merge, deleted)
+        keys = [f.meta.path for f in files if f.is_key_file]
+        boundary, applied = with_applied_keys(table, boundary, keys)
+        if rollback is not None:  # made by any tool: list what it took out, as roll_back does
+            lost = table.metadata.snapshot_by_id(rollback.lost_snapshot_id)
+            boundary, taken = self._taken_out(table, boundary, [lost], head)
+            applied = taken or applied
         return _Plan(
             files=files,
             skipped=skipped,
             summary=new_summary(self._group_id, request, state, boundary),
-            side_files=tuple(f for f in (retired, merged) if f is not None),
+            side_files=tuple(f for f in (retired, merged, applied) if f is not None),
             merge=merge,
             merged=boundary.merged,
             raise_token=switched or prop is None or request.fencing_token > prop,
@@ -652,10 +696,7 @@ class IcebergCommitter:
             # later switch away from it needs a new drain
             tx.remove_properties(drained_property(self._group_id))
         for location, content in plan.side_files:
-            # before the commit that names it; named by its content, so a retry rewrites the
-            # same file, and one left by a failed attempt is an orphan for `icefloe maintain`
-            with table.io.new_output(location).create(overwrite=True) as stream:
-                stream.write(content)
+            _write_side_file(table, location, content)
         snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=branch)
         # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
         # read, which made this loop cost seconds per 10,000 files, growing with history
@@ -712,6 +753,14 @@ class IcebergCommitter:
         # jittered exponential backoff, so competing committers do not retry in lockstep
         wait = min(self._retry_wait_s * 2 ** (attempt - 1), self._max_retry_wait_s)
         time.sleep(wait * random.uniform(0.5, 1.0))
+
+
+def _write_side_file(table: Table, location: str, content: bytes) -> None:
+    """Write a side file the next commit names, before that commit; named by its content, so a
+    retry rewrites the same file, and one left by a failed attempt is an orphan for
+    `icefloe maintain`."""
+    with table.io.new_output(location).create(overwrite=True) as stream:
+        stream.write(content)
 
 
 def _boundary(state: RecordedCommit | None) -> CommitBoundary:

@@ -35,15 +35,21 @@ class LiveFiles:
         if head is None or not paths:
             return set()
         found: set[str] = set()
-        for manifest in head.manifests(table.io):
-            if manifest.content != ManifestContent.DATA:
-                continue
-            cached = self._manifest_paths.get(manifest.manifest_path)
-            if cached is None:
-                cached = self._decode_live(table, manifest)
-                self._cache_manifest(manifest.manifest_path, cached)
-            found |= paths & cached
+        for manifest in _data_manifests(table, head):
+            found |= paths & self._live_of(table, manifest)
         return found
+
+    def all_live(self, table: Table, snapshot: Snapshot) -> set[str]:
+        """Every data file ``snapshot`` references as live (what a rollback from it may take
+        out of the branch)."""
+        return set().union(*(self._live_of(table, m) for m in _data_manifests(table, snapshot)))
+
+    def _live_of(self, table: Table, manifest: ManifestFile) -> frozenset[str]:
+        cached = self._manifest_paths.get(manifest.manifest_path)
+        if cached is None:
+            cached = self._decode_live(table, manifest)
+            self._cache_manifest(manifest.manifest_path, cached)
+        return cached
 
     @staticmethod
     def _decode_live(table: Table, manifest: ManifestFile) -> frozenset[str]:
