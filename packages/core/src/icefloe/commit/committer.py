@@ -79,7 +79,7 @@ from icefloe.commit.ownership import Ownership
 from icefloe.commit.policy import TablePolicies
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult, table_name
 from icefloe.commit.retirement import SideFiles, next_boundary
-from icefloe.commit.rollback import Rollback, detect, is_replay_writer
+from icefloe.commit.rollback import Rollback, detect, is_replay_writer, lost_channel_range
 from icefloe.commit.screening import Screening
 from icefloe.commit.summary import (
     FENCING_TOKEN_KEY,
@@ -540,6 +540,11 @@ class IcebergCommitter:
                 rollback = detect(
                     self._group_id, self._branch_for(table), table_name(table), state, kept
                 )
+                if rollback is not None:
+                    restored = CommitBoundary() if state is None else state.boundary
+                    same = restored.channel_id in (None, kept.boundary.channel_id)
+                    span = lost_channel_range(restored.positions, kept.boundary.positions, same)
+                    rollback = replace(rollback, channel_range=span)
                 state = kept
         if state is None and truncated and property_token(table, self._group_id) is not None:
             # the group committed here before (it left its token), yet no snapshot of it is
