@@ -44,7 +44,12 @@ from icefloe.errors import (
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.ops.maintenance import remove_orphan_files
 from icefloe.ops.status import PipelineStatus, render_lines, table_status
-from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
+from icefloe.records.datafiles import (
+    DataFileBuilder,
+    group_write_uuid,
+    write_data_files,
+    write_key_files,
+)
 
 GROUP = "pipe-a"
 NAME = "db.users"
@@ -92,8 +97,10 @@ class Cycle:
         seq: int,
         upserts: Sequence[tuple[Any, ...]] = (),
         deletes: Sequence[tuple[Any, ...]] = (),
+        group: str | None = None,
     ) -> Cycle:
-        """A batch: ``upserts`` are full rows, ``deletes`` keys; key files cover both."""
+        """A batch: ``upserts`` are full rows, ``deletes`` keys; key files cover both. With
+        ``group``, the key files are named for that pipeline (as its Spark sink names them)."""
         offset = next(self._offsets)
         uid = str(self.table.metadata.table_uuid)
         schema = self.table.schema()
@@ -109,7 +116,9 @@ class Cycle:
         keys = [row[:id_count] for row in upserts] + list(deletes)
         if keys:
             names = [schema.find_field(i).name for i in sorted(schema.identifier_field_ids)]
-            metas += write_key_files(self.table, pa.table(list(zip(*keys, strict=True)), names))
+            tag = None if group is None else group_write_uuid(group)
+            keyed = pa.table(list(zip(*keys, strict=True)), names)
+            metas += write_key_files(self.table, keyed, tag)
         self.files += [PendingFile(m, writer, seq, "0", offset, uid) for m in metas]
         return self
 
@@ -386,6 +395,31 @@ def test_applied_key_files_stay_listed_while_they_exist_then_are_quarantined_as_
     ]
     assert commit(catalog, Cycle(table).batch("w1", 2, upserts=[(3, "v")])).snapshot_id
     assert content(catalog) == [(0, "v0"), (1, "new"), (3, "v")]
+
+
+def test_the_pipelines_own_key_files_are_deleted_once_applied(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """A key file named for the pipeline is deleted once the snapshot applying it landed and
+    leaves the list at the next commit, so the record does not grow with every cycle; another
+    writer's key file (not named for it) is left alone."""
+    committer = IcebergCommitter(catalog, GROUP)
+    seed(catalog, table, range(3))
+    deletes = Cycle(table).batch("w1", 0, deletes=[(1,)], group=GROUP)
+    committer.commit(deletes.request())
+    [key] = [f.meta.path for f in deletes.files]
+    assert not Path(key.removeprefix("file://")).exists()
+    assert applied_keys(catalog)[-1] == key  # until the next commit
+    other = Cycle(catalog.load_table(NAME)).batch("w1", 1, upserts=[(1, "back")], group="other")
+    committer.commit(other.request())
+    [kept] = [f.meta.path for f in other.files if f.is_key_file]
+    assert key not in applied_keys(catalog)
+    assert Path(kept.removeprefix("file://")).exists()
+
+    screened = committer.screen(NAME, reannounced(deletes, "w9").files)
+
+    assert [(f.meta.path, type(e)) for f, e in screened.refused] == [(key, DataFileMissingError)]
+    assert content(catalog) == [(0, "v0"), (1, "back"), (2, "v0")]
 
 
 def test_partitioned_table_reads_only_partitions_of_the_keys(catalog: SqlCatalog) -> None:

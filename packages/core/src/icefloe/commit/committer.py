@@ -105,7 +105,7 @@ from icefloe.errors import (
     TableMissingError,
 )
 from icefloe.events import DataFileMeta
-from icefloe.records.datafiles import DataFileBuilder
+from icefloe.records.datafiles import DataFileBuilder, written_for
 
 logger = logging.getLogger("icefloe.committer")
 
@@ -123,6 +123,7 @@ class _Plan:
     side_files: tuple[tuple[str, bytes], ...] = ()  # new side files: location, content
     merge: Merge | None = None  # small files merged: what to append instead, what it replaces
     merged: frozenset[str] = frozenset()  # merged originals the summary lists (to delete)
+    keys: tuple[str, ...] = ()  # applied key files the summary lists (the pipeline's: to delete)
 
     def appended(self) -> list[DataFileMeta]:
         """The data files the snapshot adds (merged ones instead of what they replace)."""
@@ -442,17 +443,23 @@ class IcebergCommitter:
         self, table: Table, request: TableCommitRequest, plan: _Plan, snapshot_id: int
     ) -> TableCommitResult:
         """The result of ``plan``'s snapshot, which is known to be in ``table``: now (never
-        before, and never on an unknown outcome) the merged originals its summary lists can
-        go, those :class:`~icefloe.commit.ownership.Ownership` still proves the pipeline's.
-        One that cannot be deleted stays listed, so it is never committed twice, and is tried
+        before, and never on an unknown outcome) the merged originals and the applied key files
+        its summary lists can go, those :class:`~icefloe.commit.ownership.Ownership` still
+        proves the pipeline's (key files of other writers are never deleted here). One that
+        cannot be deleted stays listed, so it is never committed or applied twice, and is tried
         again after the next commit; one left by a crash before this point is deleted by the
-        next commit of any coordinator of the group."""
-        owned = self._ownership.deletable(table, plan.merged) if plan.merged else set()
+        next commit of any coordinator of the group. Deleted, it leaves the list at the next
+        commit: announced again, it is quarantined as missing."""
+        keys = {k for k in plan.keys if written_for(k, self._group_id)}
+        doomed = plan.merged | keys
+        owned = self._ownership.deletable(table, doomed) if doomed else set()
         deleted: set[str] = set()
-        for path in sorted(plan.merged):
+        for path in sorted(doomed):
             if path not in owned:
                 logger.warning(
-                    "%s: not deleting merged file %s: a snapshot names it now", request.table, path
+                    "%s: not deleting applied file %s: a snapshot names it now",
+                    request.table,
+                    path,
                 )
                 continue
             try:
@@ -460,7 +467,7 @@ class IcebergCommitter:
             except FileNotFoundError:
                 pass  # deleted already (by an earlier attempt, or by `icefloe maintain`)
             except Exception as exc:  # committed either way: the file is only garbage now
-                logger.warning("%s: cannot delete merged file %s: %s", request.table, path, exc)
+                logger.warning("%s: cannot delete applied file %s: %s", request.table, path, exc)
                 continue
             deleted.add(path)
         self._deleted[request.table] = deleted
@@ -666,7 +673,7 @@ class IcebergCommitter:
         deleted = self._deleted.get(request.table, set())
         boundary, merged = merged_originals(table, boundary, merge, deleted)
         keys = [f.meta.path for f in files if f.is_key_file]
-        boundary, applied = with_applied_keys(table, boundary, keys)
+        boundary, applied = with_applied_keys(table, boundary, keys, deleted)
         if rollback is not None:  # made by any tool: list what it took out, as roll_back does
             lost = table.metadata.snapshot_by_id(rollback.lost_snapshot_id)
             boundary, taken = self._taken_out(table, boundary, [lost], head)
@@ -678,6 +685,7 @@ class IcebergCommitter:
             side_files=tuple(f for f in (retired, merged, applied) if f is not None),
             merge=merge,
             merged=boundary.merged,
+            keys=boundary.applied.keys,
             raise_token=switched or prop is None or request.fencing_token > prop,
             fork_from=fork_from,
             clear_drained=request.channel_id is not None
