@@ -456,7 +456,7 @@ class CommitCycle:
                 e.error_message,
             )
         self.quarantined_files += len(new)
-        self._reader.quarantined_paths(table).update(e.file_path for e in entries)
+        self._reader.note_quarantined(table, [f for f, _ in refused])
         self._reader.remove(table, [f for f, _ in refused])
         return len(new)
 
