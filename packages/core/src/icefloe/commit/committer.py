@@ -226,8 +226,10 @@ class IcebergCommitter:
         ancestors; None: the head) and return the rollback the pipeline will replay. With
         ``replay=False`` the rollback (this one, or one made by another tool) is accepted in
         the same transaction instead: the kept state is re-anchored on the new head, so the
-        rolled-back rows stay out and nothing is replayed. ``only_if`` (a replay writer id)
-        changes nothing unless that rollback is the one pending (not a newer one)."""
+        rolled-back rows stay out and nothing is replayed. Either way the kept state lists the
+        data files the rollback takes out, so they never come back announced again
+        (:mod:`icefloe.commit.applied`). ``only_if`` (a replay writer id) changes nothing
+        unless that rollback is the one pending (not a newer one)."""
         for attempt in range(self._max_attempts):
             if attempt:
                 self._backoff(attempt)
