@@ -183,9 +183,10 @@ class NotADataFileError(RefusedFileError):
 
 
 class DataFileMissingError(RefusedFileError):
-    """An announced data file no longer exists. With ``merge_small_files`` the coordinator
-    deletes files it merged once their commit landed, so a file announced again afterwards
-    (e.g. under another writer id) is gone: its rows are in the table already."""
+    """An announced data or key file no longer exists. With ``merge_small_files`` the
+    coordinator deletes files it merged once their commit landed, and ``icefloe maintain``
+    deletes applied key files as orphans, so such a file announced again afterwards (e.g. under
+    another writer id) is gone: its rows, or its deletes, are in the table already."""
 
 
 class RecordConversionError(IcefloeError):

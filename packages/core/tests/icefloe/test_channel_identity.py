@@ -324,3 +324,36 @@ def test_a_table_committed_before_channel_ids_refuses_a_store_that_lost_its_even
     with pytest.raises(ChannelResetError, match="reset or rolled back"):
         drive(upgraded.coordinator, lambda: False, "the refusal", 10)
     assert_exactly_once(sqlite_catalog, TABLE, committed)
+
+
+def test_after_a_swap_a_replay_of_a_quarantined_batch_stays_out_of_the_table(
+    sqlite_catalog: SqlCatalog, source: RowSource, closers: list[Pipeline]
+) -> None:
+    """Found by the commit-path simulation (test_simulation.py, seed 23003). A batch whose
+    file was quarantined (it lies outside the table) is decided: its records are in the
+    quarantine. Spark replays the batch after a restart, the same records in new files under
+    the same batch number; the old channel would refuse it, the new one never saw it, and no
+    watermark covers a batch nothing of which was committed: it must not be committed too."""
+    old_server = MemoryServer()
+    old = run_on(old_server, sqlite_catalog, closers)
+    lead(old.coordinator, 10)
+    create_rows_table(sqlite_catalog, "ns.elsewhere")
+    misplaced = write_rows(sqlite_catalog.load_table("ns.elsewhere"), [900, 901], "w", 0)
+    old.writer.publish(0, {TABLE: misplaced}, [SourcePosition("source", 0, 1, None)])
+    wait_pending(old.coordinator, 1, 10)
+    assert dict(old.coordinator.commit_now().quarantined) == {TABLE: 1}
+    old.close()
+    closers.remove(old)
+    drain_server(old_server, sqlite_catalog)
+
+    new = run_on(MemoryServer(), sqlite_catalog, closers)
+    replay = write_rows(sqlite_catalog.load_table(TABLE), [900, 901], "w", 0)
+    new.writer.publish(0, {TABLE: replay}, [SourcePosition("source", 0, 1, None)])
+    source.publish(new.writer, 1)
+    lead(new.coordinator, 10)
+    wait_pending(new.coordinator, 1, 10)
+    assert not new.coordinator.commit_now().failed
+
+    assert_exactly_once(sqlite_catalog, TABLE, source.expected[TABLE])
+    entries = Quarantine(sqlite_catalog).list(GROUP, TABLE)
+    assert [e.file_path for e in entries] == [misplaced[0].path]

@@ -4,6 +4,7 @@ in test_committer.py, the whole path in tests/test_e2e_rollback.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,10 @@ from icefloe.commit.rollback import (
     Rollback,
     describe,
     detect,
+    in_range,
     is_replay_writer,
     keyed_refusal,
+    lost_channel_range,
     replay_writer_id,
 )
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
@@ -50,6 +53,20 @@ ROWS = "db.rows"
 class Snap:
     snapshot_id: int
     source_offsets: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
+def test_the_lost_channel_range_is_what_was_read_between_the_two_snapshots() -> None:
+    span = lost_channel_range({"0": 5, "1": 9}, {"0": 12, "1": 9, "2": 4}, same_channel=True)
+    assert span == {"0": (5, 12), "2": (0, 4)}
+    rollback = dataclasses.replace(
+        detect("p", "main", "db.a", Snap(1), Snap(2)) or pytest.fail("no rollback"),
+        channel_range=span,
+    )
+    assert [in_range(rollback, "0", o) for o in (4, 5, 11, 12)] == [False, True, True, False]
+    assert not in_range(rollback, "1", 9)
+    assert in_range(rollback, "2", 0)
+    # offsets of two channels (a swap in between) cannot be compared: nothing is in range
+    assert lost_channel_range({"0": 5}, {"0": 12}, same_channel=False) == {}
 
 
 def test_no_kept_state_or_same_snapshot_is_no_rollback() -> None:
@@ -286,6 +303,27 @@ class Replaying:
         replayer.close()
         return replayed
 
+    def two_commits(self) -> tuple[int, Batch]:
+        """Batches 0 and 1 of ``w1``, each committed by its own cycle: the first one's
+        snapshot (to roll back to) and the second batch (which that rollback loses)."""
+        wait_pending(self.coordinator, self.source.publish(self.writer, 0).file_count)
+        [kept] = self.coordinator.commit_now().tables
+        lost = self.source.publish(self.writer, 1)
+        wait_pending(self.coordinator, lost.file_count)
+        assert not self.coordinator.commit_now().failed
+        assert kept.snapshot_id is not None
+        return kept.snapshot_id, lost
+
+    def announce_again(self, batch: Batch) -> None:
+        """``batch``'s very files announced again by a writer with a fresh id (its watermark
+        covers nothing of them), and a cycle."""
+        again = WriterClient(self.backend.writer("w9"), "pipe", "w9")
+        again.start()
+        again.publish(0, batch.files, ())
+        again.close()
+        wait_pending(self.coordinator, batch.file_count)
+        assert not self.coordinator.commit_now(wait_for_writers=False).failed  # w9 is gone
+
     def close(self) -> None:
         self.writer.close()
         self.coordinator.close()
@@ -323,11 +361,6 @@ def test_a_replay_refused_whole_does_not_hold_the_table_back(tmp_path: Path) -> 
     assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None
 
 
-@simulation_finding(
-    "the replay reads the lost range again, quarantined records included, and commits them "
-    "while their quarantine entries stay (recovering them with add_files, as the entry says, "
-    "duplicates)"
-)
 def test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place(tmp_path: Path) -> None:
     """Batch 1 was quarantined (written under a partition spec that changed before its
     commit), batch 2 committed; a rollback to batch 0's snapshot loses the range of 1 and 2,
@@ -423,10 +456,6 @@ def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
     ]
 
 
-@simulation_finding(
-    "the dedupe rule knows files only while the branch head holds them: a file a rollback "
-    "without replay removed, announced again under another writer id, is committed again"
-)
 def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(
     tmp_path: Path,
 ) -> None:
@@ -434,19 +463,36 @@ def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(
     again by a writer with a fresh id (watermarks do not cover it) must not bring them back."""
     pipe = Replaying.open(tmp_path)
     try:
-        wait_pending(pipe.coordinator, pipe.source.publish(pipe.writer, 0).file_count)
-        [kept] = pipe.coordinator.commit_now().tables
-        removed = pipe.source.publish(pipe.writer, 1)
-        wait_pending(pipe.coordinator, removed.file_count)
-        assert not pipe.coordinator.commit_now().failed
-        assert kept.snapshot_id is not None
-        IcebergCommitter(pipe.catalog, "pipe").roll_back(ROWS, kept.snapshot_id, replay=False)
-        again = WriterClient(pipe.backend.writer("w9"), "pipe", "w9")
-        again.start()
-        again.publish(0, removed.files, ())
-        again.close()
-        wait_pending(pipe.coordinator, removed.file_count)
-        assert not pipe.coordinator.commit_now(wait_for_writers=False).failed  # w9 is gone
+        kept, removed = pipe.two_commits()
+        IcebergCommitter(pipe.catalog, "pipe").roll_back(ROWS, kept, replay=False)
+        pipe.announce_again(removed)
     finally:
         pipe.close()
     assert_exactly_once(pipe.catalog, ROWS, pipe.source.expected_ids_of("w1", 0)[ROWS])
+
+
+@pytest.mark.parametrize("by", ["icefloe rollback", "another tool"])
+def test_replayed_rows_are_not_joined_by_their_old_files_announced_again(
+    tmp_path: Path, by: str
+) -> None:
+    """After a replayed rollback the range's rows are in the table once, in the replay's new
+    files; the old files, announced again under a fresh writer id, must not add them twice,
+    whether ``icefloe rollback`` or another tool moved the branch."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source, coordinator = pipe.catalog, pipe.source, pipe.coordinator
+    try:
+        kept, lost = pipe.two_commits()
+        if by == "another tool":
+            with catalog.load_table(ROWS).manage_snapshots() as refs:
+                refs.create_branch(kept, "main")
+        else:
+            IcebergCommitter(catalog, "pipe").roll_back(ROWS, kept)
+        rollback = IcebergCommitter(catalog, "pipe").rollback(ROWS)
+        assert rollback is not None
+        replayed = pipe.replay(rollback.writer_id, source.expected_ids_of("w1", 1))
+        wait_pending(coordinator, replayed.file_count)
+        assert not coordinator.commit_now().failed
+        pipe.announce_again(lost)
+    finally:
+        pipe.close()
+    assert_exactly_once(catalog, ROWS, source.expected[ROWS])

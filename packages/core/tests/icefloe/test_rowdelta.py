@@ -30,11 +30,13 @@ from pyiceberg.types import LongType, NestedField, StringType
 
 from icefloe.commit import rowdelta
 from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.dedupe import APPLIED_KEY, decode_applied
 from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
 from icefloe.commit.summary import COMMIT_ID_KEY, RowCounts
 from icefloe.config import config_from_dict
 from icefloe.errors import (
+    DataFileMissingError,
     KeyedBatchRefusedError,
     RowDeltaNotSupportedError,
     RowDeltaTableError,
@@ -42,7 +44,12 @@ from icefloe.errors import (
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.ops.maintenance import remove_orphan_files
 from icefloe.ops.status import PipelineStatus, render_lines, table_status
-from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
+from icefloe.records.datafiles import (
+    DataFileBuilder,
+    group_write_uuid,
+    write_data_files,
+    write_key_files,
+)
 
 GROUP = "pipe-a"
 NAME = "db.users"
@@ -90,8 +97,10 @@ class Cycle:
         seq: int,
         upserts: Sequence[tuple[Any, ...]] = (),
         deletes: Sequence[tuple[Any, ...]] = (),
+        group: str | None = None,
     ) -> Cycle:
-        """A batch: ``upserts`` are full rows, ``deletes`` keys; key files cover both."""
+        """A batch: ``upserts`` are full rows, ``deletes`` keys; key files cover both. With
+        ``group``, the key files are named for that pipeline (as its Spark sink names them)."""
         offset = next(self._offsets)
         uid = str(self.table.metadata.table_uuid)
         schema = self.table.schema()
@@ -107,7 +116,9 @@ class Cycle:
         keys = [row[:id_count] for row in upserts] + list(deletes)
         if keys:
             names = [schema.find_field(i).name for i in sorted(schema.identifier_field_ids)]
-            metas += write_key_files(self.table, pa.table(list(zip(*keys, strict=True)), names))
+            tag = None if group is None else group_write_uuid(group)
+            keyed = pa.table(list(zip(*keys, strict=True)), names)
+            metas += write_key_files(self.table, keyed, tag)
         self.files += [PendingFile(m, writer, seq, "0", offset, uid) for m in metas]
         return self
 
@@ -322,14 +333,6 @@ def reannounced(cycle: Cycle, writer: str) -> Cycle:
     return again
 
 
-KEY_FILES_ONCE = (
-    "found by the commit-path simulation (test_simulation.py): key files are never committed, "
-    "so neither the watermarks (new writer id) nor the live-file check (no data file) know a "
-    "delete-only batch was applied; announced again, its keys are applied again"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=KEY_FILES_ONCE)
 def test_delete_only_batch_reannounced_under_another_writer_deletes_nothing_again(
     catalog: SqlCatalog, table: Table
 ) -> None:
@@ -344,7 +347,6 @@ def test_delete_only_batch_reannounced_under_another_writer_deletes_nothing_agai
     assert content(catalog) == [(0, "v0"), (1, "back"), (2, "v0")]
 
 
-@pytest.mark.xfail(strict=True, reason=KEY_FILES_ONCE)
 def test_reannounced_key_file_removed_as_an_orphan_does_not_fail_the_table(
     catalog: SqlCatalog, table: Table
 ) -> None:
@@ -360,6 +362,64 @@ def test_reannounced_key_file_removed_as_an_orphan_does_not_fail_the_table(
 
     assert result.snapshot_id is None
     assert content(catalog) == [(0, "v0"), (2, "v0")]
+
+
+def applied_keys(catalog: SqlCatalog) -> tuple[str, ...]:
+    """The key files the head's summary lists as applied (read from the side file itself)."""
+    with open(summary(catalog)[APPLIED_KEY].removeprefix("file://"), "rb") as f:
+        return decode_applied(f.read()).keys
+
+
+def test_applied_key_files_stay_listed_while_they_exist_then_are_quarantined_as_missing(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """The applied-files record is bounded: a key file ``icefloe maintain`` removed is dropped
+    from it at the next commit that applies keys. Announced again after that, the missing key
+    file is refused (quarantined as missing) and the batch's committed data file is not."""
+    seed(catalog, table, range(3))
+    first = Cycle(table).batch("w1", 0, upserts=[(1, "new")])
+    commit(catalog, first)
+    [key] = [f.meta.path for f in first.files if f.is_key_file]
+    assert applied_keys(catalog)[-1] == key  # after the seed's
+    remove_orphan_files(catalog.load_table(NAME), int(time.time() * 1000) + 60_000)
+    second = Cycle(catalog.load_table(NAME)).batch("w1", 1, deletes=[(2,)])
+    commit(catalog, second)
+    assert applied_keys(catalog) == tuple(f.meta.path for f in second.files)
+
+    again = reannounced(first, "w9")
+    screened = IcebergCommitter(catalog, GROUP).screen(NAME, again.files)
+
+    assert [(f.meta.path, type(e)) for f, e in screened.refused] == [(key, DataFileMissingError)]
+    assert [f.meta.path for f in screened.accepted] == [
+        f.meta.path for f in first.files if not f.is_key_file
+    ]
+    assert commit(catalog, Cycle(table).batch("w1", 2, upserts=[(3, "v")])).snapshot_id
+    assert content(catalog) == [(0, "v0"), (1, "new"), (3, "v")]
+
+
+def test_the_pipelines_own_key_files_are_deleted_once_applied(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """A key file named for the pipeline is deleted once the snapshot applying it landed and
+    leaves the list at the next commit, so the record does not grow with every cycle; another
+    writer's key file (not named for it) is left alone."""
+    committer = IcebergCommitter(catalog, GROUP)
+    seed(catalog, table, range(3))
+    deletes = Cycle(table).batch("w1", 0, deletes=[(1,)], group=GROUP)
+    committer.commit(deletes.request())
+    [key] = [f.meta.path for f in deletes.files]
+    assert not Path(key.removeprefix("file://")).exists()
+    assert applied_keys(catalog)[-1] == key  # until the next commit
+    other = Cycle(catalog.load_table(NAME)).batch("w1", 1, upserts=[(1, "back")], group="other")
+    committer.commit(other.request())
+    [kept] = [f.meta.path for f in other.files if f.is_key_file]
+    assert key not in applied_keys(catalog)
+    assert Path(kept.removeprefix("file://")).exists()
+
+    screened = committer.screen(NAME, reannounced(deletes, "w9").files)
+
+    assert [(f.meta.path, type(e)) for f, e in screened.refused] == [(key, DataFileMissingError)]
+    assert content(catalog) == [(0, "v0"), (1, "back"), (2, "v0")]
 
 
 def test_partitioned_table_reads_only_partitions_of_the_keys(catalog: SqlCatalog) -> None:

@@ -19,7 +19,8 @@ applied) checks:
 
 * **I1** every record a writer published is in the table exactly once, or in quarantine
   exactly once (nowhere when a rollback without replay removed it);
-* **I2** no file referenced by any snapshot of any ref, or listed in quarantine, was deleted;
+* **I2** no file referenced by any snapshot of any ref, or listed in quarantine (until a
+  rollback's replay re-commits its records and retires its entry), was deleted;
 * **I3** a keyed table equals the model's final state (and a keyed batch is quarantined whole
   or not at all);
 * **I4** once faults stop, every pending file commits or is quarantined within
@@ -488,7 +489,6 @@ class World(RuleBasedStateMachine):
         self.rogue: set[int] = set()  # foreign ids a rogue writer announced for the pipeline
         self.protected: set[str] = set()  # quarantined files seen to exist: never deleted
         self.discarded: set[int] = set()  # ids an accepted rollback (--no-replay) removed
-        self.requarantined: set[int] = set()  # quarantined ids a rollback's replay committed
 
     def _config(self) -> PipelineConfig:
         """The pipeline's configuration, as the operator's commands read it."""
@@ -654,24 +654,26 @@ class World(RuleBasedStateMachine):
         if rollback is None:
             return
         ranges = rollback.ranges({(SOURCE, p): 0 for p in range(WRITERS)})
-        ids = [
-            i
+        lost = [
+            b
             for b in self.batches
             if b.source is not None
             and any(r.partition == b.source[0] and r.start <= b.source[1] < r.end for r in ranges)
-            for i in b.rows.get(name, ())
         ]
+        ids = [i for b in lost for i in b.rows.get(name, ())]
         self.discarded.difference_update(ids)  # a deeper rollback replays an accepted one's too
-        # KNOWN: the range's quarantined records come back too, their entries stay (xfail:
-        # test_rollback.py::test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place)
-        refused = {(e.writer_id, e.batch_seq) for e in Quarantine(self.catalog).list(GROUP, name)}
-        self.requarantined.update(
-            i for b in self.batches if (b.writer_id, b.seq) in refused for i in b.rows.get(name, ())
-        )
         if not ids:
             committer.roll_back(name, None, replay=False, only_if=rollback.writer_id)
             EVENTS["rollback accepted (no rows to replay)"] += 1
             return
+        # the replay writes the records of the range's quarantined files again and retires
+        # their entries: I2 no longer keeps those files
+        replayed = {(b.writer_id, b.seq) for b in lost}
+        self.protected.difference_update(
+            e.file_path
+            for e in Quarantine(self.catalog).list(GROUP, name)
+            if (e.writer_id, e.batch_seq) in replayed
+        )
         table = self.catalog.load_table(name)
         files = {name: written(table, self.append_rows(table, ids, rollback.writer_id, 0))}
         client = self.client(rollback.writer_id)
@@ -839,7 +841,6 @@ class World(RuleBasedStateMachine):
             i: (label, got[i], held[i])
             for i, label in expected.items()
             if got[i] + held[i] != (0 if i in self.discarded else 1)
-            and not (i in self.requarantined and (got[i], held[i]) == (1, 1))  # KNOWN, above
         }
         unknown = sorted(i for i in got if i > 0 and i not in expected)
         doubled = sorted(i for i, n in got.items() if i < 0 and n > 1 and i not in self.rogue)
@@ -936,17 +937,7 @@ class CommitPath(World):
         """An earlier batch's very files announced again under a new writer id (a writer that
         lost its identity, or a forged announcement): no record may land twice."""
         old = self.batches[pick % len(self.batches)]
-        files = dict(old.files)
-        if old.changes and all(v is None for v in old.changes.values()):
-            # KNOWN: a delete-only keyed batch announced again is applied again (xfail:
-            # test_rowdelta.py::test_delete_only_batch_reannounced_under_another_writer_...)
-            files.pop(KEYED, None)
-        for name, ids in old.rows.items():
-            if self.discarded.intersection(ids):
-                # KNOWN: files a rollback without replay removed come back when announced
-                # again (xfail: test_rollback.py::test_rows_a_rollback_removed_stay_out_...)
-                files.pop(name, None)
-        self.announce(files, "r")
+        self.announce(dict(old.files), "r")
 
     @precondition(lambda self: bool(self.server.batches))
     @rule(pick=st.integers(0, 1 << 16))

@@ -119,11 +119,11 @@ def test_a_cdc_task_writes_final_rows_and_a_key_file(catalog: Catalog) -> None:
     assert key.upper_bounds[1] == (4).to_bytes(8, "little")
     # next to the data files, in the table's data directory
     assert Path(key.path).parent == Path(data[0].path).parent
-    # data files are named for the pipeline (merge_small_files may delete them once merged);
-    # a key file never is, so it is never merged as data
+    # named for the pipeline: merge_small_files may delete the data files once merged, the
+    # committer the key file once applied (it is never merged: its content is no data)
     name = pipeline().name
     assert all(written_for(f.path, name) for f in data)
-    assert not written_for(key.path, name)
+    assert written_for(key.path, name)
     assert catalog.load_table("db.users").current_snapshot() is None  # a task never commits
 
 

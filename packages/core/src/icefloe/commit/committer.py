@@ -74,15 +74,16 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe.commit import branches, fastappend, rowdelta, screening
+from icefloe.commit.applied import with_applied_keys, with_rolled_back
 from icefloe.commit.compaction import Compactor, RewrittenFiles, Thresholds, without_retries
-from icefloe.commit.dedupe import CommitBoundary
+from icefloe.commit.dedupe import APPLIED_KEY, CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.merge import Merge, SmallFileMerger, merged_originals
 from icefloe.commit.ownership import Ownership
 from icefloe.commit.policy import TablePolicies
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult, table_name
 from icefloe.commit.retirement import SideFiles, next_boundary
-from icefloe.commit.rollback import Rollback, detect, is_replay_writer
+from icefloe.commit.rollback import Rollback, detect, is_replay_writer, lost_channel_range
 from icefloe.commit.screening import Screening
 from icefloe.commit.summary import (
     FENCING_TOKEN_KEY,
@@ -109,7 +110,7 @@ from icefloe.errors import (
     TableMissingError,
 )
 from icefloe.events import DataFileMeta
-from icefloe.records.datafiles import DataFileBuilder
+from icefloe.records.datafiles import DataFileBuilder, written_for
 
 logger = logging.getLogger("icefloe.committer")
 
@@ -127,6 +128,7 @@ class _Plan:
     side_files: tuple[tuple[str, bytes], ...] = ()  # new side files: location, content
     merge: Merge | None = None  # small files merged: what to append instead, what it replaces
     merged: frozenset[str] = frozenset()  # merged originals the summary lists (to delete)
+    keys: tuple[str, ...] = ()  # applied key files the summary lists (the pipeline's: to delete)
 
     def appended(self) -> list[DataFileMeta]:
         """The data files the snapshot adds (merged ones instead of what they replace)."""
@@ -246,8 +248,10 @@ class IcebergCommitter:
         ancestors; None: the head) and return the rollback the pipeline will replay. With
         ``replay=False`` the rollback (this one, or one made by another tool) is accepted in
         the same transaction instead: the kept state is re-anchored on the new head, so the
-        rolled-back rows stay out and nothing is replayed. ``only_if`` (a replay writer id)
-        changes nothing unless that rollback is the one pending (not a newer one)."""
+        rolled-back rows stay out and nothing is replayed. Either way the kept state lists the
+        data files the rollback takes out, so they never come back announced again
+        (:mod:`icefloe.commit.applied`). ``only_if`` (a replay writer id) changes nothing
+        unless that rollback is the one pending (not a newer one)."""
         for attempt in range(self._max_attempts):
             if attempt:
                 self._backoff(attempt)
@@ -270,9 +274,13 @@ class IcebergCommitter:
                 refs.create_branch(target, branch)
             prop = state_property(self._group_id, branch)
             raw = loaded.metadata.properties.get(prop)
-            if not replay and raw is not None:
+            if raw is not None:
                 kept = json.loads(raw)
-                tx.set_properties({prop: compact_json({**kept, "snapshot-id": target})})
+                lost = loaded.metadata.snapshot_by_id(int(kept["snapshot-id"]))
+                kept["summary"] = self._rolled_back(loaded, [head, lost], target, kept["summary"])
+                if not replay:
+                    kept["snapshot-id"] = target
+                tx.set_properties({prop: compact_json(kept)})
             try:
                 tx.commit_transaction()
             except CommitFailedException:
@@ -281,6 +289,35 @@ class IcebergCommitter:
                 self._versions.forget(table)
             return self.rollback(table)
         raise CommitError(f"table '{table}': could not roll back to snapshot {snapshot_id}")
+
+    def _rolled_back(
+        self, table: Table, sources: list[Snapshot | None], target: int, summary: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The kept state's ``summary`` listing the data files a rollback of ``sources`` (the
+        head, the pipeline's lost snapshot) to ``target`` takes out of the branch, with the
+        side file it names written: announced again under any writer id, they are held as
+        committed (:mod:`icefloe.commit.applied`), so rows a rollback removed stay out."""
+        boundary = self._read_side_files(table, CommitBoundary.from_summary(summary))
+        restored = table.metadata.snapshot_by_id(target)
+        boundary, side = self._taken_out(table, boundary, sources, restored)
+        if side is None:
+            return summary
+        _write_side_file(table, *side)
+        return {**summary, APPLIED_KEY: side[0]}
+
+    def _taken_out(
+        self,
+        table: Table,
+        boundary: CommitBoundary,
+        sources: Iterable[Snapshot | None],
+        target: Snapshot | None,
+    ) -> tuple[CommitBoundary, tuple[str, bytes] | None]:
+        """``boundary`` listing the data files live in ``sources`` but not in ``target``."""
+        live = self._live_files.all_live
+        taken = set().union(*(live(table, s) for s in sources if s is not None))
+        if target is not None:
+            taken -= live(table, target)
+        return with_rolled_back(table, boundary, taken)
 
     def boundary(self, table: str, channel_id: str | None) -> CommitBoundary:
         """What ``table`` holds already, as seen through the channel ``channel_id``.
@@ -436,17 +473,23 @@ class IcebergCommitter:
         self, table: Table, request: TableCommitRequest, plan: _Plan, snapshot_id: int
     ) -> TableCommitResult:
         """The result of ``plan``'s snapshot, which is known to be in ``table``: now (never
-        before, and never on an unknown outcome) the merged originals its summary lists can
-        go, those :class:`~icefloe.commit.ownership.Ownership` still proves the pipeline's.
-        One that cannot be deleted stays listed, so it is never committed twice, and is tried
+        before, and never on an unknown outcome) the merged originals and the applied key files
+        its summary lists can go, those :class:`~icefloe.commit.ownership.Ownership` still
+        proves the pipeline's (key files of other writers are never deleted here). One that
+        cannot be deleted stays listed, so it is never committed or applied twice, and is tried
         again after the next commit; one left by a crash before this point is deleted by the
-        next commit of any coordinator of the group."""
-        owned = self._ownership.deletable(table, plan.merged) if plan.merged else set()
+        next commit of any coordinator of the group. Deleted, it leaves the list at the next
+        commit: announced again, it is quarantined as missing."""
+        keys = {k for k in plan.keys if written_for(k, self._group_id)}
+        doomed = plan.merged | keys
+        owned = self._ownership.deletable(table, doomed) if doomed else set()
         deleted: set[str] = set()
-        for path in sorted(plan.merged):
+        for path in sorted(doomed):
             if path not in owned:
                 logger.warning(
-                    "%s: not deleting merged file %s: a snapshot names it now", request.table, path
+                    "%s: not deleting applied file %s: a snapshot names it now",
+                    request.table,
+                    path,
                 )
                 continue
             try:
@@ -454,7 +497,7 @@ class IcebergCommitter:
             except FileNotFoundError:
                 pass  # deleted already (by an earlier attempt, or by `icefloe maintain`)
             except Exception as exc:  # committed either way: the file is only garbage now
-                logger.warning("%s: cannot delete merged file %s: %s", request.table, path, exc)
+                logger.warning("%s: cannot delete applied file %s: %s", request.table, path, exc)
                 continue
             deleted.add(path)
         self._deleted[request.table] = deleted
@@ -531,6 +574,11 @@ class IcebergCommitter:
                 rollback = detect(
                     self._group_id, self._branch_for(table), table_name(table), state, kept
                 )
+                if rollback is not None:
+                    restored = CommitBoundary() if state is None else state.boundary
+                    same = restored.channel_id in (None, kept.boundary.channel_id)
+                    span = lost_channel_range(restored.positions, kept.boundary.positions, same)
+                    rollback = replace(rollback, channel_range=span)
                 state = kept
         if state is None and truncated and property_token(table, self._group_id) is not None:
             # the group committed here before (it left its token), yet no snapshot of it is
@@ -543,14 +591,18 @@ class IcebergCommitter:
             )
         if state is None:
             return state, rollback
-        boundary = state.boundary
+        return replace(state, boundary=self._read_side_files(table, state.boundary)), rollback
+
+    def _read_side_files(self, table: Table, boundary: CommitBoundary) -> CommitBoundary:
+        """``boundary`` (parsed from a summary) with the side files it names read."""
+        side, group = self._side_files, self._group_id
         if boundary.retired_file is not None:
-            retired = self._side_files.retired(table, boundary.retired_file, self._group_id)
-            boundary = replace(boundary, retired=retired)
+            boundary = replace(boundary, retired=side.retired(table, boundary.retired_file, group))
         if boundary.merged_file is not None:
-            merged = self._side_files.merged(table, boundary.merged_file, self._group_id)
-            boundary = replace(boundary, merged=merged)
-        return replace(state, boundary=boundary), rollback
+            boundary = replace(boundary, merged=side.merged(table, boundary.merged_file, group))
+        if boundary.applied_file is not None:
+            boundary = replace(boundary, applied=side.applied(table, boundary.applied_file, group))
+        return boundary
 
     def _for_channel(
         self, table: Table, state: RecordedCommit | None, channel_id: str | None
@@ -650,13 +702,20 @@ class IcebergCommitter:
         boundary, retired = next_boundary(table, request, state)
         deleted = self._deleted.get(request.table, set())
         boundary, merged = merged_originals(table, boundary, merge, deleted)
+        keys = [f.meta.path for f in files if f.is_key_file]
+        boundary, applied = with_applied_keys(table, boundary, keys, deleted)
+        if rollback is not None:  # made by any tool: list what it took out, as roll_back does
+            lost = table.metadata.snapshot_by_id(rollback.lost_snapshot_id)
+            boundary, taken = self._taken_out(table, boundary, [lost], head)
+            applied = taken or applied
         return _Plan(
             files=files,
             skipped=skipped,
             summary=new_summary(self._group_id, request, state, boundary),
-            side_files=tuple(f for f in (retired, merged) if f is not None),
+            side_files=tuple(f for f in (retired, merged, applied) if f is not None),
             merge=merge,
             merged=boundary.merged,
+            keys=boundary.applied.keys,
             raise_token=switched or prop is None or request.fencing_token > prop,
             fork_from=fork_from,
             clear_drained=request.channel_id is not None
@@ -669,10 +728,7 @@ class IcebergCommitter:
         table) and the snapshot id it will add."""
         branch = self._branch_for(table)
         for location, content in plan.side_files:
-            # before the commit that names it; named by its content, so a retry rewrites the
-            # same file, and one left by a failed attempt is an orphan for `icefloe maintain`
-            with table.io.new_output(location).create(overwrite=True) as stream:
-                stream.write(content)
+            _write_side_file(table, location, content)
         properties: dict[str, str] = {}
         if plan.raise_token:
             properties[fencing_token_property(self._group_id)] = plan.summary[FENCING_TOKEN_KEY]
@@ -775,6 +831,14 @@ class IcebergCommitter:
         # jittered exponential backoff, so competing committers do not retry in lockstep
         wait = min(self._retry_wait_s * 2 ** (attempt - 1), self._max_retry_wait_s)
         time.sleep(wait * random.uniform(0.5, 1.0))
+
+
+def _write_side_file(table: Table, location: str, content: bytes) -> None:
+    """Write a side file the next commit names, before that commit; named by its content, so a
+    retry rewrites the same file, and one left by a failed attempt is an orphan for
+    `icefloe maintain`."""
+    with table.io.new_output(location).create(overwrite=True) as stream:
+        stream.write(content)
 
 
 def _boundary(state: RecordedCommit | None) -> CommitBoundary:

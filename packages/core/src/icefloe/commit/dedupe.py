@@ -20,6 +20,16 @@ the coordinator has deleted it, it is listed in another side file the summary na
 rule holds it by path (:meth:`CommitBoundary.holds`): the same file announced again under
 another writer id is not committed a second time. Once deleted, an announcement of it is
 quarantined as missing (:mod:`icefloe.commit.screening`).
+
+Two more kinds of file are committed, or were, while no snapshot of the branch names them, and
+would come back announced under another writer id (a writer that lost its identity, a forged
+announcement): *key files* (an upsert/CDC batch's keys are applied as position deletes, the key
+file itself is never committed) and the data files a rollback (``icefloe rollback``) took out
+of the branch. A third side file the summary names (``icefloe.applied-files``) lists both
+(:class:`Applied`), and the rule holds them by path like merged originals, whatever writer id
+announces them. It stays bounded: a key file's entry goes once the file is gone from storage
+(``icefloe maintain`` removes applied key files as orphans; announced again, a missing key file
+is quarantined as missing), and rolled-back files are recorded once per rollback.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Protocol
 
 POSITIONS_KEY = "icefloe.channel-positions"
@@ -34,6 +45,7 @@ WATERMARKS_KEY = "icefloe.writer-watermarks"
 CHANNEL_ID_KEY = "icefloe.channel-id"
 RETIRED_KEY = "icefloe.retired-writers"
 MERGED_KEY = "icefloe.merged-originals"
+APPLIED_KEY = "icefloe.applied-files"
 
 
 class Announced(Protocol):
@@ -50,6 +62,26 @@ class Announced(Protocol):
 
     @property
     def batch_seq(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Applied:
+    """Files the pipeline applied or took out that no snapshot of the branch names."""
+
+    keys: tuple[str, ...] = ()
+    """Key files applied (their keys resolved into position deletes), oldest first."""
+    retired: frozenset[str] = frozenset()
+    """Data files a rollback took out of the branch."""
+
+    @cached_property
+    def _paths(self) -> frozenset[str]:
+        return self.retired.union(self.keys)
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._paths
+
+    def __bool__(self) -> bool:
+        return bool(self.keys or self.retired)
 
 
 @dataclass(frozen=True)
@@ -74,6 +106,11 @@ class CommitBoundary:
     merged: frozenset[str] = frozenset()
     """Paths of small files merged into committed files and not yet known to be deleted; read
     from ``merged_file`` by the committer, like ``retired``."""
+    applied_file: str | None = None
+    """Location of the side file listing ``applied`` (None: nothing applied or taken out)."""
+    applied: Applied = Applied()
+    """Key files applied and files a rollback took out; read from ``applied_file`` by the
+    committer, like ``retired``."""
 
     @classmethod
     def from_summary(cls, summary: Mapping[str, str | None]) -> CommitBoundary:
@@ -84,6 +121,7 @@ class CommitBoundary:
             channel_id=summary.get(CHANNEL_ID_KEY) or None,
             retired_file=summary.get(RETIRED_KEY) or None,
             merged_file=summary.get(MERGED_KEY) or None,
+            applied_file=summary.get(APPLIED_KEY) or None,
         )
 
     def to_summary(self) -> dict[str, str]:
@@ -95,6 +133,8 @@ class CommitBoundary:
             out[RETIRED_KEY] = self.retired_file
         if self.merged_file is not None:
             out[MERGED_KEY] = self.merged_file
+        if self.applied_file is not None:
+            out[APPLIED_KEY] = self.applied_file
         return out
 
     def for_channel(self, channel_id: str | None) -> CommitBoundary:
@@ -122,8 +162,9 @@ class CommitBoundary:
 
     def holds(self, f: Announced, path: str) -> bool:
         """Whether the table already holds the file at ``path`` announced at ``f``: its batch is
-        covered, or it is a merged original (committed inside a merged file)."""
-        return self.covers(f) or path in self.merged
+        covered, it is a merged original (committed inside a merged file), an applied key file
+        or a file a rollback took out (:class:`Applied`)."""
+        return self.covers(f) or path in self.merged or path in self.applied
 
     def retirable(self, keep: Iterable[str]) -> set[str]:
         """Writers in ``watermarks`` that are not in ``keep`` (the live ones)."""
@@ -188,7 +229,24 @@ def encode_merged(paths: Iterable[str]) -> bytes:
 def decode_merged(data: bytes) -> frozenset[str]:
     """Parse :func:`encode_merged`'s output. Raises ValueError/TypeError/KeyError when
     unreadable."""
-    paths = json.loads(data)["paths"]
-    if not isinstance(paths, list):
-        raise TypeError(f"paths is a {type(paths).__name__}, not a list")
-    return frozenset(str(p) for p in paths)
+    return frozenset(_str_list(json.loads(data), "paths"))
+
+
+def encode_applied(applied: Applied) -> bytes:
+    """The applied-files side file's content (JSON ``{"keys": [...], "retired": [...]}``, key
+    files oldest first)."""
+    return _json({"keys": list(applied.keys), "retired": sorted(applied.retired)}).encode()
+
+
+def decode_applied(data: bytes) -> Applied:
+    """Parse :func:`encode_applied`'s output. Raises ValueError/TypeError/KeyError when
+    unreadable."""
+    raw = json.loads(data)
+    return Applied(tuple(_str_list(raw, "keys")), frozenset(_str_list(raw, "retired")))
+
+
+def _str_list(raw: Any, key: str) -> list[str]:
+    values = raw[key]
+    if not isinstance(values, list):
+        raise TypeError(f"{key} is a {type(values).__name__}, not a list")
+    return [str(v) for v in values]

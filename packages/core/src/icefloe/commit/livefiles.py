@@ -62,14 +62,23 @@ class LiveFiles:
         wanted = named.keys()
         found: set[str] = set()
         for manifest in self.manifests(table, head):
-            if manifest.content != ManifestContent.DATA:
-                continue
-            cached = self._manifest_paths.get(manifest.manifest_path)
-            if cached is None:
-                cached = self._decode_live(table, manifest)
-                self._cache_manifest(manifest.manifest_path, cached)
-            found |= wanted & cached
+            if manifest.content == ManifestContent.DATA:
+                found |= wanted & self._live_of(table, manifest)
         return {named[p] for p in found}
+
+    def all_live(self, table: Table, snapshot: Snapshot) -> set[str]:
+        """Every data file ``snapshot`` references as live (what a rollback from it may take
+        out of the branch)."""
+        return set().union(
+            *(self._live_of(table, m) for m in self._data_manifests(table, snapshot))
+        )
+
+    def _live_of(self, table: Table, manifest: ManifestFile) -> frozenset[str]:
+        cached = self._manifest_paths.get(manifest.manifest_path)
+        if cached is None:
+            cached = self._decode_live(table, manifest)
+            self._cache_manifest(manifest.manifest_path, cached)
+        return cached
 
     @staticmethod
     def _decode_live(table: Table, manifest: ManifestFile) -> frozenset[str]:

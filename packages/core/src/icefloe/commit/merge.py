@@ -32,7 +32,6 @@ The rules that keep exactly-once:
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
@@ -43,6 +42,7 @@ from pyiceberg.table import FileScanTask, Table
 
 from icefloe.commit.dedupe import CommitBoundary, encode_merged
 from icefloe.commit.ownership import Ownership
+from icefloe.commit.retirement import side_file
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.records.datafiles import DataFileBuilder, write_data_files
 
@@ -134,7 +134,5 @@ def merged_originals(
         return boundary, None
     if not listed:
         return replace(boundary, merged_file=None, merged=listed), None
-    content = encode_merged(listed)
-    name = f"icefloe-merged-{hashlib.sha256(content).hexdigest()[:40]}.json"
-    location = table.location_provider().new_metadata_location(name)
+    location, content = side_file(table, "merged", encode_merged(listed))
     return replace(boundary, merged_file=location, merged=listed), (location, content)

@@ -1,15 +1,18 @@
 """What the coordinator may delete: only files it can prove its pipeline owns.
 
 ``merge_small_files`` is the one place where icefloe deletes data files: once a merged
-snapshot landed, the small files it replaced are garbage. But a DataWritten is only a claim
+snapshot landed, the small files it replaced are garbage. The other is key files: once the
+snapshot that applied an upsert/CDC batch's keys landed, its key file (never committed itself)
+is garbage too (:mod:`icefloe.commit.applied`). But a DataWritten is only a claim
 (a writer that lost its identity, a forged or buggy event), so the files it names are judged
 here, against the table, before they are merged and again before they are deleted. A file is
 the pipeline's to delete only when all of these hold:
 
 * **written for this pipeline**: its name carries the group's tag
   (:func:`icefloe.records.datafiles.written_for`; icefloe's writers name their data files
-  with :func:`icefloe.records.datafiles.group_write_uuid`). Other engines' and other
-  pipelines' files, key files and files written before the tag existed do not. The tag is
+  with :func:`icefloe.records.datafiles.group_write_uuid`, its Spark sink its key files too).
+  Other engines' and other pipelines' files, and files written before the tag existed do not.
+  The tag is
   a hash of the group id, not a signature: it tells the pipeline's files from everyone
   else's. A forged announcement of the group's files reaches only files no snapshot names
   (the pipeline's own, not yet committed), whose rows it commits, merged, before the delete;
@@ -18,17 +21,18 @@ the pipeline's to delete only when all of these hold:
   coordinator read from the channel the table's state was recorded through (the committer
   refuses a request through another, undrained channel);
 * **under the table's data location** (``write.data.path``, else ``<location>/data``);
-* **content data**: announced as data, and its Parquet footer holds field ids of the table
-  and none of Iceberg's reserved delete columns
-  (:func:`icefloe.commit.screening.content_refusal`, checked by screening and before merging;
-  a delete file announced as data is refused and quarantined, never merged as data);
+* **content data** (merged originals; a key file was applied as keys instead): announced as
+  data, and its Parquet footer holds field ids of the table and none of Iceberg's reserved
+  delete columns (:func:`icefloe.commit.screening.content_refusal`, checked by screening and
+  before merging; a delete file announced as data is refused and quarantined, never merged as
+  data);
 * **referenced by no snapshot of any ref**: no manifest of any snapshot the table retains
   (every branch and tag points to one of them, and older snapshots serve time travel) names
   it, in any status. Judged on the table loaded for the merge and again on the table the
   commit returned, right before the delete;
-* **never on an unknown commit outcome**: the delete runs only once the merged snapshot is
-  known to be in the table (the catalog accepted it, or a reload after an unknown outcome
-  found it).
+* **never on an unknown commit outcome**: the delete runs only once the merged (or applying)
+  snapshot is known to be in the table (the catalog accepted it, or a reload after an unknown
+  outcome found it).
 
 A file that fails any of the others is not merged at all: it is committed as announced, by
 reference, so nothing is copied out of it and nothing is deleted (a file of another branch, or

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
-from pyiceberg.expressions import AlwaysTrue, And, BooleanExpression, EqualTo, Reference
+from pyiceberg.expressions import AlwaysTrue, And, BooleanExpression, EqualTo, In, Reference
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
 from pyiceberg.types import LongType, NestedField, StringType, TimestamptzType
@@ -191,16 +191,29 @@ class Quarantine:
             if key.startswith(prefix)
         }
 
+    def retire(self, group_id: str, table_name: str, paths: Iterable[str]) -> int:
+        """Delete the entries of ``paths`` (files whose records came back otherwise, e.g. with a
+        rollback's replay); returns how many there were."""
+        wanted = set(paths)
+        if not wanted:
+            return 0
+        # pyiceberg 0.12's expression classes declare a pydantic __init__ that mypy mis-reads
+        listed = In(Reference("file_path"), wanted)  # type: ignore[call-arg,arg-type]
+        return self._delete(And(_filter(group_id, table_name), listed))
+
     def drop(
         self, group_id: str, table_name: str | None = None, file_path: str | None = None
     ) -> int:
         """Delete (acknowledge) matching entries; returns how many there were."""
-        t = self._table(create=False)
-        if t is None:
-            return 0
         where = _filter(group_id, table_name)
         if file_path is not None:
             where = And(where, _eq("file_path", file_path))
+        return self._delete(where)
+
+    def _delete(self, where: BooleanExpression) -> int:
+        t = self._table(create=False)
+        if t is None:
+            return 0
         count = len(t.scan(row_filter=where, selected_fields=("file_path",)).to_arrow())
         if count:
             t.delete(delete_filter=where)

@@ -1,7 +1,8 @@
 """Retiring writers: when the committer moves the watermarks of writers that are gone out of the
 summary into a side file (:mod:`icefloe.commit.dedupe` has the rule), and reading them back,
-so summaries grow with the live writers only. The reader also reads the other side file a
-summary names, the merged originals (:mod:`icefloe.commit.merge`)."""
+so summaries grow with the live writers only. The reader also reads the other side files a
+summary names: the merged originals (:mod:`icefloe.commit.merge`) and the applied files
+(:mod:`icefloe.commit.applied`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from typing import TypeVar
 from pyiceberg.table import Table
 
 from icefloe.commit.dedupe import (
+    Applied,
     CommitBoundary,
+    decode_applied,
     decode_merged,
     decode_retired,
     encode_retired,
@@ -44,10 +47,15 @@ def next_boundary(
     if len(gone) < RETIRE_AT:
         return boundary, None
     retired = max_merge(boundary.retired, {w: boundary.watermarks[w] for w in gone})
-    content = encode_retired(retired)
-    name = f"icefloe-retired-{hashlib.sha256(content).hexdigest()[:40]}.json"
-    location = table.location_provider().new_metadata_location(name)
+    location, content = side_file(table, "retired", encode_retired(retired))
     return boundary.retire(gone, location), (location, content)
+
+
+def side_file(table: Table, kind: str, content: bytes) -> tuple[str, bytes]:
+    """Where a side file of ``kind`` with ``content`` goes (location, content): in the table's
+    metadata directory, named by its content, so a retried attempt rewrites the same file."""
+    name = f"icefloe-{kind}-{hashlib.sha256(content).hexdigest()[:40]}.json"
+    return table.location_provider().new_metadata_location(name), content
 
 
 class SideFiles:
@@ -67,6 +75,11 @@ class SideFiles:
         names."""
         # without them an original announced again would be merged a second time
         return self._read(table, location, decode_merged, "merged originals", group_id)
+
+    def applied(self, table: Table, location: str, group_id: str) -> Applied:
+        """The key files applied and files rolled back, from the side file the summary names."""
+        # without them such a file announced again would be applied or committed again
+        return self._read(table, location, decode_applied, "applied files", group_id)
 
     def _read(
         self,

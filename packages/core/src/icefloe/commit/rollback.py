@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from icefloe.errors import RollbackNotReplayableError
@@ -69,6 +69,11 @@ class Rollback:
     to_offsets: SourceOffsets
     writer_id: str
     """The replay batch's writer id: the same for the same rollback, wherever it is noticed."""
+    channel_range: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """``{channel partition: (start, end)}``: the DataWritten offsets the pipeline read between
+    the restored and the lost snapshot (empty when they came through different channels).
+    Files quarantined from that range hold records of the replayed source range: the replay
+    writes them again, so their quarantine entries are retired with it (:func:`in_range`)."""
 
     def ranges(self, beginning: Mapping[tuple[str, int], int] | None = None) -> list[ReplayRange]:
         """The source ranges to read again: per partition from the restored offsets (or, for a
@@ -94,6 +99,24 @@ class Rollback:
                 if end > start:
                     out.append(ReplayRange(topic, partition, start, end))
         return out
+
+
+def in_range(rollback: Rollback, partition: str, offset: int) -> bool:
+    """Whether a file announced at ``partition``/``offset`` was read in the rolled-back range
+    (its records are in the source range the replay reads again)."""
+    start, end = rollback.channel_range.get(partition, (0, 0))
+    return start <= offset < end
+
+
+def lost_channel_range(
+    restored: Mapping[str, int], lost: Mapping[str, int], same_channel: bool
+) -> dict[str, tuple[int, int]]:
+    """:attr:`Rollback.channel_range` from the channel positions the restored and the lost
+    snapshot record."""
+    if not same_channel:
+        return {}  # offsets of two channels cannot be compared: retire nothing
+    spans = {p: (restored.get(p, 0), end) for p, end in lost.items()}
+    return {p: span for p, span in sorted(spans.items()) if span[0] < span[1]}
 
 
 def replay_writer_id(

@@ -78,17 +78,22 @@ def screen(
     batch is refused whole when any of its files is (see the module docstring)."""
     rules = _FileRules.of(table)
     verdicts: list[tuple[PendingFile, RefusedFileError | None]] = []
+    held: set[str] = set()
     for f in files:
         covered = boundary.holds(f, f.meta.path) or f.meta.path in live
         error = None if covered else _refusal(table, f, rules)
         if error is None and not covered and policy.merge_small_files:
             error = _unmergeable(table, f, policy.target_file_size_bytes)
         verdicts.append((f, error))
+        if covered:
+            held.add(f.meta.path)
     sunk = _sunk_keyed_batches(verdicts)
     accepted: list[PendingFile] = []
     refused: list[tuple[PendingFile, RefusedFileError]] = []
     for f, error in verdicts:
-        cause = sunk.get(batch_of(f)) if error is None else None
+        # a file the table holds is never quarantined, not even with the rest of its batch
+        sinks = error is None and f.meta.path not in held
+        cause = sunk.get(batch_of(f)) if sinks else None
         if cause is not None:
             error = KeyedBatchRefusedError(
                 f"table '{table_name(table)}': {f.meta.path} is refused with the rest of its "
@@ -166,7 +171,14 @@ def _key_file_refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
             f"{list(f.meta.equality_ids or ())}, but the table's identifier fields are "
             f"{list(expected)} (id_columns changed?); rewrite it with the current id columns"
         )
-    return None
+    # an applied key file is an orphan at once, so `icefloe maintain` deletes it in time
+    return _missing(
+        table,
+        f,
+        "Key files are never committed, so `icefloe maintain` deletes applied ones as orphans",
+        "applied",
+        "apply a batch without its keys",
+    )
 
 
 def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileError | None:
@@ -220,14 +232,28 @@ def _unmergeable(table: Table, f: PendingFile, target: int) -> RefusedFileError 
     not a data file of the table (:func:`content_refusal`)."""
     if f.meta.content != FileContent.DATA or f.meta.file_size_in_bytes >= target:
         return None
-    if not table.io.new_input(f.meta.path).exists():
-        return DataFileMissingError(
-            f"table '{table_name(table)}': {f.meta.path} no longer exists. merge_small_files "
-            "deletes the files it merged once their commit landed, so this file was most likely "
-            "committed already (merged) and is announced again (under another writer id?); "
-            "otherwise it was lost. Refusing to commit a reference to a missing file"
-        )
-    return content_refusal(table, f.meta)
+    missing = _missing(
+        table,
+        f,
+        "merge_small_files deletes the files it merged once their commit landed",
+        "committed (merged)",
+        "commit a reference to a missing file",
+    )
+    return missing or content_refusal(table, f.meta)
+
+
+def _missing(
+    table: Table, f: PendingFile, deleter: str, done: str, refused: str
+) -> DataFileMissingError | None:
+    """A refusal of ``f`` when it no longer exists: ``deleter`` says who deletes such files
+    once ``done``, ``refused`` what committing it would do."""
+    if table.io.new_input(f.meta.path).exists():
+        return None
+    return DataFileMissingError(
+        f"table '{table_name(table)}': {f.meta.path} no longer exists. {deleter}, "
+        f"so this file was most likely {done} already and is announced again "
+        f"(under another writer id?); otherwise it was lost. Refusing to {refused}"
+    )
 
 
 def content_refusal(table: Table, meta: DataFileMeta) -> RefusedFileError | None:

@@ -33,7 +33,7 @@ from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import FailingTable, Quarantine, QuarantineEntry
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
-from icefloe.commit.rollback import is_replay_writer
+from icefloe.commit.rollback import in_range, is_replay_writer
 from icefloe.commit.screening import Screening
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
@@ -205,6 +205,7 @@ class CommitCycle:
                     quarantined[table] = self._isolate(commit_id, table, screening.refused)
                 accepted = screening.accepted
                 if accepted:
+                    self._retire_replayed(table, accepted)
                     results.append(
                         self._committer.commit(
                             TableCommitRequest(
@@ -409,6 +410,36 @@ class CommitCycle:
         except Exception as exc:  # status ignores marks older than the table's last commit
             log.warning("cannot clear the failing mark of %s: %s", table, exc)
 
+    def _retire_replayed(self, table: str, files: Sequence[PendingFile]) -> None:
+        """Before committing the replay of a rollback of ``table``: retire the quarantine
+        entries of files announced in the rolled-back range. The replay reads that source range
+        again, the records of those files included (under today's spec, say, they fit): left
+        in the quarantine, recovering them with ``add_files`` as the entry says would add them
+        twice. Retired before the commit, not after: a crash in between leaves the replay
+        pending, and it is committed (or quarantined, its files holding those records) later;
+        after the commit the rollback would no longer be known."""
+        replays = {f.writer_id for f in files if is_replay_writer(f.writer_id)}
+        if not replays:
+            return
+        rollback = self._committer.rollback(table)
+        if rollback is None or rollback.writer_id not in replays:
+            return  # a stale replay: the commit drops it
+        paths = [
+            e.file_path
+            for e in self._quarantine.list(self._group_id, table)
+            if in_range(rollback, e.channel_partition, e.channel_offset)
+        ]
+        if self._quarantine.retire(self._group_id, table, paths):
+            log.warning(
+                "table %s: the replay of its rollback (writer %s) writes the records of %d "
+                "quarantined file(s) of the rolled-back range again; their quarantine entries "
+                "are retired: %s",
+                table,
+                rollback.writer_id,
+                len(paths),
+                paths[:3],
+            )
+
     def _replays_refused(self, table: str, screening: Screening) -> None:
         """Accept the pending rollback of ``table`` when its replay batch is refused whole.
 
@@ -475,7 +506,7 @@ class CommitCycle:
                 e.error_message,
             )
         self.quarantined_files += len(new)
-        self._reader.quarantined_paths(table).update(e.file_path for e in entries)
+        self._reader.note_quarantined(table, [f for f, _ in refused])
         self._reader.remove(table, [f for f, _ in refused])
         return len(new)
 

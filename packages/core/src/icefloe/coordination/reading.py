@@ -142,6 +142,8 @@ class EventReader:
         self.writers: dict[str, WriterState] = {}
         self._boundaries: dict[str, CommitBoundary] = {}
         self.quarantined: dict[str, set[str]] = {}  # table -> quarantined paths
+        # table -> (writer_id, batch_seq) of quarantined files: batches decided already
+        self.quarantined_batches: dict[str, set[tuple[str, int]]] = {}
         self._source_partitions: set[tuple[str, int]] = set()
         self._held: deque[ChannelRecord] = deque()  # polled, not handled: memory bound hit
         self._recovering = False
@@ -319,6 +321,20 @@ class EventReader:
         ]
         if not files or self.boundary(dw.table).covers(files[0]):
             return  # the table already holds this batch (all its files share one place)
+        replay = len(files) == len(dw.files)  # none of these files is the quarantined one
+        if replay and (writer_id, seq) in self.quarantined_batches[dw.table]:
+            # decided already: its files were quarantined (those of it the table took, if any,
+            # advanced the watermark). A replay in new files (a Spark batch run again, which
+            # only a channel that never saw the batch lets through) would add its records to
+            # the table as well as to the quarantine. A re-read of the batch itself (after a
+            # crash) names its quarantined files: its other files go on
+            log.warning(
+                "ignoring batch %d of %s for %s again: its files were quarantined",
+                seq,
+                writer_id,
+                dw.table,
+            )
+            return
         self._pending_keys.add(key)
         self.pending.setdefault(dw.table, []).extend(files)
         self._bytes[dw.table] = self._bytes.get(dw.table, 0) + sum(
@@ -360,16 +376,24 @@ class EventReader:
             )
 
     def quarantined_paths(self, table: str) -> set[str]:
-        """Paths of ``table`` quarantined by this pipeline, read once per leadership."""
+        """Paths of ``table`` quarantined by this pipeline, read once per leadership (with
+        :attr:`quarantined_batches`)."""
         if table not in self.quarantined:
             try:
-                paths = self._quarantine.paths(self._group_id, table)
+                entries = self._quarantine.list(self._group_id, table)
             except Exception as exc:
                 # worst case a file is screened again; its record is not duplicated
                 log.warning("cannot read the quarantine for %s: %s", table, exc)
-                paths = set()
-            self.quarantined[table] = paths
+                entries = []
+            self.quarantined[table] = {e.file_path for e in entries}
+            self.quarantined_batches[table] = {(e.writer_id, e.batch_seq) for e in entries}
         return self.quarantined[table]
+
+    def note_quarantined(self, table: str, files: Iterable[PendingFile]) -> None:
+        """Remember ``files`` of ``table`` as quarantined (their paths and batches)."""
+        files = list(files)
+        self.quarantined_paths(table).update(f.meta.path for f in files)
+        self.quarantined_batches[table].update((f.writer_id, f.batch_seq) for f in files)
 
     def remove(self, table: str, files: Iterable[PendingFile]) -> None:
         """Forget ``files`` of ``table`` (committed or quarantined)."""

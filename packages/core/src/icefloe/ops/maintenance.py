@@ -33,7 +33,7 @@ from pyiceberg.table.snapshots import ancestors_of
 from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.compaction import CompactionResult, Thresholds
-from icefloe.commit.dedupe import MERGED_KEY, RETIRED_KEY
+from icefloe.commit.dedupe import APPLIED_KEY, MERGED_KEY, RETIRED_KEY
 from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile
 from icefloe.commit.summary import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY
@@ -167,10 +167,10 @@ def _file_key(uri: str) -> str:
 
 
 def retired_writer_files(metadata: TableMetadata) -> set[str]:
-    """The side files of the dedupe rule (retired writers, merged originals: see
+    """The side files of the dedupe rule (retired writers, merged originals, applied files: see
     :mod:`icefloe.commit.dedupe`) named by remaining snapshots and by the groups' state
     properties: Iceberg does not know them, the dedupe rule needs them."""
-    keys = (RETIRED_KEY, MERGED_KEY)
+    keys = (RETIRED_KEY, MERGED_KEY, APPLIED_KEY)
     found = {s.summary[k] for s in metadata.snapshots if s.summary is not None for k in keys}
     for key, raw in metadata.properties.items():
         if key.startswith(f"{STATE_KEY}."):

@@ -149,10 +149,11 @@ def write_task(
         if rows.num_rows == 0 and (keys is None or keys.num_rows == 0):
             continue
         table = tables[name]
-        # named for the pipeline, so merge_small_files may delete them once merged
+        # named for the pipeline, so merge_small_files may delete them once merged, and the
+        # committer the key files once applied
         metas = write_data_files(table, rows, group_write_uuid(pipeline) if pipeline else None)
         if keys is not None:  # an upsert/CDC table: the keys whose old rows go (docs/upsert.md)
-            metas += write_key_files(table, keys)
+            metas += write_key_files(table, keys, group_write_uuid(pipeline) if pipeline else None)
         for m in metas:
             if on_file is not None:
                 on_file(m.path)
