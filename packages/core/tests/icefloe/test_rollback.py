@@ -389,11 +389,6 @@ def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Pat
     assert_exactly_once(catalog, ROWS, [*source.expected[ROWS], -1, -2])
 
 
-@simulation_finding(
-    "under max_pending_files the reader stops between a batch's DataWritten and its "
-    "DataComplete, so the cycle commits the batch's files with source offsets that do not "
-    "reach it; a rollback's replay range then misses the batch and its rows are lost"
-)
 def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
     tmp_path: Path,
 ) -> None:
