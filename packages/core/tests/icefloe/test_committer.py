@@ -45,6 +45,7 @@ from icefloe.errors import (
     FileOutsideTableError,
     NotLeaderError,
     PartitionSpecChangedError,
+    RollbackNotReplayableError,
     RollbackPendingError,
     RowDeltaNotSupportedError,
     StaleFencingTokenError,
@@ -937,6 +938,25 @@ def test_rollback_stays_pending_when_the_lost_snapshots_are_expired(
     assert rollback.lost_snapshot_id == second
     with pytest.raises(RollbackPendingError):
         committer.commit(live_request(table, [3]))
+
+
+def test_a_rollback_below_a_kept_snapshot_is_no_expired_gap(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """The pipeline's last snapshot is kept (a tag), the table rolled back below it, another
+    engine appended on top and the restored snapshot was expired: the walk down the branch
+    stops at a gap, as when another engine expires snapshots between the kept one and the
+    head, but the head holds no file of the kept snapshot. Still a rollback (refused as not
+    replayable), never taken for an expired gap with the rolled-back rows skipped."""
+    committer, first, _, second = commit_two(catalog, table)
+    with catalog.load_table("db.events").manage_snapshots() as refs:
+        refs.create_tag(second, "kept")
+    catalog.load_table("db.events").manage_snapshots().rollback_to_snapshot(first).commit()
+    catalog.load_table("db.events").append(rows([100]))
+    catalog.load_table("db.events").maintenance.expire_snapshots().by_id(first).commit()
+    with pytest.raises(RollbackNotReplayableError, match=f"snapshot {second}"):
+        committer.commit(live_request(table, [3]))
+    assert ids_in(catalog) == [1, 100]
 
 
 def commit_then_expire(

@@ -7,6 +7,7 @@ corrupt events, and a coordinator process killed by SIGKILL."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import multiprocessing
 import os
@@ -26,7 +27,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import ChannelRecord, WriterBatch, WriterChannel
 from icefloe.commit.quarantine import Quarantine
-from icefloe.commit.summary import FENCING_TOKEN_KEY, VALID_THROUGH_KEY
+from icefloe.commit.summary import FENCING_TOKEN_KEY, SOURCE_OFFSETS_KEY, VALID_THROUGH_KEY
 from icefloe.config import CoordinationConfig, config_from_dict
 from icefloe.coordination.coordinator import (
     Coordinator,
@@ -521,14 +522,46 @@ def test_foreign_duplicate_and_stale_events_are_ignored(
     inject(
         Event("another-pipeline", DataWritten(table, tuple(other_pipeline.files[table])), ref1, 0)
     )
-    inject(Event(group_id, DataWritten(table, tuple(first.files[table])), ref2, 0))
-    inject(Event(group_id, DataWritten(table, tuple(replay.files[table])), ref2, 0))
+    for copy in (first, replay):  # each copy whole, as published: DataWritten, DataComplete
+        inject(Event(group_id, DataWritten(table, tuple(copy.files[table])), ref2, 0))
+        inject(Event(group_id, DataComplete(()), ref2, 0))
     stale = source.batch("w", 1)
     inject(Event(group_id, DataWritten(table, tuple(stale.files[table])), ref1, 1))
-    drive(coord, lambda: coord.read_position.get("0", 0) >= 4, "4 events read")
+    drive(coord, lambda: coord.read_position.get("0", 0) >= 6, "6 events read")
     assert coord.pending_files() == {table: len(first.files[table])}
     coord.commit_now()
     assert_exactly_once(make.catalog, table, first.ids[table])
+
+
+def test_a_batch_is_pending_only_once_its_data_complete_is_read(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    """A batch's files wait for its DataComplete (a poll may end inside a batch): a cycle in
+    between neither commits them nor records a channel position that would make them look
+    committed once they come. A batch cut short (the writer's next event is another batch:
+    records of an aborted transaction a broker showed) is dropped, not committed."""
+    table = TABLES[0]
+    coord = make.coordinator(commit_timeout_s=0.3)
+    lead(coord)
+    ref = WriterRef("w", 1)
+
+    def inject(payload: DataWritten | DataComplete, seq: int) -> None:
+        make.backend.server.inject(group_id, encode_event(Event(group_id, payload, ref, seq)))
+
+    waiting, cut, last = source.batch("w", 0), source.batch("w", 1), source.batch("w", 2)
+    inject(DataWritten(table, tuple(waiting.files[table])), 0)
+    other = source.publish(make.writer("v"), 0)  # a whole batch of another writer after it
+    drive(coord, lambda: coord.read_position.get("0", 0) >= 3, "3 events read")
+    assert coord.pending_files() == {t: len(fs) for t, fs in other.files.items()}
+    assert not coord.commit_now().failed
+    inject(DataComplete(()), 0)
+    inject(DataWritten(table, tuple(cut.files[table])), 1)
+    inject(DataWritten(table, tuple(last.files[table])), 2)
+    inject(DataComplete(()), 2)
+    drive(coord, lambda: coord.read_position.get("0", 0) >= 7, "7 events read")
+    assert not coord.commit_now().failed
+    kept = waiting.ids[table] + other.ids[table] + last.ids[table]
+    assert_exactly_once(make.catalog, table, kept)
 
 
 def test_undecodable_event_stops_the_coordinator(make: _Factory, group_id: str) -> None:
@@ -1020,6 +1053,30 @@ def test_vtts_needs_every_source_partition_covered_by_a_live_writer(
     assert result.valid_through_ms is None  # ...but dead's source partition is not covered
     assert "dead" not in coord.known_writers()  # and its state was dropped
     assert_every_table_exact(make, source)
+
+
+def test_a_commit_records_the_source_offsets_of_a_writer_dropped_as_dead(
+    make: _Factory, source: RowSource
+) -> None:
+    """A batch found in recovery from a writer silent for longer than ``writer_timeout_s``:
+    the writer's state is dropped at the cycle's start, yet the cycle commits the batch's
+    files, so the snapshot must record the source offsets the batch reached (a rollback to
+    before it replays from them)."""
+    w = make.writer("w")
+    batch = source.publish(w, 0)
+    w.close()
+    time.sleep(0.3)  # the batch's events are older than the writer timeout below
+    coord = make.coordinator(writer_timeout_s=0.2)
+    lead(coord)
+    wait_pending(coord, batch.file_count)
+    assert not coord.commit_now().failed
+    assert "w" not in coord.known_writers()
+    reached = {p.topic: {str(p.partition): p.offset} for p in batch.positions}
+    for t in TABLES:
+        head = make.catalog.load_table(t).current_snapshot()
+        assert head is not None
+        assert head.summary is not None
+        assert json.loads(head.summary[SOURCE_OFFSETS_KEY]) == reached
 
 
 def test_recovery_and_reading_stop_at_max_pending_files(

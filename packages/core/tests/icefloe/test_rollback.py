@@ -397,11 +397,6 @@ def test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place(tmp_path
     assert sorted(in_table + quarantined) == sorted(source.expected[ROWS])
 
 
-@simulation_finding(
-    "a gap in the branch history below a head that still descends from the pipeline's "
-    "snapshot is taken for a rollback into expired history (RollbackNotReplayableError), "
-    "and the table fails for good"
-)
 def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Path) -> None:
     """The pipeline's snapshot is kept (a tag names it), another engine's snapshot after it
     was expired (explicitly, or by age with the tag protecting the older one), a newer one of
@@ -427,11 +422,6 @@ def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Pat
     assert_exactly_once(catalog, ROWS, [*source.expected[ROWS], -1, -2])
 
 
-@simulation_finding(
-    "under max_pending_files the reader stops between a batch's DataWritten and its "
-    "DataComplete, so the cycle commits the batch's files with source offsets that do not "
-    "reach it; a rollback's replay range then misses the batch and its rows are lost"
-)
 def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
     tmp_path: Path,
 ) -> None:

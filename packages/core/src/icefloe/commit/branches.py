@@ -8,6 +8,7 @@ unreferenced root snapshot (summary ``icefloe.branch-root``) comes first to fork
 
 from __future__ import annotations
 
+from pyiceberg.manifest import ManifestContent, ManifestEntryStatus
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
@@ -38,6 +39,21 @@ def branch_head(table: Table, branch: str) -> tuple[Snapshot | None, int | None]
 def history(head: Snapshot | None, metadata: TableMetadata) -> set[int]:
     """Ids of ``head`` and its ancestors still in the table."""
     return {s.snapshot_id for s in ancestors_of(head, metadata)}
+
+
+def added_data_files(table: Table, snapshot: Snapshot) -> set[str]:
+    """Paths of the data files ``snapshot`` added (its manifests' entries added by it).
+
+    Why: a descendant of ``snapshot`` still references those it did not delete, and a
+    snapshot that does not descend from it (a rollback below it) references none of them, so
+    they tell the two apart where the parent links between were expired."""
+    return {
+        e.data_file.file_path
+        for m in snapshot.manifests(table.io)
+        if m.content == ManifestContent.DATA and m.added_snapshot_id == snapshot.snapshot_id
+        for e in m.fetch_manifest_entry(table.io, discard_deleted=True)
+        if e.status == ManifestEntryStatus.ADDED and e.snapshot_id == snapshot.snapshot_id
+    }
 
 
 def needs_root(table: Table, branch: str) -> bool:

@@ -557,15 +557,20 @@ class IcebergCommitter:
             state is None
             or (kept.snapshot_id, kept.commit_id) != (state.snapshot_id, state.commit_id)
         ):
-            expired = metadata.snapshot_by_id(kept.snapshot_id) is None
-            if kept.snapshot_id in branches.history(head, metadata) or (
-                expired and state is None and truncated
+            snapshot = metadata.snapshot_by_id(kept.snapshot_id)
+            if (
+                kept.snapshot_id in branches.history(head, metadata)
+                or (snapshot is None and state is None and truncated)
+                or (state is None and truncated and self._descends(table, head, snapshot))
             ):
-                state = kept  # re-anchored by an accepted rollback, or expired
+                # re-anchored by an accepted rollback, expired, or kept with expired history
+                # between it and the head (another engine expired snapshots in between)
+                state = kept
             elif state is None and truncated:
                 raise RollbackNotReplayableError(
                     f"table '{table_name(table)}' was rolled back to a snapshot whose older "
-                    f"history was expired: what it holds of pipeline '{self._group_id}' is "
+                    f"history was expired (its branch holds no file of the pipeline's snapshot "
+                    f"{kept.snapshot_id}): what it holds of pipeline '{self._group_id}' is "
                     "unknown, so nothing can be replayed exactly. Fix: roll back to a snapshot the "
                     "pipeline made, or accept the rollback without a replay: icefloe rollback "
                     f"--config <pipeline.toml> {table_name(table)} <snapshot id> --no-replay"
@@ -603,6 +608,16 @@ class IcebergCommitter:
         if boundary.applied_file is not None:
             boundary = replace(boundary, applied=side.applied(table, boundary.applied_file, group))
         return boundary
+
+    def _descends(self, table: Table, head: Snapshot | None, snapshot: Snapshot | None) -> bool:
+        """Whether ``head`` descends from ``snapshot`` although the walk down the branch stops
+        at an expired snapshot above it: ``head`` still references a data file ``snapshot``
+        added, which no snapshot outside its line of descent does (a rollback below it
+        removed them all). False when that cannot be told (all its files deleted since)."""
+        if snapshot is None:
+            return False
+        added = branches.added_data_files(table, snapshot)
+        return bool(self._live_files.live_paths(table, head, added))
 
     def _for_channel(
         self, table: Table, state: RecordedCommit | None, channel_id: str | None

@@ -183,7 +183,7 @@ class CommitCycle:
 
     def _commit(self, commit_id: str, complete: bool, vtts: int | None) -> CycleResult:
         reader = self._reader
-        position = dict(reader.read_pos)
+        position = reader.commit_position()
         sources: dict[str, dict[int, int]] = {}
         for (topic, part), p in reader.source_positions().items():
             sources.setdefault(topic, {})[part] = p.offset

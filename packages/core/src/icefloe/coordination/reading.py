@@ -8,9 +8,15 @@ table, what each table holds already) and rebuilds it on recovery.
   (Kafka shows records of aborted transactions on some brokers): the first copy is kept.
 * Files already quarantined (see :mod:`icefloe.commit.quarantine`) are not taken up again when a new
   leader re-reads their events.
+* A writer batch's files become pending only with its DataComplete, which carries the source
+  positions the batch reached: a commit then never holds files of a batch whose positions it
+  does not record (a rollback replays from those). Until then the batch is *open* and the
+  position a commit records stops at its first event. A batch cut short (the writer's next
+  event is not its continuation: records of an aborted transaction a broker showed) is dropped.
 * Memory is bounded by ``max_pending_files/bytes``: once pending files reach the bound, the
   reader stops handling events (the rest of a polled chunk is held back, in order) until a
-  cycle has committed, also while recovering and while a cycle waits for answers.
+  cycle has committed, also while recovering and while a cycle waits for answers. Files count
+  once their batch closes, so the bound falls between batches, never inside one.
 * Writers not heard from within ``writer_timeout_s`` are dropped at each cycle, so their
   state does not pile up; the valid-through timestamp needs every source partition ever seen
   to be covered by a writer that answered the cycle.
@@ -47,6 +53,24 @@ class WriterState:
     epoch: int
     last_seen_ms: float
     positions: dict[tuple[str, int], SourcePosition] = field(default_factory=dict)
+
+
+@dataclass
+class OpenBatch:
+    """A writer batch whose DataWritten events were read and whose DataComplete was not yet."""
+
+    epoch: int
+    batch_seq: int
+    partition: str
+    offset: int  # of its first event: a commit's recorded position stops there
+    written: list[tuple[ChannelRecord, DataWritten]] = field(default_factory=list)
+
+    def continued_by(self, epoch: int, batch_seq: int | None, payload: object) -> bool:
+        """Whether an event of the same writer belongs to this batch (a batch is published
+        whole and contiguous per writer: DataWritten events, then its own DataComplete)."""
+        same = (epoch, batch_seq) == (self.epoch, self.batch_seq)
+        closes = isinstance(payload, DataComplete) and payload.commit_id is None
+        return same and (isinstance(payload, DataWritten) or closes)
 
 
 def now_ms() -> float:
@@ -140,6 +164,10 @@ class EventReader:
         self._bytes: dict[str, int] = {}  # pending bytes per table, kept with ``pending``
         self._pending_keys: set[tuple[str, int, str]] = set()
         self.writers: dict[str, WriterState] = {}
+        self._open: dict[str, OpenBatch] = {}  # writer id -> its batch not closed yet
+        # newest source positions of every DataComplete read (never pruned with its writer:
+        # a commit records them for the batches it holds, the writer gone or not)
+        self._sources: dict[tuple[str, int], SourcePosition] = {}
         self._boundaries: dict[str, CommitBoundary] = {}
         self.quarantined: dict[str, set[str]] = {}  # table -> quarantined paths
         # table -> (writer_id, batch_seq) of quarantined files: batches decided already
@@ -207,9 +235,12 @@ class EventReader:
     def source_positions(
         self, writers: Iterable[str] | None = None
     ) -> dict[tuple[str, int], SourcePosition]:
-        """Newest source positions, over ``writers`` (default: every known writer)."""
+        """Newest source positions, over ``writers`` (default: every DataComplete read since
+        the leadership began, including those of writers dropped as dead since)."""
+        if writers is None:
+            return dict(self._sources)
         merged: dict[tuple[str, int], SourcePosition] = {}
-        for w in self.writers if writers is None else writers:
+        for w in writers:
             state = self.writers.get(w)
             if state is not None:
                 merge_positions(merged, tuple(state.positions.values()))
@@ -299,15 +330,34 @@ class EventReader:
             writer = self.writers[ref.writer_id] = WriterState(ref.epoch, seen)
         writer.epoch = ref.epoch
         writer.last_seen_ms = max(writer.last_seen_ms, seen)
+        opened = self._open.pop(ref.writer_id, None)
+        if opened is not None and not opened.continued_by(ref.epoch, event.batch_seq, payload):
+            log.warning(
+                "dropping batch %d of writer %s epoch %d (channel %s@%d): its DataComplete "
+                "never came (the batch was not published whole, e.g. an aborted transaction)",
+                opened.batch_seq,
+                ref.writer_id,
+                opened.epoch,
+                opened.partition,
+                opened.offset,
+            )
+            opened = None
         if isinstance(payload, DataComplete):
             merge_positions(writer.positions, payload.positions)
+            merge_positions(self._sources, payload.positions)
             self._source_partitions.update((p.topic, p.partition) for p in payload.positions)
             if payload.commit_id is not None and payload.commit_id == self.cycle_id:
                 self.answered.add(ref.writer_id)
+            if opened is not None:  # the batch is whole: its files are pending now
+                for written, dw in opened.written:
+                    self._add_files(written, ref.writer_id, opened.batch_seq, dw)
         elif event.batch_seq is None:
             log.warning("ignoring DataWritten of %s without a batch sequence", ref.writer_id)
         else:
-            self._add_files(rec, ref.writer_id, event.batch_seq, payload)
+            if opened is None:
+                opened = OpenBatch(ref.epoch, event.batch_seq, rec.partition, rec.offset)
+            opened.written.append((rec, payload))
+            self._open[ref.writer_id] = opened
 
     def _add_files(self, rec: ChannelRecord, writer_id: str, seq: int, dw: DataWritten) -> None:
         key = (writer_id, seq, dw.table)
@@ -417,6 +467,16 @@ class EventReader:
         """Forget committed files; remember what the table holds now, for dedupe."""
         self.remove(table, files)
         self._boundaries[table] = self.boundary(table).advanced(position, files)
+
+    def commit_position(self) -> dict[str, int]:
+        """The read position lowered to the first event of every open batch: every
+        DataWritten before it is pending, committed or quarantined, so a commit may record it
+        (a batch that closes later must not look covered)."""
+        position = dict(self.read_pos)
+        for b in self._open.values():
+            if b.offset < position.get(b.partition, 0):
+                position[b.partition] = b.offset
+        return position
 
     def safe_position(self, position: dict[str, int]) -> dict[str, int]:
         """``position`` lowered to the oldest file still pending: everything before the result
