@@ -12,8 +12,8 @@ PROBE = """
 import json, sys
 from icefloe.plugins.manager import get_plugins
 names = sorted(get_plugins().backends())
-heavy = ("psycopg", "psycopg_pool", "redis.asyncio", "icefloe_kafka.backend", "icefloe_redis.backend",
-         "icefloe_postgres.backend", "pyspark")
+heavy = ("psycopg", "psycopg_pool", "redis.asyncio", "icefloe_kafka.backend",
+         "icefloe_redis.backend", "icefloe_postgres.backend", "pyspark")
 print(json.dumps({"backends": names, "imported": [m for m in heavy if m in sys.modules]}))
 """
 
