@@ -488,6 +488,8 @@ class World(RuleBasedStateMachine):
         self.rogue: set[int] = set()  # foreign ids a rogue writer announced for the pipeline
         self.protected: set[str] = set()  # quarantined files seen to exist: never deleted
         self.discarded: set[int] = set()  # ids an accepted rollback (--no-replay) removed
+        # per table: ids a rollback to be replayed removed, until the replay is published
+        self.awaiting: dict[str, set[int]] = {}
 
     def _config(self) -> PipelineConfig:
         """The pipeline's configuration, as the operator's commands read it."""
@@ -649,7 +651,15 @@ class World(RuleBasedStateMachine):
         batches of that range), write the table's rows and publish them as the rollback's
         replay batch, or accept the rollback when the range holds none."""
         committer = self.committer()
-        rollback = committer.rollback(name)
+        try:
+            rollback = committer.rollback(name)
+        except RollbackNotReplayableError:
+            # the history below the rollback was expired since: the driver stops with this
+            # error, whose way out is the operator's `icefloe rollback --no-replay`
+            committer.roll_back(name, None, replay=False)
+            self.discarded.update(self.awaiting.pop(name, set()))
+            EVENTS["rollback not replayable, accepted"] += 1
+            return
         if rollback is None:
             return
         ranges = rollback.ranges({(SOURCE, p): 0 for p in range(WRITERS)})
@@ -661,6 +671,7 @@ class World(RuleBasedStateMachine):
         ]
         ids = [i for b in lost for i in b.rows.get(name, ())]
         self.discarded.difference_update(ids)  # a deeper rollback replays an accepted one's too
+        self.awaiting.pop(name, None)
         if not ids:
             committer.roll_back(name, None, replay=False, only_if=rollback.writer_id)
             EVENTS["rollback accepted (no rows to replay)"] += 1
@@ -1167,8 +1178,11 @@ class CommitPath(World):
             replay = False
         EVENTS["rollback" if replay else "rollback --no-replay"] += 1
         after = {int(r[0]) for r in read_ref(self.catalog.load_table(name), branch, ["id"])}
+        removed = {i for i in before - after if i > 0}
         if not replay:
-            self.discarded.update(i for i in before - after if i > 0)
+            self.discarded.update(removed)
+        else:
+            self.awaiting.setdefault(name, set()).update(removed)
         if name == ROWS and branch == "main":
             self.foreign_live &= after
 
