@@ -16,7 +16,10 @@
      pipeline's own per-record work in one process, so a ratio against it hides that work's
      cost.
    With ``--store s3`` the warehouse is a bucket of moto's S3 server (a Python process on the
-   same machine, checking every request's signature), for both ceilings and the pipeline.
+   same machine, checking every request's signature), for both ceilings and the pipeline;
+   with ``--catalog postgres`` the catalog is pyiceberg's SQL catalog on PostgreSQL, so
+   ``--cluster N --store s3 --catalog postgres`` shares no local file between the driver and
+   the workers (each worker has its own scratch directory).
 3. End to end: the real pipeline (icefloe-kafka source -> Spark local -> icefloe sink ->
    backend -> coordinator -> Iceberg commits) into a fresh table; with ``--cluster N`` Spark
    runs on a standalone cluster of N one-core workers started from the PySpark wheel on
@@ -76,6 +79,7 @@ from pyiceberg.types import (
 from icefloe.config import PipelineConfig, SourceConfig, SparkConfig, TableConfig, config_from_dict
 from icefloe.records.converter import RecordConverter, TargetTable
 from icefloe.records.datafiles import write_data_files
+from icefloe.testing.fixtures import postgres_catalog_database
 from icefloe.testing.objectstore import running_s3_store
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
@@ -460,6 +464,14 @@ def main() -> None:
         choices=("file", "s3"),
         help="the warehouse: local disk, or a bucket of moto's S3 server (started here)",
     )
+    ap.add_argument(
+        "--catalog",
+        default="sqlite",
+        choices=("sqlite", "postgres"),
+        help="the Iceberg catalog: an SQLite file in the work directory, or pyiceberg's SQL "
+        "catalog in a new database of the machine's PostgreSQL (ICEFLOE_TEST_POSTGRES_DSN), "
+        "which with --store s3 is all a --cluster shares besides the broker",
+    )
     args = ap.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -476,6 +488,8 @@ def main() -> None:
         if args.store == "s3":  # every data and metadata file goes over HTTP to the store
             store = services.enter_context(running_s3_store())
             props.update(store.warehouse_properties(store.new_warehouse()))
+        if args.catalog == "postgres":  # dropped, connections and all, when the run ends
+            props["uri"] = services.enter_context(postgres_catalog_database())
         run(args, root, props)
 
 
@@ -595,6 +609,7 @@ def run(args: argparse.Namespace, root: Path, props: dict[str, str]) -> None:
         cmd = "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
         on = f", standalone cluster of {args.cluster} x 1 core" if args.cluster else ""
         on += ", warehouse in moto's S3" if args.store == "s3" else ""
+        on += ", catalog on PostgreSQL" if args.catalog == "postgres" else ""
         print("\nMarkdown row for docs/benchmarks.md:")
         print(
             f"| {datetime.now(UTC):%Y-%m-%d} | `{cmd.strip()}` | {args.records:,} | "

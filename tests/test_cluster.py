@@ -1,16 +1,28 @@
 """``icefloe run`` against a standalone Spark cluster started from the PySpark wheel itself: one
-master and two workers on 127.0.0.1, each worker a JVM of its own with its own Python workers.
+master and two workers on 127.0.0.1, each worker a JVM of its own with its own Python workers
+and its own scratch directory (``SPARK_LOCAL_DIRS``, ``TMPDIR``).
 
-The driver (the ``icefloe run`` subprocess) shares nothing in memory with the executors, so a
-pipeline that relied on driver-local objects, sockets or files would lose or duplicate records
-here; the table is counted with pyiceberg against the ids produced.
+The cluster shares nothing but what a real one shares: the warehouse is a bucket of moto's S3
+server (:mod:`icefloe.testing.objectstore`) and the catalog pyiceberg's SqlCatalog on the
+machine's real PostgreSQL (``postgres_catalog_properties``), never a local file. The driver
+(the ``icefloe run`` subprocess) shares nothing in memory with the executors, so a pipeline
+that relied on driver-local objects, sockets or files would lose or duplicate records here.
+Rows are counted by pyarrow reading the bucket's files (position deletes applied), against
+the ids produced.
+
+The one local path left is Spark's checkpoint, which only the driver writes: on one machine a
+local directory is reachable by "every node"; a real cluster whose driver may restart
+elsewhere needs HDFS or ``s3a://`` with Hadoop's S3 connector (``hadoop-aws``, not in the
+PySpark wheel; docs/spark-runner.md "A checkpoint on S3").
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,14 +33,16 @@ from pathlib import Path
 from typing import Any
 
 import fastavro
+import psutil
 import pytest
 import tomli_w
-from pyiceberg.catalog import load_catalog
+from pyiceberg.catalog import Catalog, load_catalog
 
-from icefloe.testing.fixtures import EVENTS_SCHEMA, EVENTS_SPEC, assert_exactly_once
+from icefloe.testing.fixtures import EVENTS_SCHEMA, EVENTS_SPEC
+from icefloe.testing.objectstore import S3Store
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark.kafka.admin import create_topic, produce
-from icefloe_spark.runtime.standalone import StandaloneCluster, standalone_cluster
+from icefloe_spark.runtime.standalone import SCRATCH, StandaloneCluster, standalone_cluster
 
 RUN_S = 300.0
 TABLE = "cluster.events"
@@ -55,20 +69,37 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standalo
         yield cluster
 
 
+@pytest.fixture
+def catalog_warehouse(s3_store: S3Store) -> str:
+    """The warehouse of this module's catalogs: a bucket of its own on the object store."""
+    return s3_store.new_warehouse()
+
+
+@pytest.fixture
+def shared_catalog(
+    postgres_catalog_properties: dict[str, str], s3_store: S3Store
+) -> dict[str, str]:
+    """What every node shares: the SqlCatalog on PostgreSQL, its warehouse in the bucket."""
+    return {**postgres_catalog_properties, **s3_store.file_io_properties()}
+
+
 def _pipeline(
-    tmp: Path, broker: EmbeddedKafkaBroker, topic: str, master: str, create_table: bool
-) -> tuple[Path, dict[str, str]]:
-    """A pipeline TOML for the cluster. The SQLite catalog and the warehouse are plain paths
-    every executor can open because they run on this machine; a real cluster needs shared
-    storage and a shared catalog instead (docs/spark-runner.md). Without ``create_table`` the
-    table is left to JSON auto-create, i.e. to a write task on an executor. With it, records
-    are Avro whose schema is a file named relative to the pipeline file, which the executors
-    (working in their worker's directory) cannot open themselves."""
-    catalog = {
-        "type": "sql",
-        "uri": f"sqlite:///{tmp / 'catalog.db'}",
-        "warehouse": f"file://{tmp / 'warehouse'}",
-    }
+    tmp: Path,
+    broker: EmbeddedKafkaBroker,
+    topic: str,
+    master: str,
+    catalog: dict[str, str],
+    create_table: bool,
+    avro: bool | None = None,
+    batch: int = 25,
+    per_task: int = 5,
+) -> Path:
+    """A pipeline TOML for the cluster, on the shared ``catalog``. Without ``create_table``
+    the table is left to JSON auto-create, i.e. to a write task on an executor. With it,
+    records are Avro (unless ``avro`` is False) whose schema is a file named relative to the
+    pipeline file, which the executors (working in their worker's directory) cannot open
+    themselves."""
+    avro = create_table if avro is None else avro
     cat = load_catalog("cl", **catalog)
     cat.create_namespace("cluster")
     if create_table:
@@ -76,7 +107,7 @@ def _pipeline(
         (tmp / "event.avsc").write_text(json.dumps(AVRO_SCHEMA))
     formats: dict[str, Any] = (
         {"format": "avro", "format_options": {"schema_file": "event.avsc"}}
-        if create_table
+        if avro
         else {"format": "json"}
     )
     config: dict[str, Any] = {
@@ -84,7 +115,7 @@ def _pipeline(
         "source": {
             "bootstrap_servers": broker.bootstrap_servers,
             "topics": [topic],
-            "max_records_per_batch": 25,  # several batches, so several cycles
+            "max_records_per_batch": batch,  # several batches, so several cycles
             **formats,
             "reader_options": {"probeHighWatermark": "true", "pollTimeoutMs": "20000"},
         },
@@ -103,12 +134,13 @@ def _pipeline(
         "spark": {
             "master": master,
             "app_name": "icefloe-cluster-test",
+            # only the driver writes it; see the module doc for a real cluster's
             "checkpoint_location": str(tmp / "checkpoint"),
             "trigger_interval_s": 0.5,
             # several tasks per batch, so both executors take some: at the default a batch's
             # short ranges are packed into one task, placed on either executor at random
             # (all of a run's four or five on one executor failed the check below in CI)
-            "max_records_per_task": 5,
+            "max_records_per_task": per_task,
             "conf": {
                 "spark.ui.enabled": "false",
                 "spark.driver.host": "127.0.0.1",
@@ -124,7 +156,7 @@ def _pipeline(
     }
     path = tmp / "pipeline.toml"
     path.write_text(tomli_w.dumps(config))
-    return path, catalog
+    return path
 
 
 def _tasks_per_worker(work_dirs: tuple[Path, ...], before: set[Path]) -> dict[Path, int]:
@@ -138,6 +170,14 @@ def _tasks_per_worker(work_dirs: tuple[Path, ...], before: set[Path]) -> dict[Pa
         )
         for w in work_dirs
     }
+
+
+def _rows(catalog: Catalog) -> int:
+    """Rows pyiceberg reads from TABLE (0 before it exists or has a snapshot): to wait on."""
+    if not catalog.table_exists(TABLE):
+        return 0
+    table = catalog.load_table(TABLE)
+    return 0 if table.current_snapshot() is None else table.scan().to_arrow().num_rows
 
 
 def _apps(work_dirs: tuple[Path, ...]) -> set[Path]:
@@ -164,6 +204,8 @@ def test_run_on_a_standalone_cluster_commits_every_record_once(
     tmp_path: Path,
     kafka_broker: EmbeddedKafkaBroker,
     spark_cluster: StandaloneCluster,
+    s3_store: S3Store,
+    shared_catalog: dict[str, str],
     coordinator: str,
 ) -> None:
     """Four partitions, records produced before and while the query runs on two executors in
@@ -198,8 +240,13 @@ def test_run_on_a_standalone_cluster_commits_every_record_once(
 
     half = RECORDS // 2
     send(range(half))
-    config, catalog_props = _pipeline(
-        tmp_path, kafka_broker, topic, spark_cluster.master_url, create_table=not standalone
+    config = _pipeline(
+        tmp_path,
+        kafka_broker,
+        topic,
+        spark_cluster.master_url,
+        shared_catalog,
+        create_table=not standalone,
     )
     apps_before = _apps(spark_cluster.worker_dirs)
     procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
@@ -213,25 +260,19 @@ def test_run_on_a_standalone_cluster_commits_every_record_once(
         run_args.append("--no-coordinator")
     out = tmp_path / "run.log"
     procs["run"] = (_icefloe(run_args, out, tmp_path), out)
-    catalog = load_catalog("cl", **catalog_props)
+    catalog = load_catalog("cl", **shared_catalog)
 
     def logs() -> str:
         return "\n".join(f"--- {name}\n{log.read_text()}" for name, (_, log) in procs.items())
 
-    def rows() -> int:
-        if not catalog.table_exists(TABLE):
-            return 0
-        table = catalog.load_table(TABLE)
-        return 0 if table.current_snapshot() is None else table.scan().to_arrow().num_rows
-
     def wait_rows(n: int) -> None:
         deadline = time.monotonic() + RUN_S
-        while rows() < n:
+        while _rows(catalog) < n:
             exited = {name: p.returncode for name, (p, _) in procs.items() if p.poll() is not None}
             if exited:
                 pytest.fail(f"exited early {exited}:\n{logs()}")
             if time.monotonic() > deadline:
-                pytest.fail(f"{rows()} of {n} rows after {RUN_S:.0f}s:\n{logs()}")
+                pytest.fail(f"{_rows(catalog)} of {n} rows after {RUN_S:.0f}s:\n{logs()}")
             time.sleep(1.0)
 
     try:
@@ -249,7 +290,124 @@ def test_run_on_a_standalone_cluster_commits_every_record_once(
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(60)
-    assert_exactly_once(catalog, TABLE, list(range(RECORDS)))
+    assert s3_store.read_ids(catalog.load_table(TABLE)) == list(range(RECORDS))
     # the tasks really ran on the cluster: each worker's executor ran some of them
     ran = _tasks_per_worker(spark_cluster.worker_dirs, apps_before)
     assert all(ran.values()), f"a worker ran no task for this run: {ran}"
+
+
+KILL_RECORDS = 2000
+_RUNNING = re.compile(r"Running task (\S+) in stage (\S+) \(TID (\d+)\)")
+_FINISHED = re.compile(r"Finished task \S+ in stage \S+ \(TID (\d+)\)")
+
+
+def _executors(cluster: StandaloneCluster, app: str) -> list[psutil.Process]:
+    """The executor JVMs of application ``app``: children of the workers' JVMs."""
+    found = []
+    for pid in cluster.pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in psutil.Process(pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    cmd = " ".join(child.cmdline())
+                    if "CoarseGrainedExecutorBackend" in cmd and app in cmd:
+                        found.append(child)
+    return found
+
+
+def _running(stderr: Path) -> set[tuple[str, str]]:
+    """(task index, stage) of the tasks an executor logged as started and not (yet) as
+    finished, from ``Running task 3.0 in stage 7.0 (TID 31)`` (task 3, attempt 0)."""
+    text = stderr.read_text(errors="replace")
+    done = set(_FINISHED.findall(text))
+    found = _RUNNING.findall(text)
+    return {(task.split(".")[0], stage) for task, stage, tid in found if tid not in done}
+
+
+def _retried(app_dirs: set[Path], tasks: set[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Those of ``tasks`` some executor of the application ran again (a later attempt)."""
+    again = {
+        (task.split(".")[0], stage)
+        for app in app_dirs
+        for stderr in app.glob("*/stderr")
+        for task, stage, _ in _RUNNING.findall(stderr.read_text(errors="replace"))
+        if not task.endswith(".0")
+    }
+    return tasks & again
+
+
+def _kill_an_executor_mid_task(
+    cluster: StandaloneCluster, apps_before: set[Path], deadline: float
+) -> tuple[str, set[tuple[str, str]]]:
+    """SIGKILL the process tree (JVM, Python daemon and workers) of the first executor of the
+    new application caught running a task; returns its log directory and those tasks."""
+    while time.monotonic() < deadline:
+        for app_dir in _apps(cluster.worker_dirs) - apps_before:
+            for stderr in app_dir.glob("*/stderr"):
+                tids = _running(stderr)
+                if not tids:
+                    continue
+                executor_id, app = stderr.parent.name, app_dir.name
+                for proc in _executors(cluster, app):
+                    if f"--executor-id {executor_id} " in " ".join(proc.cmdline()) + " ":
+                        tree = [proc, *proc.children(recursive=True)]
+                        for p in tree:
+                            with contextlib.suppress(psutil.NoSuchProcess):
+                                p.kill()
+                        psutil.wait_procs(tree, timeout=30)
+                        return str(stderr.parent), tids
+        time.sleep(0.01)
+    pytest.fail("no executor of the run was caught running a task")
+
+
+def test_a_cluster_sharing_only_the_store_survives_an_executor_killed_mid_batch(
+    tmp_path: Path,
+    kafka_broker: EmbeddedKafkaBroker,
+    spark_cluster: StandaloneCluster,
+    s3_store: S3Store,
+    shared_catalog: dict[str, str],
+) -> None:
+    """kill -9 of one executor's process tree while it runs a task: the tasks it had are
+    retried elsewhere (or by the executor the worker starts instead) and every record ends in
+    the bucket exactly once; the workers' scratch stayed in their own directories."""
+    topic = f"t-{uuid.uuid4().hex[:10]}"
+    create_topic(kafka_broker.bootstrap_servers, topic, 4)
+    produce(
+        kafka_broker.bootstrap_servers,
+        topic,
+        (
+            (str(i).encode(), json.dumps({"id": i, "name": f"n{i}", "kind": "abc"[i % 3]}).encode())
+            for i in range(KILL_RECORDS)
+        ),
+    )
+    # JSON into a pre-created table; 8 tasks a batch, so each executor has some to lose
+    where = (kafka_broker, topic, spark_cluster.master_url, shared_catalog)
+    batch, per_task = KILL_RECORDS // 5, KILL_RECORDS // 40
+    config = _pipeline(tmp_path, *where, True, False, batch, per_task)
+    apps_before = _apps(spark_cluster.worker_dirs)
+    out = tmp_path / "run.log"
+    started = time.monotonic()
+    run = _icefloe(["run", "--config", str(config), "--quiet"], out, tmp_path)
+    catalog = load_catalog("cl", **shared_catalog)
+    try:
+        killed, tids = _kill_an_executor_mid_task(
+            spark_cluster, apps_before, time.monotonic() + RUN_S
+        )
+        deadline = time.monotonic() + RUN_S
+        while _rows(catalog) < KILL_RECORDS:
+            assert run.poll() is None, f"exited {run.returncode}:\n{out.read_text()}"
+            assert time.monotonic() < deadline, f"not every row after {RUN_S}s\n{out.read_text()}"
+            time.sleep(1.0)
+        os.killpg(run.pid, signal.SIGTERM)
+        assert run.wait(RUN_S) == 0, out.read_text()
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(60)
+    print(f"killed {killed} running tasks {tids}; took {time.monotonic() - started:.0f}s")
+    # the kill hit a task: Spark ran it again, and its first attempt's files stayed out
+    assert _retried(_apps(spark_cluster.worker_dirs) - apps_before, tids) == tids, killed
+    ids = s3_store.read_ids(catalog.load_table(TABLE))
+    assert ids == list(range(KILL_RECORDS)), f"killed {killed} running tasks {tids}"
+    # each worker's executors kept their scratch (block manager, Python) in its own directory
+    for work in spark_cluster.worker_dirs:
+        assert any((work / SCRATCH).iterdir()), f"{work / SCRATCH} unused"

@@ -1,4 +1,5 @@
-"""The Spark runner's part of `icefloe doctor`: the Kafka source and its topics, and Java.
+"""The Spark runner's part of `icefloe doctor`: the Kafka source and its topics, Java, and on a
+cluster the paths only this machine can open.
 
 Kafka is asked once with a short timeout and a silent client logger: librdkafka otherwise
 logs every failed connection attempt (hundreds of ``FAIL`` lines when the broker is down).
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
@@ -85,3 +87,56 @@ def java_check() -> Check:
     if done.returncode != 0:
         return Check("java", "fail", f"{java} -version failed: {lines[:1]}")
     return Check("java", "ok", lines[0] if lines else java)
+
+
+def _node_local(location: str) -> bool:
+    """A path or ``file:`` URL: storage of the machine that names it, not of the cluster."""
+    scheme = urlsplit(location).scheme.lower()
+    return scheme in ("", "file") or len(scheme) == 1  # a one-letter scheme: a Windows drive
+
+
+def cluster_checks(config: PipelineConfig) -> list[Check]:
+    """With ``spark.master`` a cluster, warn of each local path the executors or a moved
+    driver would open on their own machine: an SQLite catalog or a local warehouse opens
+    another (or no) file on every node. Warnings, not failures: on a one-machine standalone
+    cluster they are shared (docs/spark-runner.md, running on a cluster)."""
+    if config.spark.master.startswith("local"):
+        return []
+    props = config.catalog.properties
+    out = []
+    uri = props.get("uri", "")
+    if uri.startswith("sqlite:"):
+        out.append(
+            Check(
+                "cluster catalog",
+                "warn",
+                f"catalog uri {uri} is an SQLite file on this machine, which executors on "
+                "other nodes cannot open; use a catalog every node reaches (a PostgreSQL "
+                "SqlCatalog, REST)",
+            )
+        )
+    warehouse = props.get("warehouse", "")
+    # a REST catalog's warehouse is a name the server knows, not a path: only paths count
+    if warehouse.startswith(("/", "file:")):
+        out.append(
+            Check(
+                "cluster warehouse",
+                "warn",
+                f"warehouse {warehouse} is on this machine's disk, where executors on other "
+                "nodes cannot write; put it on S3 (or another object store) or HDFS",
+            )
+        )
+    checkpoint = config.spark.checkpoint_location or "(default, under the working directory)"
+    if config.spark.checkpoint_location is None or _node_local(checkpoint):
+        out.append(
+            Check(
+                "cluster checkpoint",
+                "warn",
+                f"spark.checkpoint_location {checkpoint} "
+                "is local: only the driver writes it, so a driver restarted on another machine "
+                "starts afresh; use HDFS or s3a:// (with hadoop-aws) to let it move",
+            )
+        )
+    if not out:
+        out.append(Check("cluster storage", "ok", "catalog, warehouse and checkpoint are shared"))
+    return out

@@ -38,7 +38,8 @@ def icefloe_source_lag(config: PipelineConfig) -> dict[str, int | None]:
 
 @hookimpl
 def icefloe_doctor(config: PipelineConfig) -> list[Check]:
-    """`icefloe doctor`: the Kafka source and its topics, and Java for Spark."""
-    from icefloe_spark.checks import java_check, source_checks
+    """`icefloe doctor`: the Kafka source and its topics, Java for Spark, and on a cluster the
+    paths only this machine can open."""
+    from icefloe_spark.checks import cluster_checks, java_check, source_checks
 
-    return [*source_checks(config), java_check()]
+    return [*source_checks(config), java_check(), *cluster_checks(config)]

@@ -29,6 +29,8 @@ from icefloe_spark.runtime import sparkhome
 #: enough for three JVMs to start on a loaded 2-core machine
 DEFAULT_START_TIMEOUT_S = 180.0
 _LOG_TAIL_CHARS = 4000
+#: each worker's scratch directory, inside its work dir
+SCRATCH = "scratch"
 
 
 class ClusterStartError(RuntimeError):
@@ -39,8 +41,10 @@ class ClusterStartError(RuntimeError):
 @dataclass(frozen=True)
 class StandaloneCluster:
     """A running cluster. ``worker_dirs[i]`` is worker i's ``--work-dir``: each executor
-    logs to ``<work-dir>/<app-id>/<executor-id>/stderr`` there. ``pids`` are the master's
-    and workers' JVMs (executors and their Python workers are the workers' children)."""
+    logs to ``<work-dir>/<app-id>/<executor-id>/stderr`` there, and keeps its scratch
+    (``SPARK_LOCAL_DIRS``, ``TMPDIR``) in ``<work-dir>/scratch``, so no two workers share a
+    local directory, as on machines of their own. ``pids`` are the master's and workers'
+    JVMs (executors and their Python workers are the workers' children)."""
 
     master_url: str
     ui_url: str
@@ -109,16 +113,20 @@ def standalone_cluster(
     procs: list[subprocess.Popen[bytes]] = []
     outs: list[Path] = []
 
-    def launch(name: str, *args: str) -> None:
+    def launch(name: str, *args: str, scratch: Path | None = None) -> None:
         out = workdir / f"{name}.out"
         outs.append(out)
+        own = env
+        if scratch is not None:  # a worker's executors inherit it, and so do their Pythons
+            scratch.mkdir(exist_ok=True)
+            own = {**env, "SPARK_LOCAL_DIRS": str(scratch), "TMPDIR": str(scratch)}
         with out.open("wb") as f:  # the child keeps its own copy of the descriptor
             procs.append(
                 subprocess.Popen(
                     [spark_class, *args],
                     stdout=f,
                     stderr=subprocess.STDOUT,
-                    env=env,
+                    env=own,
                     cwd=workdir,
                     start_new_session=True,  # a group of its own, killed as a whole
                 )
@@ -139,6 +147,7 @@ def standalone_cluster(
                 master_url,
                 *("--host", "127.0.0.1", "--cores", str(cores), "--memory", memory),
                 *("--webui-port", str(_free_port()), "--work-dir", str(work)),
+                scratch=work / SCRATCH,
             )
         _wait_alive(procs, outs, ui_url, workers, start_timeout_s)
         yield StandaloneCluster(master_url, ui_url, worker_dirs, tuple(p.pid for p in procs))
