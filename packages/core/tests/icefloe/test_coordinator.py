@@ -49,9 +49,11 @@ from icefloe.ops.status import PipelineStatus, TableStatus, render_lines, table_
 from icefloe.plugins.manager import DISABLE_AUTOLOAD_ENV, Plugins, new_plugins
 from icefloe.testing.fixtures import (
     assert_exactly_once,
+    catalog_warehouse,
     create_rows_table,
     group_snapshots,
     make_sqlite_catalog,
+    postgres_catalog_properties,
     sqlite_catalog_properties,
     table_ids,
     write_rows,
@@ -72,6 +74,8 @@ from icefloe.testing.memory import (
     serve_memory_server,
 )
 from icefloe.testing.readers import independent_rows
+
+__all__ = ["catalog_warehouse", "postgres_catalog_properties"]  # fixtures used here
 
 TABLES = ("db.orders", "db.events")
 TTL = 1.0
@@ -1215,6 +1219,28 @@ def test_commit_parallelism_is_validated_and_named() -> None:
 def test_parallel_cycle_commits_each_table_once_on_several_threads(
     make: _Factory, group_id: str
 ) -> None:
+    parallel_cycles_commit_each_table_once(make, group_id)
+
+
+def test_parallel_cycle_on_the_sql_catalog_on_postgresql(
+    backend: MemoryBackend,
+    postgres_catalog_properties: dict[str, str],
+    group_id: str,
+    plugins: Plugins,
+) -> None:
+    """The threads share one SqlCatalog (one SQLAlchemy engine and pool) on the real
+    PostgreSQL, whose commits of different tables may run at the same time."""
+    catalog = SqlCatalog("parallel", **postgres_catalog_properties)
+    factory = _Factory(backend, catalog, group_id, plugins)
+    try:
+        parallel_cycles_commit_each_table_once(factory, group_id)
+    finally:
+        factory.close()
+        catalog.engine.dispose()
+
+
+def parallel_cycles_commit_each_table_once(make: _Factory, group_id: str) -> None:
+    """Two cycles of 8 tables on 4 threads: each table's rows once, one snapshot per cycle."""
     source = RowSource.create(make.catalog, PAR_TABLES)
     threads: set[str] = set()
 
