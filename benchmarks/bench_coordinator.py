@@ -4,6 +4,9 @@
     # or: python benchmarks/bench_coordinator.py --backend kafka --writers 256 --files 100
     # many tables (dynamic tables): 2 files per table per cycle over 100 tables
     python benchmarks/bench_coordinator.py --writers 16 --tables 100 --files 200 --cycles 10
+    # the same tables committed by 4 threads (coordination.commit_parallelism)
+    python benchmarks/bench_coordinator.py --writers 16 --tables 100 --files 200 --cycles 5 \
+        --commit-parallelism 4
 
 A simulation of a pipeline without Spark, on the real code paths:
 
@@ -224,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         help="after every cycle, expire all but the N newest snapshots as `icefloe maintain "
         "--retain-last N` next to the pipeline would (untimed; 0: never)",
     )
+    parser.add_argument(
+        "--commit-parallelism",
+        type=int,
+        default=1,
+        help="threads committing a cycle's tables (coordination.commit_parallelism)",
+    )
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="bench-coordinator-"))
@@ -257,9 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     commit_times: list[float] = []
     commit_cpu: list[float] = []  # this process's CPU seconds: robust on a shared machine
 
+    first_table = threading.Lock()  # with --commit-parallelism, tables start on threads
+
     def before(_: str) -> None:
-        if not commit_started:  # the cycle's first table
-            commit_started.append((time.perf_counter(), time.process_time()))
+        with first_table:
+            if not commit_started:  # the cycle's first table
+                commit_started.append((time.perf_counter(), time.process_time()))
 
     def after(_: CycleResult) -> None:
         if commit_started:
@@ -272,7 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         group,
         backend.coordinator("bench-coordinator"),
         catalog,
-        CoordinatorSettings(commit_interval_s=3600, commit_timeout_s=60, writer_timeout_s=3600),
+        CoordinatorSettings(
+            commit_interval_s=3600,
+            commit_timeout_s=60,
+            writer_timeout_s=3600,
+            commit_parallelism=args.commit_parallelism,
+        ),
         hooks=CoordinatorHooks(before_table_commit=before, after_iceberg_commits=after),
     )
     profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU, not waits
@@ -405,7 +422,7 @@ def report(
     print()
     print(
         f"backend={args.backend} writers={args.writers} files/cycle={args.files} "
-        f"tables={args.tables} "
+        f"tables={args.tables} commit_parallelism={args.commit_parallelism} "
         f"cycles={args.cycles} processes={args.processes} plain_table={args.plain_table} "
         f"retain_last={args.retain_last} "
         f"cpus={os.cpu_count()} python={platform.python_version()} load(1m)={load:.1f}"

@@ -326,6 +326,8 @@ class CoordinationConfig(BaseModel):
     stall_after_s: float = Field(default=120.0, gt=0)
     # the longest compaction round between two cycles (every table's partitions together)
     compaction_budget_s: float = Field(default=30.0, gt=0)
+    # threads committing a cycle's tables at once (the coordinator still decides the cycle)
+    commit_parallelism: int = Field(default=1, ge=1)
 
     def backend_options(self) -> dict[str, Any]:
         """The raw section of the selected backend (empty when absent)."""

@@ -253,3 +253,38 @@ def test_a_refused_append_leaves_no_orphan_manifests(catalog: SqlCatalog) -> Non
     on_disk = {f"file://{p}" for p in metadata_dir.glob("*.avro")}
     assert on_disk == referenced, sorted(on_disk - referenced)
     assert_exactly_once(catalog, NAME, [1, 100])
+
+
+def test_committer_caches_survive_threads_evicting_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Commit threads (coordination.commit_parallelism) share the committer's caches. An
+    unguarded "evict the oldest, then insert" let two threads evict the same key: KeyError
+    in a commit. Tiny caches and a tiny switch interval make the race frequent."""
+    import sys
+    import threading
+
+    from icefloe.commit import livefiles
+
+    monkeypatch.setattr(livefiles, "_LIST_CACHE_SIZE", 2)
+    cache = livefiles.LiveFiles()
+    errors: list[BaseException] = []
+
+    def hammer(worker: int) -> None:
+        try:
+            for i in range(20_000):
+                cache.remember_list(f"{worker}-{i}", ())
+        except BaseException as exc:
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=hammer, args=(w,)) for w in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []

@@ -11,9 +11,7 @@ position deletes applied by hand).
 
 from __future__ import annotations
 
-import multiprocessing
 import random
-import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -44,8 +42,8 @@ from icefloe.testing.harness import (
     RowSource,
     SimulatedCrash,
     crash,
+    kill_doomed_coordinator,
     lead,
-    run_doomed_coordinator,
     wait_pending,
 )
 from icefloe.testing.memory import MemoryBackend, MemoryServer, serve_memory_server
@@ -292,12 +290,7 @@ def test_a_coordinator_process_killed_during_a_compaction_loses_nothing(tmp_path
                 policies=pipeline.settings.policies,
                 die_in_compaction=True,
             )
-            child = multiprocessing.get_context("spawn").Process(
-                target=run_doomed_coordinator, args=(spec,)
-            )
-            child.start()
-            child.join(120)
-            assert child.exitcode == -signal.SIGKILL, f"child exit code {child.exitcode}"
+            kill_doomed_coordinator(spec)
             assert len(pipeline.compactions()) == compacted  # the round never landed
             pipeline.check()  # the cycle before it did
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +50,11 @@ from icefloe.ops.status import PipelineStatus, TableStatus, render_lines, table_
 from icefloe.plugins.manager import DISABLE_AUTOLOAD_ENV, Plugins, new_plugins
 from icefloe.testing.fixtures import (
     assert_exactly_once,
+    catalog_warehouse,
     create_rows_table,
     group_snapshots,
     make_sqlite_catalog,
+    postgres_catalog_properties,
     sqlite_catalog_properties,
     table_ids,
     write_rows,
@@ -62,8 +63,8 @@ from icefloe.testing.harness import (
     DoomedCoordinator,
     RowSource,
     drive,
+    kill_doomed_coordinator,
     lead,
-    run_doomed_coordinator,
     wait_pending,
 )
 from icefloe.testing.memory import (
@@ -73,6 +74,9 @@ from icefloe.testing.memory import (
     memory_backend_options,
     serve_memory_server,
 )
+from icefloe.testing.readers import independent_rows
+
+__all__ = ["catalog_warehouse", "postgres_catalog_properties"]  # fixtures used here
 
 TABLES = ("db.orders", "db.events")
 TTL = 1.0
@@ -259,19 +263,24 @@ def test_commit_timeout_gives_partial_commit_and_late_files_go_to_the_next(
         assert_exactly_once(make.catalog, t, source.expected[t])
 
 
-def test_partial_table_failure_is_finished_later_without_duplicating_the_others(
-    make: _Factory, source: RowSource, group_id: str
-) -> None:
-    failing, healthy = TABLES[0], TABLES[1]
+def fail_once(failing: str) -> Callable[[str], None]:
+    """A before_table_commit hook failing the first commit of table ``failing``."""
     failures: list[str] = []
 
-    def fail_once(table: str) -> None:
+    def hook(table: str) -> None:
         if table == failing and not failures:
             failures.append(table)
             raise CommitError("injected: catalog unavailable")
 
+    return hook
+
+
+def test_partial_table_failure_is_finished_later_without_duplicating_the_others(
+    make: _Factory, source: RowSource, group_id: str
+) -> None:
+    failing, healthy = TABLES[0], TABLES[1]
     w = make.writer("w")
-    coord = make.coordinator(hooks=CoordinatorHooks(before_table_commit=fail_once))
+    coord = make.coordinator(hooks=CoordinatorHooks(before_table_commit=fail_once(failing)))
     lead(coord)
     b0 = source.publish(w, 0)
     wait_pending(coord, b0.file_count)
@@ -299,6 +308,15 @@ def test_partial_table_failure_is_finished_later_without_duplicating_the_others(
     assert make.backend.server.stored_position(group_id) == heir.read_position
 
 
+def successor_commits(make: _Factory, zombie: Coordinator) -> Coordinator:
+    """A new leader takes over from the paused ``zombie`` and commits what it holds."""
+    heir = make.coordinator("heir")
+    lead(heir)  # waits for the paused zombie's lease to expire
+    wait_pending(heir, sum(zombie.pending_files().values()))
+    assert not heir.commit_now().failed
+    return heir
+
+
 def test_zombie_that_passed_its_lease_check_is_refused_by_the_table(
     make: _Factory, source: RowSource, group_id: str
 ) -> None:
@@ -309,13 +327,8 @@ def test_zombie_that_passed_its_lease_check_is_refused_by_the_table(
     heirs: list[Coordinator] = []
 
     def pause_and_let_a_successor_commit(_: str) -> None:
-        if heirs:
-            return
-        heir = make.coordinator("heir")
-        heirs.append(heir)
-        lead(heir)  # waits for the paused zombie's lease to expire
-        wait_pending(heir, sum(zombie.pending_files().values()))
-        assert not heir.commit_now().failed
+        if not heirs:
+            heirs.append(successor_commits(make, zombie))
 
     zombie = make.coordinator(
         "zombie", hooks=CoordinatorHooks(after_lease_check=pause_and_let_a_successor_commit)
@@ -334,15 +347,32 @@ def test_zombie_that_passed_its_lease_check_is_refused_by_the_table(
         assert_exactly_once(make.catalog, t, source.expected[t])
 
 
+def heir_of(backend: MemoryBackend, catalog: SqlCatalog, **settings: Any) -> Coordinator:
+    """The coordinator that takes over from a killed one (closed by the caller)."""
+    return Coordinator(
+        backend.group_id,
+        backend.coordinator("heir"),
+        catalog,
+        CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0, **settings),
+        plugins=new_plugins(autoload=False),
+    )
+
+
+def pipeline_on_disk(
+    tmp_path: Path, tables: tuple[str, ...]
+) -> tuple[str, dict[str, str], SqlCatalog, RowSource]:
+    """A group id, and a SQLite catalog (its properties, for a child process) with ``tables``."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    return f"pipe-{uuid.uuid4().hex[:8]}", props, catalog, RowSource.create(catalog, tables)
+
+
 def test_coordinator_process_killed_after_iceberg_commit_loses_and_duplicates_nothing(
     tmp_path: Path,
 ) -> None:
     """A real SIGKILL of a coordinator process between the Iceberg commits and the position
     store; the channel state lives in a separate server process and survives."""
-    group_id = f"pipe-{uuid.uuid4().hex[:8]}"
-    props = sqlite_catalog_properties(tmp_path / "iceberg")
-    catalog = make_sqlite_catalog(tmp_path / "iceberg")
-    source = RowSource.create(catalog, TABLES)
+    group_id, props, catalog, source = pipeline_on_disk(tmp_path, TABLES)
     with serve_memory_server() as (server, address):
         backend = MemoryBackend(server, group_id, TTL)
         writers = [WriterClient(backend.writer(f"w{i}"), group_id, f"w{i}") for i in range(2)]
@@ -351,25 +381,14 @@ def test_coordinator_process_killed_after_iceberg_commit_loses_and_duplicates_no
         try:
             files = sum(source.publish(w, seq).file_count for seq in range(2) for w in writers)
             spec = DoomedCoordinator(address, catalog.name, props, group_id, TTL, files)
-            child = multiprocessing.get_context("spawn").Process(
-                target=run_doomed_coordinator, args=(spec,)
-            )
-            child.start()
-            child.join(120)
-            assert child.exitcode == -signal.SIGKILL, f"child exit code {child.exitcode}"
+            kill_doomed_coordinator(spec)
             # Iceberg has the rows; the channel never heard of it
             for t in TABLES:
                 assert len(group_snapshots(catalog, t, group_id)) == 1
                 assert_exactly_once(catalog, t, source.expected[t])
             assert server.stored_position(group_id) is None
 
-            heir = Coordinator(
-                group_id,
-                backend.coordinator("heir"),
-                catalog,
-                CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0),
-                plugins=new_plugins(autoload=False),
-            )
+            heir = heir_of(backend, catalog)
             try:
                 lead(heir)
                 result = heir.commit_now()
@@ -1229,3 +1248,190 @@ def test_largest_tables_commit_first_and_a_table_that_failed_commits_last(
     assert second.failed == {}
     for t in sizes:
         assert_exactly_once(make.catalog, t, ids[t] + ids2[t])
+
+
+# ---------------------------------------------------------------- parallel commits
+
+PAR_TABLES = tuple(f"par.t{i}" for i in range(8))
+
+
+def assert_rows_once(catalog: SqlCatalog, source: RowSource) -> None:
+    """Every table's live files (read by pyarrow, not pyiceberg's scan) hold each row the
+    source published to it exactly once."""
+    for t in source.tables:
+        got = sorted(r[0] for r in independent_rows(catalog.load_table(t), ["id"]))
+        assert got == sorted(source.expected[t]), t
+
+
+def test_commit_parallelism_is_validated_and_named() -> None:
+    with pytest.raises(ValueError, match="commit_parallelism"):
+        CoordinationConfig(commit_parallelism=0)
+    with pytest.raises(ValueError, match=r"coordination\.commit_parallelism"):
+        CoordinatorSettings(commit_parallelism=0)
+    assert CoordinatorSettings.from_config(CoordinationConfig()).commit_parallelism == 1
+    s = CoordinatorSettings.from_config(CoordinationConfig(commit_parallelism=4))
+    assert s.commit_parallelism == 4
+
+
+def test_parallel_cycle_commits_each_table_once_on_several_threads(
+    make: _Factory, group_id: str
+) -> None:
+    parallel_cycles_commit_each_table_once(make, group_id)
+
+
+def test_parallel_cycle_on_the_sql_catalog_on_postgresql(
+    backend: MemoryBackend,
+    postgres_catalog_properties: dict[str, str],
+    group_id: str,
+    plugins: Plugins,
+) -> None:
+    """The threads share one SqlCatalog (one SQLAlchemy engine and pool) on the real
+    PostgreSQL, whose commits of different tables may run at the same time."""
+    catalog = SqlCatalog("parallel", **postgres_catalog_properties)
+    factory = _Factory(backend, catalog, group_id, plugins)
+    try:
+        parallel_cycles_commit_each_table_once(factory, group_id)
+    finally:
+        factory.close()
+        catalog.engine.dispose()
+
+
+def parallel_cycles_commit_each_table_once(make: _Factory, group_id: str) -> None:
+    """Two cycles of 8 tables on 4 threads: each table's rows once, one snapshot per cycle."""
+    source = RowSource.create(make.catalog, PAR_TABLES)
+    threads: set[str] = set()
+
+    def record(_: str) -> None:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.02)  # overlap the workers even on a loaded machine
+
+    a, b = make.writer("a"), make.writer("b")
+    coord = make.coordinator(
+        hooks=CoordinatorHooks(before_table_commit=record), commit_parallelism=4
+    )
+    lead(coord)
+    files = sum(source.publish(w, seq).file_count for w in (a, b) for seq in (0, 1))
+    wait_pending(coord, files)
+    result = coord.commit_now()
+    assert result.complete
+    assert not result.failed
+    assert not result.deferred
+    assert sorted(r.table for r in result.tables) == sorted(PAR_TABLES)
+    assert len(threads) > 1, threads
+    assert all(name.startswith("icefloe-commit") for name in threads), threads
+    assert_rows_once(make.catalog, source)
+    for t in PAR_TABLES:
+        (snap,) = group_snapshots(make.catalog, t, group_id)
+        assert snap.summary is not None
+        assert snap.summary[VALID_THROUGH_KEY] == str(result.valid_through_ms)
+    assert make.backend.server.stored_position(group_id) == coord.read_position
+    # a second cycle over new files: again once per table
+    wait_pending(coord, source.publish(a, 2).file_count)
+    assert not coord.commit_now().failed
+    assert_rows_once(make.catalog, source)
+    for t in PAR_TABLES:
+        assert len(group_snapshots(make.catalog, t, group_id)) == 2
+
+
+def test_a_table_failing_in_one_worker_does_not_stop_the_others(
+    make: _Factory, group_id: str
+) -> None:
+    source = RowSource.create(make.catalog, PAR_TABLES)
+    failing = PAR_TABLES[3]
+    w = make.writer("w")
+    coord = make.coordinator(
+        hooks=CoordinatorHooks(before_table_commit=fail_once(failing)),
+        commit_parallelism=4,
+        table_retry_base_s=0.05,
+    )
+    lead(coord)
+    wait_pending(coord, source.publish(w, 0).file_count)
+    first = coord.commit_now()
+    assert set(first.failed) == {failing}
+    assert sorted(r.table for r in first.tables) == sorted(set(PAR_TABLES) - {failing})
+    stored = make.backend.server.stored_position(group_id)
+    assert stored is None or stored["0"] < coord.read_position["0"], "stored past a failure"
+    assert group_snapshots(make.catalog, failing, group_id) == []
+    assert list(coord.pending_files()) == [failing]
+    time.sleep(0.1)  # its backoff
+    second = coord.commit_now()
+    assert not second.failed
+    assert [r.table for r in second.tables] == [failing]
+    assert_rows_once(make.catalog, source)
+    for t in PAR_TABLES:
+        assert len(group_snapshots(make.catalog, t, group_id)) == 1
+    assert make.backend.server.stored_position(group_id) == coord.read_position
+
+
+def test_deposed_leaders_parallel_commits_are_refused_per_table(
+    make: _Factory, group_id: str
+) -> None:
+    """Every worker of the zombie passed its lease check, then waits while a new leader takes
+    over and commits; resumed, each one's commit is refused by its table's fencing token."""
+    source = RowSource.create(make.catalog, PAR_TABLES[:4])
+    w = make.writer("w")
+    heirs: list[Coordinator] = []
+    first = threading.Lock()
+    heir_done = threading.Event()
+    checked: list[str] = []
+
+    def pause_and_let_a_successor_commit(_: str) -> None:
+        checked.append(threading.current_thread().name)
+        if not first.acquire(blocking=False):
+            assert heir_done.wait(60)
+            return
+        heirs.append(successor_commits(make, zombie))
+        heir_done.set()
+
+    zombie = make.coordinator(
+        "zombie",
+        hooks=CoordinatorHooks(after_lease_check=pause_and_let_a_successor_commit),
+        commit_parallelism=4,
+    )
+    lead(zombie)
+    wait_pending(zombie, source.publish(w, 0).file_count)
+    with pytest.raises(NotLeaderError):
+        zombie.commit_now()
+    assert not zombie.is_leader
+    assert len(checked) >= 2, "the zombie's tables were not in flight together"
+    (heir,) = heirs
+    assert heir.lease is not None
+    assert_rows_once(make.catalog, source)
+    for t in source.tables:
+        (snap,) = group_snapshots(make.catalog, t, group_id)
+        assert snap.summary is not None
+        assert snap.summary[FENCING_TOKEN_KEY] == str(heir.lease.token)
+
+
+def test_coordinator_killed_mid_parallel_cycle_then_recovery_commits_each_table_once(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL while 4 threads commit 8 tables (at the 6th table's start: at least two tables
+    committed, two never started); the heir finishes the cycle, each table's rows once."""
+    group_id, props, catalog, source = pipeline_on_disk(tmp_path, PAR_TABLES)
+    with serve_memory_server() as (server, address):
+        backend = MemoryBackend(server, group_id, TTL)
+        w = WriterClient(backend.writer("w"), group_id, "w")
+        w.start()
+        try:
+            files = source.publish(w, 0).file_count
+            spec = DoomedCoordinator(
+                address, catalog.name, props, group_id, TTL, files, None, False, 4, 6
+            )
+            kill_doomed_coordinator(spec)
+            done = [t for t in PAR_TABLES if group_snapshots(catalog, t, group_id)]
+            assert 2 <= len(done) <= 6, done
+            assert server.stored_position(group_id) is None
+            heir = heir_of(backend, catalog, commit_parallelism=4)
+            try:
+                lead(heir)
+                result = heir.commit_now()
+                assert not result.failed
+                assert server.stored_position(group_id) == heir.read_position
+            finally:
+                heir.close()
+        finally:
+            w.close()
+    assert_rows_once(catalog, source)
+    for t in PAR_TABLES:
+        assert len(group_snapshots(catalog, t, group_id)) == 1, t

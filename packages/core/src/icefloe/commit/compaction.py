@@ -55,6 +55,7 @@ from pyiceberg.table.update.snapshot import _OverwriteFiles
 from pyiceberg.typedef import EMPTY_DICT
 
 from icefloe.commit import branches
+from icefloe.commit.caches import SharedCache
 from icefloe.commit.request import table_name
 from icefloe.commit.rowdelta import FILE_PATH_FIELD_ID, write_delete_manifest
 from icefloe.commit.versions import with_metadata
@@ -63,6 +64,9 @@ from icefloe.records.changes import comparable_type
 from icefloe.records.datafiles import DataFileBuilder, group_write_uuid, write_data_files
 
 log = logging.getLogger("icefloe.compaction")
+
+# snapshots whose removed paths are kept (a replace snapshot never changes)
+_REWRITTEN_CACHE_SIZE = 65536
 
 COMPACTED_FILES_KEY = "icefloe.compacted-files"
 """Summary key: how many data files the replace snapshot rewrote."""
@@ -471,7 +475,7 @@ class RewrittenFiles:
     no longer lists it. Each snapshot's removals are read once (they never change)."""
 
     def __init__(self) -> None:
-        self._removed: dict[int, frozenset[str]] = {}
+        self._removed: SharedCache[int, frozenset[str]] = SharedCache(_REWRITTEN_CACHE_SIZE)
 
     def among(self, table: Table, head: Snapshot | None, paths: Iterable[str]) -> set[str]:
         wanted = set(paths)
@@ -485,7 +489,7 @@ class RewrittenFiles:
             removed = self._removed.get(snapshot.snapshot_id)
             if removed is None:
                 removed = _removed_by(table, snapshot)
-                self._removed[snapshot.snapshot_id] = removed
+                self._removed.put(snapshot.snapshot_id, removed)
             found |= wanted & removed
         return found
 

@@ -15,6 +15,7 @@ from pyiceberg.manifest import ManifestContent, ManifestFile
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
 
+from icefloe.commit.caches import SharedCache
 from icefloe.commit.screening import canonical_path
 
 logger = logging.getLogger("icefloe.committer")
@@ -30,14 +31,13 @@ class LiveFiles:
     manifest location."""
 
     def __init__(self) -> None:
-        self._manifest_paths: dict[str, frozenset[str]] = {}  # manifest location -> live paths
-        self._lists: dict[str, tuple[ManifestFile, ...]] = {}  # manifest list -> its manifests
+        # manifest location -> live paths; manifest list -> its manifests
+        self._manifest_paths: SharedCache[str, frozenset[str]] = SharedCache(_MANIFEST_CACHE_SIZE)
+        self._lists: SharedCache[str, tuple[ManifestFile, ...]] = SharedCache(_LIST_CACHE_SIZE)
 
     def remember_list(self, location: str, manifests: tuple[ManifestFile, ...]) -> None:
         """Keep the manifests of a manifest list this committer wrote (not to read it back)."""
-        if len(self._lists) >= _LIST_CACHE_SIZE:
-            self._lists.pop(next(iter(self._lists)))
-        self._lists[location] = manifests
+        self._lists.put(location, manifests)
 
     def manifests(self, table: Table, snapshot: Snapshot) -> tuple[ManifestFile, ...]:
         """The manifests of ``snapshot`` (its manifest list, decoded once per location)."""
@@ -89,9 +89,7 @@ class LiveFiles:
         )
 
     def _cache_manifest(self, location: str, paths: frozenset[str]) -> None:
-        if len(self._manifest_paths) >= _MANIFEST_CACHE_SIZE:
-            self._manifest_paths.pop(next(iter(self._manifest_paths)))
-        self._manifest_paths[location] = paths
+        self._manifest_paths.put(location, paths)
 
     def remember_added(self, table: Table, snapshot_id: int, appended: Iterable[str]) -> None:
         """Cache the paths of the manifests the commit of ``snapshot_id`` wrote (it appended

@@ -45,12 +45,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
-from cachetools import LRUCache
 from pyiceberg.manifest import ManifestFile
 from pyiceberg.table import Table
 from pyiceberg.utils.concurrent import ExecutorFactory
 
 from icefloe.commit import screening
+from icefloe.commit.caches import SharedCache
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.records.datafiles import written_for
 
@@ -74,8 +74,10 @@ class Ownership:
 
     def __init__(self, group_id: str) -> None:
         self._group_id = group_id
-        self._lists: LRUCache[str, tuple[ManifestFile, ...]] = LRUCache(_MANIFEST_LIST_CACHE_SIZE)
-        self._named: LRUCache[str, frozenset[str]] = LRUCache(_MANIFEST_CACHE_SIZE)
+        self._lists: SharedCache[str, tuple[ManifestFile, ...]] = SharedCache(
+            _MANIFEST_LIST_CACHE_SIZE
+        )
+        self._named: SharedCache[str, frozenset[str]] = SharedCache(_MANIFEST_CACHE_SIZE)
 
     def mergeable(self, table: Table, files: Sequence[DataFileMeta]) -> set[str]:
         """The paths of ``files`` the pipeline provably owns in ``table`` (the version the
@@ -122,13 +124,18 @@ class Ownership:
 
 
 def _cached(
-    cache: LRUCache[str, _T], items: dict[str, _S], read: Callable[[_S], _T]
+    cache: SharedCache[str, _T], items: dict[str, _S], read: Callable[[_S], _T]
 ) -> dict[str, _T]:
     """``read`` of every item by its location, reading (in parallel) only those ``cache``
     does not hold."""
-    found = {key: cache[key] for key in items if key in cache}
+    found: dict[str, _T] = {}
+    for key in items:
+        value = cache.get(key)  # one lookup: another thread may evict between two
+        if value is not None:
+            found[key] = value
     missing = [key for key in items if key not in found]
     executor = ExecutorFactory.get_or_create()
     for key, value in zip(missing, executor.map(lambda k: read(items[k]), missing), strict=True):
-        cache[key] = found[key] = value
+        cache.put(key, value)
+        found[key] = value
     return found

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from pyiceberg.table import Table
 
+from icefloe.commit.caches import SharedCache
 from icefloe.commit.dedupe import (
     Applied,
     CommitBoundary,
@@ -63,7 +64,8 @@ class SideFiles:
     caching the few in use (they never change)."""
 
     def __init__(self) -> None:
-        self._files: dict[tuple[str, str], object] = {}  # (what, side file) -> its content
+        # (what, side file) -> its content
+        self._files: SharedCache[tuple[str, str], object] = SharedCache(_SIDE_FILE_CACHE_SIZE)
 
     def retired(self, table: Table, location: str, group_id: str) -> dict[str, int]:
         """The watermarks of retired writers, from the side file the summary names."""
@@ -101,7 +103,5 @@ class SideFiles:
                     f"'{group_id}' from {location} ({e}); restore that file (it is written "
                     "once and never changed; `icefloe maintain` keeps it)"
                 ) from e
-            if len(self._files) >= _SIDE_FILE_CACHE_SIZE:
-                self._files.pop(next(iter(self._files)))
-            self._files[key] = cached
+            self._files.put(key, cached)
         return cached  # type: ignore[return-value]  # what names the decoder that stored it

@@ -20,6 +20,8 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 
+from icefloe.commit.caches import SharedCache
+
 # Tables whose versions are kept in memory (the least recently committed dropped first). A
 # version is the parsed metadata, which grows with the table's snapshots until they are
 # expired: bounded so that thousands of long-history tables cannot hold gigabytes.
@@ -77,16 +79,15 @@ class KnownVersions:
     and whether the current cycle's screening just loaded it."""
 
     def __init__(self) -> None:
-        self._known: dict[str, Table] = {}
+        self._known: SharedCache[str, Table] = SharedCache(_CACHE_SIZE)
+        # tables whose screening just loaded them (each table is committed by one thread at
+        # a time, and set.add/discard are atomic: no lock needed)
         self._screened: set[str] = set()
 
     def remember(self, name: str, table: Table) -> None:
         """Keep ``table`` as loaded or just committed (a copy: pyiceberg's commit updates
         the Table object it committed through)."""
-        self._known.pop(name, None)  # re-inserted: the dict's order is least recently used
-        if len(self._known) >= _CACHE_SIZE:
-            self._known.pop(next(iter(self._known)))
-        self._known[name] = _copy(table)
+        self._known.put(name, _copy(table))
 
     def screened(self, name: str) -> None:
         """The screening of ``name`` just loaded it: the commit that follows may use it."""
@@ -108,7 +109,7 @@ class KnownVersions:
 
     def forget(self, name: str) -> None:
         """Our own write other than a commit changed ``name``: load it afresh next time."""
-        self._known.pop(name, None)
+        self._known.pop(name)
         self._screened.discard(name)
 
 

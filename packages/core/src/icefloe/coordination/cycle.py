@@ -16,7 +16,10 @@ One table's trouble never stops the others, nor the position:
   down) must not quarantine data, and an upsert/CDC table's batches must commit in order;
 * the stored position is the read position lowered to the oldest file still pending, so it
   advances (and the channel is pruned) while a table fails;
-* tables commit largest first, and tables that failed their last attempt after the others.
+* tables commit largest first, and tables that failed their last attempt after the others;
+* with ``commit_parallelism`` above 1 the tables of a cycle are committed by that many threads
+  (:meth:`CommitCycle._run_tables`); the coordinator alone decides what the cycle holds, and
+  stores the position only once every table committed, failed or was deferred.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from icefloe.channel import CoordinatorChannel
@@ -53,6 +57,27 @@ log = logging.getLogger("icefloe.coordinator")
 # the one line per cycle (INFO when it committed, failed or quarantined something, else DEBUG):
 # its own logger, so `icefloe run`, which logs each table commit, can leave it out
 cycles_log = logging.getLogger("icefloe.coordinator.cycles")
+
+
+@dataclass(frozen=True)
+class _CycleJob:
+    """What the coordinator decided for one cycle, the same for every table of it."""
+
+    commit_id: str
+    position: dict[str, int]
+    sources: dict[str, dict[int, int]]
+    vtts: int | None
+    writers: frozenset[str]
+
+
+@dataclass
+class _TableOutcome:
+    """One table's part of a cycle: its commit, its error, its files quarantined."""
+
+    table: str
+    result: TableCommitResult | None = None
+    error: str | None = None
+    quarantined: int | None = None
 
 
 @dataclass
@@ -92,6 +117,9 @@ class CommitCycle:
         self._plugins = plugins
         self._quarantine = quarantine
         self._trouble: dict[str, _TableBackoff] = {}
+        # held by commit workers while they change what tables share: the reader's pending
+        # files and boundaries, the backoff counters, the quarantine and its marks
+        self._shared = threading.RLock()
         self._compaction_turn = 0  # which table a compaction round starts with
         # tables marked failing in the quarantine (by any leader), read at the first commit
         self._marked: set[str] | None = None
@@ -191,49 +219,17 @@ class CommitCycle:
         failed: dict[str, str] = {}
         quarantined: dict[str, int] = {}
         deferred: list[str] = []
+        todo: list[str] = []
         for table in self._schedule():
-            if self.backing_off(table):
-                deferred.append(table)
-                continue
-            files = tuple(reader.pending[table])
-            try:
-                if self._hooks.before_table_commit is not None:
-                    self._hooks.before_table_commit(table)
-                screening = self._committer.screen(table, files, reader.channel_id)
-                if screening.refused:
-                    self._replays_refused(table, screening)
-                    quarantined[table] = self._isolate(commit_id, table, screening.refused)
-                accepted = screening.accepted
-                if accepted:
-                    self._retire_replayed(table, accepted)
-                    results.append(
-                        self._committer.commit(
-                            TableCommitRequest(
-                                table=table,
-                                commit_id=commit_id,
-                                files=accepted,
-                                positions=position,
-                                source_offsets=sources,
-                                fencing_token=self._leadership.token(),
-                                valid_through_ms=vtts,
-                                channel_id=reader.channel_id,
-                                live_writers=frozenset(reader.writers),
-                            )
-                        )
-                    )
-                    reader.committed(table, accepted, position)
-            except (NotLeaderError, StaleFencingTokenError) as exc:
-                # a newer leader exists: stop here, it re-reads and finishes our work
-                raise NotLeaderError(f"{self._coordinator_id}: {exc}") from exc
-            except ChannelIdentityError:
-                raise  # no retry can help: stop and let the operator act on the message
-            except Exception as exc:  # tables commit independently; this one stays pending
-                failed[table] = f"{type(exc).__name__}: {exc}"
-                n = self._failed(commit_id, table, exc)
-                if n:
-                    quarantined[table] = quarantined.get(table, 0) + n
-                continue
-            self._committing(table)
+            (deferred if self.backing_off(table) else todo).append(table)
+        job = _CycleJob(commit_id, position, sources, vtts, frozenset(reader.writers))
+        for outcome in self._run_tables(job, todo):
+            if outcome.result is not None:
+                results.append(outcome.result)
+            if outcome.error is not None:
+                failed[outcome.table] = outcome.error
+            if outcome.quarantined is not None:
+                quarantined[outcome.table] = outcome.quarantined
         cycle = CycleResult(
             commit_id,
             complete,
@@ -282,6 +278,87 @@ class CommitCycle:
         )
         self._compact(results)
         return cycle
+
+    def _run_tables(self, job: _CycleJob, tables: list[str]) -> list[_TableOutcome]:
+        """Commit ``tables`` (in schedule order) one after another, or spread over
+        ``commit_parallelism`` threads: the cycle's wall time is mostly the catalog's and the
+        store's latency per commit, which threads overlap. The outcomes come back in schedule
+        order. A worker that finds this coordinator deposed (or the channel replaced) stops the
+        tables not yet started; that error is raised once every started table is done."""
+        n = self._settings.commit_parallelism
+        if n <= 1 or len(tables) <= 1:
+            return [self._commit_table(job, table) for table in tables]
+        abort = threading.Event()
+
+        def work(table: str) -> _TableOutcome | None:
+            if abort.is_set():
+                return None  # not started: stays pending for the next leader or cycle
+            try:
+                return self._commit_table(job, table)
+            except BaseException:
+                abort.set()
+                raise
+
+        with ThreadPoolExecutor(n, thread_name_prefix="icefloe-commit") as pool:
+            futures = [pool.submit(work, table) for table in tables]  # the queue keeps order
+            wait(futures)
+        errors = [e for f in futures if (e := f.exception()) is not None]
+        fatal = [e for e in errors if isinstance(e, NotLeaderError)] or errors
+        if fatal:
+            raise fatal[0]
+        return [o for o in (f.result() for f in futures) if o is not None]
+
+    def _commit_table(self, job: _CycleJob, table: str) -> _TableOutcome:
+        """Screen and commit one table of the cycle ``job``. Safe to run in parallel for
+        distinct tables: the committer's caches are thread-safe, and this cycle's shared
+        bookkeeping (the reader's pending files, the backoff counters, the quarantine) is
+        changed only under ``self._shared``."""
+        reader = self._reader
+        outcome = _TableOutcome(table)
+        with self._shared:
+            files = tuple(reader.pending[table])
+        try:
+            if self._hooks.before_table_commit is not None:
+                self._hooks.before_table_commit(table)
+            screening = self._committer.screen(table, files, reader.channel_id)
+            if screening.refused:
+                with self._shared:
+                    self._replays_refused(table, screening)
+                    outcome.quarantined = self._isolate(job.commit_id, table, screening.refused)
+            accepted = screening.accepted
+            if accepted:
+                with self._shared:
+                    self._retire_replayed(table, accepted)
+                outcome.result = self._committer.commit(
+                    TableCommitRequest(
+                        table=table,
+                        commit_id=job.commit_id,
+                        files=accepted,
+                        positions=job.position,
+                        source_offsets=job.sources,
+                        fencing_token=self._leadership.token(),
+                        valid_through_ms=job.vtts,
+                        channel_id=reader.channel_id,
+                        live_writers=job.writers,
+                    )
+                )
+                with self._shared:
+                    reader.committed(table, accepted, job.position)
+        except (NotLeaderError, StaleFencingTokenError) as exc:
+            # a newer leader exists: stop here, it re-reads and finishes our work
+            raise NotLeaderError(f"{self._coordinator_id}: {exc}") from exc
+        except ChannelIdentityError:
+            raise  # no retry can help: stop and let the operator act on the message
+        except Exception as exc:  # tables commit independently; this one stays pending
+            outcome.error = f"{type(exc).__name__}: {exc}"
+            with self._shared:
+                n = self._failed(job.commit_id, table, exc)
+            if n:
+                outcome.quarantined = (outcome.quarantined or 0) + n
+            return outcome
+        with self._shared:
+            self._committing(table)
+        return outcome
 
     def _compact(self, results: Sequence[TableCommitResult]) -> None:
         """A compaction round right after the cycle, for the tables it committed to whose

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -25,6 +26,9 @@ class Leadership:
         self._after_lease_check = after_lease_check
         self.lease: Lease | None = None
         self._renew_at = 0.0
+        # commit workers (coordination.commit_parallelism) renew before each table commit:
+        # one renewal at a time, as the channel's clients expect a single caller
+        self._renewing = threading.Lock()
 
     def acquire(self, timeout: float) -> Lease | None:
         lease = self._channel.acquire(timeout)
@@ -39,11 +43,12 @@ class Leadership:
         self._renew_at = now + min(max(lease.expires_at - now, 0.0) / 3, _MAX_RENEW_GAP_S)
 
     def renew(self) -> None:
-        try:
-            self._set(self._channel.renew())
-        except NotLeaderError:
-            self.lease = None
-            raise
+        with self._renewing:
+            try:
+                self._set(self._channel.renew())
+            except NotLeaderError:
+                self.lease = None
+                raise
 
     def renew_if_due(self) -> None:
         if time.monotonic() >= self._renew_at:

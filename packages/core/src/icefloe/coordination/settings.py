@@ -44,6 +44,16 @@ class CoordinatorSettings:
     compaction_budget_s: float = 30.0
     """The longest compaction round after a cycle (tables whose policy compacts them; see
     :mod:`icefloe.commit.compaction`): a cycle waits for at most one round."""
+    commit_parallelism: int = 1
+    """Threads committing a cycle's tables at once (1: one table after another). A cycle's
+    wall time is mostly catalog and storage latency per table, which threads overlap."""
+
+    def __post_init__(self) -> None:
+        if self.commit_parallelism < 1:
+            raise ValueError(
+                "coordination.commit_parallelism must be at least 1 "
+                f"(got {self.commit_parallelism})"
+            )
 
     @classmethod
     def for_pipeline(cls, config: PipelineConfig) -> CoordinatorSettings:
@@ -70,6 +80,7 @@ class CoordinatorSettings:
             table_retry_max_s=c.table_retry_max_s,
             stall_after_s=c.stall_after_s,
             compaction_budget_s=c.compaction_budget_s,
+            commit_parallelism=c.commit_parallelism,
         )
 
 

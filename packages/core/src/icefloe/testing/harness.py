@@ -8,8 +8,10 @@ scenarios), and importable by a child process that a test kills.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -170,34 +172,67 @@ class DoomedCoordinator:
     die_in_compaction: bool = False
     """Die in the compaction round after the cycle (its files written, not committed),
     instead of right after the Iceberg commits."""
+    commit_parallelism: int = 1
+    die_at_table: int | None = None
+    """Die when the cycle starts its ``die_at_table``-th table (counted across the commit
+    threads): mid-cycle, some tables committed, some in flight, some not started."""
 
 
 def _sigkill_self(_: object) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _doomed_hooks(spec: DoomedCoordinator) -> CoordinatorHooks:
+    if spec.die_at_table is not None:
+        started = itertools.count(1)
+        count = threading.Lock()
+
+        def die_at(_: str) -> None:
+            with count:
+                n = next(started)
+            if n == spec.die_at_table:
+                _sigkill_self(None)
+
+        return CoordinatorHooks(before_table_commit=die_at)
+    if spec.die_in_compaction:
+        return CoordinatorHooks(during_compaction=_sigkill_self)
+    return CoordinatorHooks(after_iceberg_commits=_sigkill_self)
+
+
 def run_doomed_coordinator(spec: DoomedCoordinator) -> None:
     """Child process body: lead, read ``pending_files`` files, commit them to Iceberg and die
     by SIGKILL right after the Iceberg commits, before the channel position is stored (or,
-    with ``die_in_compaction``, in the compaction round after the cycle)."""
+    with ``die_in_compaction``, in the compaction round after the cycle; with
+    ``die_at_table``, in the middle of the cycle)."""
     backend = MemoryBackend(connect_memory_server(spec.address), spec.group_id, spec.lease_ttl_s)
     coordinator = Coordinator(
         spec.group_id,
         backend.coordinator("doomed"),
         SqlCatalog(spec.catalog_name, **spec.catalog_properties),
         CoordinatorSettings(
-            commit_interval_s=3600.0, commit_timeout_s=30.0, policies=spec.policies
+            commit_interval_s=3600.0,
+            commit_timeout_s=30.0,
+            policies=spec.policies,
+            commit_parallelism=spec.commit_parallelism,
         ),
         coordinator_id="doomed",
         plugins=new_plugins(autoload=False),
-        hooks=CoordinatorHooks(during_compaction=_sigkill_self)
-        if spec.die_in_compaction
-        else CoordinatorHooks(after_iceberg_commits=_sigkill_self),
+        hooks=_doomed_hooks(spec),
     )
     lead(coordinator)
     wait_pending(coordinator, spec.pending_files)
     coordinator.commit_now()
     raise SystemExit("the doomed coordinator survived its commit")
+
+
+def kill_doomed_coordinator(spec: DoomedCoordinator, timeout: float = 120.0) -> None:
+    """Run :func:`run_doomed_coordinator` in a child process and check it died by SIGKILL."""
+    child = multiprocessing.get_context("spawn").Process(
+        target=run_doomed_coordinator, args=(spec,)
+    )
+    child.start()
+    child.join(timeout)
+    assert child.exitcode == -signal.SIGKILL, f"child exit code {child.exitcode}"
 
 
 _IDENTITY_SETTINGS = CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=5.0)

@@ -164,6 +164,25 @@ class CoordinatorScenarios(SuiteBase):
         scenario.assert_tables(snapshots=m_cycles + 1)
 
     @rule(None)  # rests on every rule: skipped when something it needs is missing
+    def test_parallel_commit_threads_commit_every_row_exactly_once(
+        self, scenario: Scenario
+    ) -> None:
+        """``coordination.commit_parallelism``: the tables of a cycle committed by threads,
+        each renewing the lease on this backend's channel before its catalog commit (from
+        threads other than the channel's creator, one at a time)."""
+        writers = scenario.writers(2)
+        settings = dataclasses.replace(self.settings(), commit_parallelism=len(self.tables))
+        coord = scenario.coordinator("c1", settings=settings)
+        lead(coord, self.read_timeout_s)
+        for cycle in range(2):
+            files = sum(scenario.source.publish(w, cycle).file_count for w in writers)
+            wait_pending(coord, files, self.read_timeout_s)
+            result = coord.commit_now()
+            assert not result.failed
+            assert {r.table for r in result.tables if r.snapshot_id is not None} == set(self.tables)
+        scenario.assert_tables(snapshots=2)
+
+    @rule(None)  # rests on every rule: skipped when something it needs is missing
     def test_crash_between_iceberg_commit_and_position_store_loses_and_duplicates_nothing(
         self, scenario: Scenario
     ) -> None:
