@@ -8,12 +8,11 @@ Where the actions come from: pyiceberg's FileIO reads table metadata, manifests 
 footers (``GetObject``, also behind ``HeadObject``) and writes data, delete, manifest and
 metadata files (``PutObject``); the coordinator deletes merged originals, applied key files
 and manifests of a failed attempt (``DeleteObject``); ``icefloe maintain`` lists the table's
-location to find orphans (``ListBucket``, for the prefix only) and deletes them. pyarrow,
-behind the FileIO, lists the parent prefix after a delete to keep an empty "directory"
-visible (it writes a ``prefix/`` marker when none is left), so whoever deletes lists too;
-and it tells a missing object from a "directory" by listing its name as a prefix, which
-pyiceberg's check that a new metadata file does not exist yet does: whoever writes metadata
-(commits, creates tables) lists too.
+location to find orphans (``ListBucket``, for the prefix only) and deletes them. Whoever
+writes metadata (commits, creates tables) lists too: pyiceberg checks that a new metadata
+file does not exist yet, and pyarrow, behind the FileIO, tells a missing object from a
+"directory" by listing its name as a prefix. pyarrow also keeps an emptied "directory"
+visible after a delete by writing a ``prefix/`` marker, so whoever deletes writes.
 """
 
 from __future__ import annotations
@@ -33,6 +32,8 @@ OBJECT_ACTIONS: dict[Role, tuple[str, ...]] = {
     "doctor": (*_READ_WRITE, "s3:DeleteObject"),  # its probe object: write, read, delete
 }
 #: the processes that list the prefix (``s3:ListBucket`` on the bucket, prefix-conditioned)
+#: (the doctor too: after deleting its probe, pyarrow reads the parent's "directory" marker,
+#: which AWS answers with 403 instead of 404 without ``ListBucket``; moto answers 404)
 LISTS: frozenset[Role] = frozenset({"creator", "coordinator", "maintain", "doctor"})
 
 

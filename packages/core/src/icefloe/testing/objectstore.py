@@ -224,6 +224,29 @@ def s3_sqlite_catalog_properties(store: S3Store, path: Path) -> dict[str, str]:
     return {"type": "sql", **catalog, **store.warehouse_properties(store.new_warehouse())}
 
 
+def doctor_storage(properties: Mapping[str, str], tables: list[str]) -> list[tuple[str, str]]:
+    """``icefloe doctor``'s lines (status, detail) for the first of ``tables`` and for the
+    storage probes, for a pipeline over ``tables`` on the catalog of ``properties`` (named
+    ``s3test``)."""
+    from icefloe.config import config_from_dict
+    from icefloe.ops.doctor import catalog_checks
+
+    config = config_from_dict(
+        {
+            "name": "p",
+            "source": {"topics": ["t"]},
+            "catalog": {"name": "s3test", "properties": dict(properties)},
+            "tables": [{"name": t} for t in tables],
+        }
+    )
+    checks = catalog_checks(config)
+    return [
+        (c.status, c.detail)
+        for c in checks
+        if c.name in (f"table {tables[0]}", "storage") or c.name.startswith("storage ")
+    ]
+
+
 @pytest.fixture(scope="session")
 def s3_store() -> Iterator[S3Store]:
     """moto's S3 server for the whole session (signatures checked; see the module doc)."""
