@@ -21,13 +21,20 @@ from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.io.pyarrow import schema_to_pyarrow
 
 from icefloe.commit.policy import TablePolicies, TablePolicy
+from icefloe.config import config_from_dict
 from icefloe.coordination.coordinator import CoordinatorSettings
 from icefloe.coordination.settings import CycleResult
-from icefloe.ops.maintenance import OrphanResult, expire_snapshots, remove_orphan_files
+from icefloe.errors import MaintenanceError
+from icefloe.ops.maintenance import OrphanResult, expire_snapshots, maintain, remove_orphan_files
 from icefloe.ops.permissions import OBJECT_ACTIONS, Role, s3_policy, sql_catalog_grants
 from icefloe.testing.fixtures import create_rows_table, write_rows
 from icefloe.testing.harness import Pipe, RowSource, lead, wait_pending
-from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.testing.memory import (
+    MemoryBackend,
+    MemoryServer,
+    memory_backend_options,
+    serve_memory_server,
+)
 from icefloe.testing.objectstore import S3Store, doctor_storage
 
 MERGED, PLAIN = "db.merged", "db.plain"
@@ -124,7 +131,7 @@ def commit_three_batches(pipe: Pipe) -> None:
     assert (merged.data_files, merged.added_files) == (3, 1)
 
 
-def maintain(catalog: Catalog, table: str, older_than_ms: int) -> OrphanResult:
+def expire_and_remove(catalog: Catalog, table: str, older_than_ms: int) -> OrphanResult:
     """What ``icefloe maintain`` does to a table: expire snapshots, then delete orphans."""
     expire_snapshots(catalog.load_table(table), older_than_ms, retain_last=1)
     return remove_orphan_files(catalog.load_table(table), older_than_ms)
@@ -139,7 +146,7 @@ def test_each_process_runs_with_exactly_its_documented_actions(
 
     [stray] = write_rows(pipe.source.catalog.load_table(PLAIN), [99_999], "crashed-task", 0)
     soon_ms = int(time.time() * 1000) + 60_000  # every object counts as old
-    orphans = maintain(users.catalog("maintain"), PLAIN, soon_ms)
+    orphans = expire_and_remove(users.catalog("maintain"), PLAIN, soon_ms)
     assert orphans.deleted == (stray.path.removeprefix("s3://"),)
     assert data_objects(s3_store, owner, PLAIN) == live_files(owner, PLAIN)
     for t in (MERGED, PLAIN):
@@ -236,7 +243,7 @@ def test_maintain_needs_each_of_its_actions(
     soon_ms = int(time.time() * 1000) + 60_000
     maintainer = users.catalog("maintain", drop=action)
     with pytest.raises(OSError, match="ACCESS_DENIED"):
-        maintain(maintainer, PLAIN, soon_ms)
+        expire_and_remove(maintainer, PLAIN, soon_ms)
 
 
 def test_a_writer_that_creates_tables_needs_the_listing(users: Users) -> None:
@@ -291,3 +298,32 @@ def test_doctor_probes_the_store_with_exactly_its_actions(
     else:
         assert "fail" in statuses, lines
         assert all("ACCESS_DENIED" in d for s, d in lines if s == "fail"), lines
+
+
+@pytest.mark.usefixtures("memory_plugins")
+def test_icefloe_maintain_without_delete_says_what_to_check_in_one_error(
+    users: Users, owner: Catalog, s3_store: S3Store
+) -> None:
+    """``icefloe maintain`` (the command's function, on a served channel) stops with an
+    icefloe error (one clean line from the CLI, exit 2) naming the table, the step and the
+    catalog properties, instead of pyarrow's OSError and a traceback."""
+    [stray] = write_rows(users.catalog("writer").load_table(PLAIN), [2], "crashed-task", 0)
+    props = users.properties_of(users.user("maintain", drop="s3:DeleteObject"))
+    with serve_memory_server() as (_, address):
+        config = config_from_dict(
+            {
+                "name": "lp",
+                "source": {"topics": ["t"]},
+                "tables": [{"name": PLAIN}],
+                "catalog": {"name": CATALOG, "properties": props},
+                "coordination": {"backend": "memory", "memory": memory_backend_options(address)},
+            }
+        )
+        with pytest.raises(MaintenanceError) as failed:
+            maintain(config, (), 0.0, 1, 0.0)
+    said = str(failed.value)
+    assert said.startswith(f"table {PLAIN}: deleting orphan files stopped: "), said
+    assert "check catalog properties s3.access-key-id and s3.secret-access-key" in said
+    assert "ACCESS_DENIED during DeleteObject" in said
+    assert props["s3.secret-access-key"] not in said
+    assert stray.path in data_objects(s3_store, owner, PLAIN)
