@@ -358,3 +358,9 @@ class WriterRegressionError(IcefloeError):
     not know batches the channel or a table already holds for it (a fresh or older checkpoint
     under an explicit ``writer_id``). Its new batches would be dropped as replays, so the
     start is refused; the message names the fix."""
+
+
+class MaintenanceError(IcefloeError):
+    """``icefloe maintain`` could not finish a step on a table (the store refused a request):
+    the message names the table, the step and what to check. What was done before stays
+    done; no file a snapshot references is touched."""

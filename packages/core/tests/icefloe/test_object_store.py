@@ -28,7 +28,7 @@ from icefloe.testing.fixtures import (
 )
 from icefloe.testing.harness import Pipe, RowSource, lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
-from icefloe.testing.objectstore import PAGE_SIZE, S3Store
+from icefloe.testing.objectstore import PAGE_SIZE, S3Store, doctor_storage
 
 MERGED, PLAIN, KEYED = "db.merged", "db.plain", "db.keyed"
 
@@ -180,27 +180,6 @@ def test_orphans_are_listed_and_deleted_over_several_pages(
     removed = remove_orphan_files(table, soon_ms)
     assert sorted(removed.deleted) == sorted(found.deleted)
     assert [k for k in s3_store.keys(f"s3://{bucket}/{prefix}/data/") if "orphan-" in k] == []
-
-
-def doctor_storage(properties: Mapping[str, str], tables: list[str]) -> list[tuple[str, str]]:
-    """``icefloe doctor``'s storage lines for a pipeline over ``tables`` on this catalog."""
-    from icefloe.config import config_from_dict
-    from icefloe.ops.doctor import catalog_checks
-
-    config = config_from_dict(
-        {
-            "name": "p",
-            "source": {"topics": ["t"]},
-            "catalog": {"name": "s3test", "properties": dict(properties)},
-            "tables": [{"name": t} for t in tables],
-        }
-    )
-    checks = catalog_checks(config)
-    return [
-        (c.status, c.detail)
-        for c in checks
-        if c.name in ("table db.there", "storage") or c.name.startswith("storage ")
-    ]
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import posixpath
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -39,9 +40,9 @@ from icefloe.commit.request import PendingFile
 from icefloe.commit.summary import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY
 from icefloe.config import PipelineConfig
 from icefloe.coordination.reading import READ_TO_END_S, backlog
-from icefloe.errors import ConfigError
+from icefloe.errors import ConfigError, MaintenanceError
 from icefloe.events import DataWritten
-from icefloe.ops.storage import location_filesystem
+from icefloe.ops.storage import hint, location_filesystem
 
 #: Table properties icefloe sets on tables it creates, with why (for ``doctor``'s advice).
 RECOMMENDED_TABLE_PROPERTIES: dict[str, tuple[str, str]] = {
@@ -351,26 +352,43 @@ def maintain(
     for name in names:
         if committer is not None:
             lines.append(compact_table(committer, name, dry_run))
-        table = catalog.load_table(name)
-        expiry = expire_snapshots(
-            table, now_ms - int(expire_older_than_s * 1000), retain_last, dry_run
-        )
+        with _store_step(name, "expiring snapshots", catalog.properties):
+            table = catalog.load_table(name)
+            expiry = expire_snapshots(
+                table, now_ms - int(expire_older_than_s * 1000), retain_last, dry_run
+            )
         lines.append(
             f"{name}: {verb}expire {len(expiry.expired)} snapshot(s); kept "
             f"{len(expiry.kept_for_dedupe)} old one(s) the dedupe rule reads"
         )
-        table = catalog.load_table(name)
-        orphans = remove_orphan_files(
-            table,
-            now_ms - int(orphans_older_than_s * 1000),
-            pending,
-            dry_run,
-            quarantined,
-            expiring=expiry.expired if dry_run else (),  # as if expired: the count agrees
-        )
+        with _store_step(name, "deleting orphan files", catalog.properties):
+            orphans = remove_orphan_files(
+                catalog.load_table(name),
+                now_ms - int(orphans_older_than_s * 1000),
+                pending,
+                dry_run,
+                quarantined,
+                expiring=expiry.expired if dry_run else (),  # as if expired: the count agrees
+            )
         lines.append(
             f"{name}: {verb}delete {len(orphans.deleted)} orphan file(s); kept "
             f"{len(orphans.kept_pending)} announced by uncommitted batches, "
             f"{len(orphans.kept_quarantined)} quarantined"
         )
     return lines
+
+
+@contextmanager
+def _store_step(table: str, step: str, properties: Mapping[str, str]) -> Iterator[None]:
+    """Turn the store's refusal (pyarrow's OSError: a missing permission, a wrong key) into a
+    :class:`MaintenanceError` naming the table, the step and the catalog property to check,
+    so ``icefloe maintain`` ends with one line instead of a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        text = " ".join(str(exc).split())
+        raise MaintenanceError(
+            f"table {table}: {step} stopped: {hint(text, properties) or text}; what was done "
+            "before stays done and no file a snapshot references was touched (the permissions "
+            "icefloe maintain needs: docs/operations.md, 'Object store (S3)')"
+        ) from exc

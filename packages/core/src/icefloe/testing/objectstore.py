@@ -43,10 +43,18 @@ REGION = "us-east-1"
 #: of more than this many keys take several requests).
 PAGE_SIZE = 50
 _USER = "icefloe-test"
-#: What the test user may do (everything in S3; least-privilege tests narrow it per prefix).
+#: What the test user may do: everything in S3, and create the users of least-privilege
+#: tests (:meth:`S3Store.as_user_with`).
 ALLOW_S3 = {
     "Version": "2012-10-17",
-    "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+    "Statement": [
+        {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+        {
+            "Effect": "Allow",
+            "Action": ["iam:CreateUser", "iam:PutUserPolicy", "iam:CreateAccessKey"],
+            "Resource": "*",
+        },
+    ],
 }
 
 
@@ -72,6 +80,24 @@ class S3Store:
         """Catalog properties putting the warehouse at ``warehouse`` (``s3://bucket/prefix``)
         on this store: add them to any catalog's own (``uri``, ``type``...)."""
         return {"warehouse": warehouse, **self.file_io_properties()}
+
+    def as_user_with(self, policy: Mapping[str, Any]) -> S3Store:
+        """The same store as a new IAM user allowed only ``policy`` (moto checks each S3
+        request's action and resource against it; it does not evaluate ``Condition``)."""
+        import boto3
+
+        iam = boto3.client(
+            "iam",
+            endpoint_url=self.endpoint,
+            region_name=self.region,
+            aws_access_key_id=self.access_key_id,
+            aws_secret_access_key=self.secret_access_key,
+        )
+        user = f"icefloe-{uuid.uuid4().hex[:12]}"
+        iam.create_user(UserName=user)
+        iam.put_user_policy(UserName=user, PolicyName="p", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        return S3Store(self.endpoint, key["AccessKeyId"], key["SecretAccessKey"], self.region)
 
     def client(self) -> Any:
         """A boto3 S3 client as the test user (to look at the store beside pyiceberg)."""
@@ -196,6 +222,29 @@ def s3_sqlite_catalog_properties(store: S3Store, path: Path) -> dict[str, str]:
 
     catalog = sqlite_catalog_properties(path)
     return {"type": "sql", **catalog, **store.warehouse_properties(store.new_warehouse())}
+
+
+def doctor_storage(properties: Mapping[str, str], tables: list[str]) -> list[tuple[str, str]]:
+    """``icefloe doctor``'s lines (status, detail) for the first of ``tables`` and for the
+    storage probes, for a pipeline over ``tables`` on the catalog of ``properties`` (named
+    ``s3test``)."""
+    from icefloe.config import config_from_dict
+    from icefloe.ops.doctor import catalog_checks
+
+    config = config_from_dict(
+        {
+            "name": "p",
+            "source": {"topics": ["t"]},
+            "catalog": {"name": "s3test", "properties": dict(properties)},
+            "tables": [{"name": t} for t in tables],
+        }
+    )
+    checks = catalog_checks(config)
+    return [
+        (c.status, c.detail)
+        for c in checks
+        if c.name in (f"table {tables[0]}", "storage") or c.name.startswith("storage ")
+    ]
 
 
 @pytest.fixture(scope="session")
