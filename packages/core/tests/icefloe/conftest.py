@@ -3,7 +3,6 @@ S3-compatible object store).
 
 Imported, not listed in ``pytest_plugins``: pytest only honours that in a rootdir conftest."""
 
-import logging
 from collections.abc import Iterator
 
 import pytest
@@ -14,21 +13,6 @@ from icefloe.testing.memory import MemoryPlugin
 from icefloe.testing.objectstore import s3_catalog_properties, s3_store
 
 __all__ = ["memory_server", "s3_catalog_properties", "s3_store", "sqlite_catalog"]
-
-
-@pytest.fixture(autouse=True)
-def logger_levels() -> Iterator[None]:
-    """Restore the levels and root handlers that a CLI command run in this process sets
-    (icefloe.cli.logs.configure quiets icefloe.coordinator.cycles and others): a later test on
-    the same worker asserting those loggers' lines saw none."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    loggers = {name: logging.getLogger(name).level for name in logging.root.manager.loggerDict}
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    for name in logging.root.manager.loggerDict:
-        logging.getLogger(name).setLevel(loggers.get(name, logging.NOTSET))
 
 
 @pytest.fixture

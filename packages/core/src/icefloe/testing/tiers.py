@@ -13,9 +13,18 @@ without a fixture), else, first match wins: ``e2e`` under a ``tier_e2e_paths`` d
 ``tier_spark_fixtures`` or ``tier_integration_fixtures``; else ``unit``. Two tier markers on
 one test, or ``unit`` on one that uses a server fixture, stop the run. The markers are
 registered here too when a configuration does not list them (this repository's do).
+
+It also starts every test from the logging set-up the run began with (levels of every logger,
+the root's handlers): a CLI command run in-process (``icefloe.cli.logs.configure``) quiets
+loggers such as ``icefloe.coordinator.cycles``, and a later test on the same worker, in any
+package, that asserts their lines saw none.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -48,8 +57,43 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@dataclass
+class _LoggingSetUp:
+    """The levels of every logger and the root's handlers, as the run began."""
+
+    handlers: list[logging.Handler] = field(default_factory=list)
+    levels: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def now(cls) -> _LoggingSetUp:
+        names = ["", *logging.root.manager.loggerDict]
+        return cls(
+            list(logging.getLogger().handlers), {n: logging.getLogger(n).level for n in names}
+        )
+
+    def restore(self) -> None:
+        logging.getLogger().handlers[:] = self.handlers
+        for name in ["", *logging.root.manager.loggerDict]:
+            logging.getLogger(name).setLevel(self.levels.get(name, logging.NOTSET))
+
+
+_INITIAL: list[_LoggingSetUp] = []
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_the_run_began() -> Iterator[None]:
+    """Restore the run's initial logging set-up around each test (see the module docstring)."""
+    if _INITIAL:
+        _INITIAL[0].restore()
+    yield
+    if _INITIAL:  # also after it, so a test that changes logging cleans up itself
+        _INITIAL[0].restore()
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the tiers a configuration left out (``--strict-markers`` refuses unknown ones)."""
+    """Register the tiers a configuration left out (``--strict-markers`` refuses unknown ones);
+    note the logging set-up the run begins with."""
+    _INITIAL[:] = [_LoggingSetUp.now()]
     known = {line.split(":")[0].split("(")[0].strip() for line in config.getini("markers")}
     for tier, meaning in TIERS.items():
         if tier not in known:
