@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             reader = fastavro.reader(stream)
             schema = fastavro.parse_schema(reader.writer_schema)
             metadata = {k: v for k, v in reader.metadata.items() if not k.startswith("avro.")}
-            records: list[dict[str, Any]] = list(reader)
+            records = [r for r in reader if isinstance(r, dict)]  # a manifest's are records
 
         def fastavro_manifest() -> Path:
             path = out / f"{uuid.uuid4()}-m0.avro"

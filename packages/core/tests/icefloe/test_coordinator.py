@@ -1095,7 +1095,9 @@ def test_a_commit_records_the_source_offsets_of_a_writer_dropped_as_dead(
         head = make.catalog.load_table(t).current_snapshot()
         assert head is not None
         assert head.summary is not None
-        assert json.loads(head.summary[SOURCE_OFFSETS_KEY]) == reached
+        recorded = head.summary[SOURCE_OFFSETS_KEY]
+        assert recorded is not None
+        assert json.loads(recorded) == reached
 
 
 def test_recovery_and_reading_stop_at_max_pending_files(
