@@ -5,8 +5,9 @@ The real :class:`~icefloe.coordination.coordinator.Coordinator`,
 :class:`~icefloe.coordination.writer.WriterClient` over the in-memory reference channel and a
 real SQLite pyiceberg catalog with real Parquet files (on tmpfs), driven by Hypothesis's stateful
 testing: every schedule is a random sequence of rules (publishes, re-announcements, stale
-events, crashes at the k-th write of a cycle, zombies, another engine changing the table,
-maintenance, a backend swap, ...), and a failing schedule is shrunk to a minimal one.
+events, crashes at the k-th write of a cycle or in a compaction round, zombies, another
+engine changing, rewriting or recreating a table (also between a cycle's screening and its
+commit), maintenance, a backend swap, ...), and a failing schedule is shrunk to a minimal one.
 
 Nothing waits on a clock: the channel never blocks (one thread drives everything, so a wait
 could only time out), cycles ask no writer (partial cycles), retries back off by zero seconds,
@@ -470,6 +471,9 @@ class World(RuleBasedStateMachine):
         self.key_type = "long"
         self.bound: int | None = None  # max_pending_files of the pipeline's coordinators
         self.bounded = False  # a coordinator under a memory bound committed (KNOWN, below)
+        self.compacting: tuple[str, ...] = ()  # tables the pipeline compacts between cycles
+        self.compaction_crash: str | None = None  # "during"/"after": the next round dies there
+        self.between: Callable[[], None] | None = None  # another engine, after screening
         self.config = self._config()
         self.settings = self._settings()
         self.writers: dict[str, WriterClient] = {}
@@ -497,8 +501,18 @@ class World(RuleBasedStateMachine):
                 "name": GROUP,
                 "source": {"topics": ["src"]},
                 "tables": [
-                    {"name": ROWS, "branch": self.branch, "merge_small_files": True},
-                    {"name": KEYED, "mode": "upsert", "id_columns": ["id"]},
+                    {
+                        "name": ROWS,
+                        "branch": self.branch,
+                        "merge_small_files": True,
+                        **self.compaction(ROWS),
+                    },
+                    {
+                        "name": KEYED,
+                        "mode": "upsert",
+                        "id_columns": ["id"],
+                        **self.compaction(KEYED),
+                    },
                 ],
                 "errors": {"policy": "dead_letter", "dead_letter_table": DEAD},
                 "catalog": {"name": "sim", "properties": self.catalog_properties},
@@ -518,7 +532,20 @@ class World(RuleBasedStateMachine):
             quarantine_after_failures=3,
             max_pending_files=self.bound,
             policies=TablePolicies.from_config(self.config),
+            compaction_budget_s=1e9,  # no clock: a round always finishes, the same on replay
         )
+
+    def compaction(self, name: str) -> dict[str, Any]:
+        """The ``compact*`` keys of a table the pipeline compacts, thresholds so low that any
+        two files or one delete file in a partition start a rewrite."""
+        if name not in self.compacting:
+            return {}
+        return {
+            "compact": True,
+            "compact_delete_ratio": 0.01,
+            "compact_delete_files": 1,
+            "compact_small_files": 2,
+        }
 
     # ------------------------------------------------------------------ plumbing
 
@@ -554,7 +581,11 @@ class World(RuleBasedStateMachine):
 
     def coordinator(self, max_pending_files: int | None = None) -> Coordinator:
         name = self.name("c")
-        hooks = CoordinatorHooks(after_lease_check=self._after_lease_check)
+        hooks = CoordinatorHooks(
+            after_lease_check=self._after_lease_check,
+            during_compaction=lambda table: self._compaction_point("during", table),
+            after_compaction=lambda table: self._compaction_point("after", table),
+        )
         return Coordinator(
             GROUP,
             self.backend.coordinator(name),
@@ -614,9 +645,21 @@ class World(RuleBasedStateMachine):
             if os.path.exists(local(e.file_path)):
                 self.protected.add(e.file_path)
 
+    def _compaction_point(self, when: str, table: str) -> None:
+        """A compaction round's fault point: the leader dies with the round's new files
+        written and its replace snapshot not committed ("during"), or right after it landed."""
+        EVENTS[f"compaction {when}"] += 1
+        if self.compaction_crash == when:
+            self.compaction_crash = None
+            raise SimulatedCrash(f"{when} the compaction of {table}")
+
     def _after_lease_check(self, coordinator_id: str) -> None:
         """A zombie cycle: the leader passed its lease check and pauses; its lease lapses, a
-        new leader takes over (and maybe commits) before the old one goes on."""
+        new leader takes over (and maybe commits) before the old one goes on. Or another
+        engine commits right there, between the cycle's screening and its commit."""
+        between, self.between = self.between, None
+        if between is not None:
+            between()
         if self.takeover is None or self.leader is None:
             return
         if coordinator_id != self.leader.coordinator_id:
@@ -912,11 +955,17 @@ class CommitPath(World):
         branch=st.sampled_from(["main", "audit"]),
         key_type=st.sampled_from(list(KEY_TYPES)),
         bounded=st.booleans(),
+        compact=st.sampled_from([(), (ROWS,), (KEYED,), (ROWS, KEYED)]),
     )
-    def configure(self, branch: str, key_type: str, bounded: bool) -> None:
+    def configure(
+        self, branch: str, key_type: str, bounded: bool, compact: tuple[str, ...]
+    ) -> None:
         """The append table commits to ``main`` or to a branch of its own; the keyed table's
         key has one of the identifier types; coordinators hold at most 3 pending files
-        (``max_pending_files``: reading waits for a cycle) or no bound."""
+        (``max_pending_files``: reading waits for a cycle) or no bound; the pipeline compacts
+        some of its tables between cycles (thresholds so low that most cycles are followed
+        by a round)."""
+        self.compacting = compact
         self.create_tables(branch, key_type, 3 if bounded else None)
 
     @rule(shape=SHAPES)
@@ -1253,6 +1302,84 @@ class CommitPath(World):
         self.server = _SERVERS[str(self.dir)] = SimServer(self.faults)
         EVENTS["drain and swap"] += 1
         self.backend = MemoryBackend(self.server, GROUP, 3600.0)
+
+    # ------------------------------------------------------------------ compaction, fast append
+
+    @rule(when=st.sampled_from(["during", "after"]))
+    def crash_in_compaction(self, when: str) -> None:
+        """The leader commits and dies in the compaction round that follows: its new files
+        written and the replace snapshot not committed, or right after the snapshot landed
+        (before the next cycle). A cycle with no round is a plain cycle."""
+        leader = self.lead()
+        self.compaction_crash = when
+        try:
+            self.cycle(leader)
+        except SimulatedCrash:
+            EVENTS[f"crash {when} compaction"] += 1
+            self.crashed()
+        finally:
+            self.compaction_crash = None
+
+    @rule(keyed=st.booleans())
+    def foreign_rewrite(self, keyed: bool) -> None:
+        """Another engine rewrites the table's files on the branch the pipeline commits to:
+        an overwrite of every file with the same rows (as its compaction or a copy-on-write
+        rewrite would), the pipeline's files among them."""
+        name = KEYED if keyed else ROWS
+        table = self.catalog.load_table(name)
+        branch = self.committer().branch_of(name)
+        head = table.snapshot_by_name(branch)
+        if head is None:
+            return
+        table.overwrite(table.scan(snapshot_id=head.snapshot_id).to_arrow(), branch=branch)
+        EVENTS["foreign rewrite"] += 1
+
+    @rule(
+        what=st.sampled_from(["append", "rewrite", "add_column", "repartition"]),
+        keyed=st.booleans(),
+    )
+    def foreign_commit_between(self, what: str, keyed: bool) -> None:
+        """A cycle during which another engine commits right after the pipeline screened its
+        files and before its commit (the version screening loaded, which the commit may
+        reuse, is then stale): an append, a rewrite, a new column or a partition-spec change."""
+        actions: dict[str, Callable[[], None]] = {
+            "append": lambda: self.foreign_append(1, keyed),
+            "rewrite": lambda: self.foreign_rewrite(keyed),
+            "add_column": lambda: self.foreign_add_column(keyed),
+            "repartition": lambda: self.foreign_repartition(keyed),
+        }
+        leader = self.lead()
+
+        def between() -> None:
+            EVENTS[f"foreign {what} between screening and commit"] += 1
+            actions[what]()
+
+        self.between = between
+        try:
+            self.cycle(leader)
+        finally:
+            self.between = None
+
+    @rule(dead=st.booleans(), partitioned=st.booleans())
+    def foreign_recreate(self, dead: bool, partitioned: bool) -> None:
+        """Another engine drops an append table and creates it again under the same name (at
+        the same location; partitioned or not): the rows it held are gone, the batches still
+        pending go to the new table or to quarantine, and no cached version of the old table
+        may be used."""
+        name = DEAD if dead else ROWS
+        table = self.catalog.load_table(name)
+        branch = self.committer().branch_of(name)
+        self.discarded.update(
+            i for i in (int(r[0]) for r in read_ref(table, branch, ["id"])) if i > 0
+        )
+        if name == ROWS:
+            self.foreign_live.clear()
+        self.catalog.drop_table(name)
+        spec = BUCKETS if partitioned else PartitionSpec()
+        self.catalog.create_table(
+            name, ROWS_SCHEMA, partition_spec=spec, properties=recommended_properties()
+        )
+        EVENTS["foreign recreate"] += 1
 
 
 def _plain(value: Any) -> Any:
