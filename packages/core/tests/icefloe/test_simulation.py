@@ -474,6 +474,7 @@ class World(RuleBasedStateMachine):
         self.compacting: tuple[str, ...] = ()  # tables the pipeline compacts between cycles
         self.compaction_crash: str | None = None  # "during"/"after": the next round dies there
         self.between: Callable[[], None] | None = None  # another engine, after screening
+        self.dropped: set[int] = set()  # ids of an append table another engine recreated
         self.config = self._config()
         self.settings = self._settings()
         self.writers: dict[str, WriterClient] = {}
@@ -883,6 +884,7 @@ class World(RuleBasedStateMachine):
             for i, label in expected.items()
             if got[i] + held[i] != (0 if i in self.discarded else 1)
             and not (i in self.requarantined and (got[i], held[i]) == (1, 1))  # KNOWN, above
+            and not (i in self.dropped and (got[i], held[i]) == (0, 1))  # see foreign_recreate
         }
         unknown = sorted(i for i in got if i > 0 and i not in expected)
         doubled = sorted(i for i, n in got.items() if i < 0 and n > 1 and i not in self.rogue)
@@ -1337,11 +1339,14 @@ class CommitPath(World):
     @rule(
         what=st.sampled_from(["append", "rewrite", "add_column", "repartition"]),
         keyed=st.booleans(),
+        shape=SHAPES,
     )
-    def foreign_commit_between(self, what: str, keyed: bool) -> None:
-        """A cycle during which another engine commits right after the pipeline screened its
-        files and before its commit (the version screening loaded, which the commit may
-        reuse, is then stale): an append, a rewrite, a new column or a partition-spec change."""
+    def foreign_commit_between(self, what: str, keyed: bool, shape: Shape) -> None:
+        """A writer batch, then a cycle during which another engine commits right after the
+        pipeline screened its files and before its commit (the version screening loaded,
+        which the commit may reuse, is then stale): an append, a rewrite, a new column or a
+        partition-spec change."""
+        self.batch(shape)
         actions: dict[str, Callable[[], None]] = {
             "append": lambda: self.foreign_append(1, keyed),
             "rewrite": lambda: self.foreign_rewrite(keyed),
@@ -1369,9 +1374,13 @@ class CommitPath(World):
         name = DEAD if dead else ROWS
         table = self.catalog.load_table(name)
         branch = self.committer().branch_of(name)
-        self.discarded.update(
-            i for i in (int(r[0]) for r in read_ref(table, branch, ["id"])) if i > 0
-        )
+        gone = {i for i in (int(r[0]) for r in read_ref(table, branch, ["id"])) if i > 0}
+        self.discarded |= gone
+        # a batch committed to the old table whose cycle died before it stored its channel
+        # position is read again and refused (its files name the old table's uuid): its rows
+        # are then in quarantine, not back in the table. Not a defect: nothing but the dropped
+        # table knew it took them.
+        self.dropped |= gone
         if name == ROWS:
             self.foreign_live.clear()
         self.catalog.drop_table(name)
