@@ -1345,21 +1345,23 @@ class CommitPath(World):
         EVENTS["foreign rewrite"] += 1
 
     @rule(
-        what=st.sampled_from(["append", "rewrite", "add_column", "repartition"]),
+        what=st.sampled_from(["append", "rewrite", "add_column", "repartition", "recreate"]),
         keyed=st.booleans(),
         shape=SHAPES,
     )
     def foreign_commit_between(self, what: str, keyed: bool, shape: Shape) -> None:
         """A writer batch, then a cycle during which another engine commits right after the
         pipeline screened its files and before its commit (the version screening loaded,
-        which the commit may reuse, is then stale): an append, a rewrite, a new column or a
-        partition-spec change."""
+        which the commit may reuse, is then stale): an append, a rewrite, a new column, a
+        partition-spec change, or the append table (``keyed``: the dead-letter table) dropped
+        and created again."""
         self.batch(shape)
         actions: dict[str, Callable[[], None]] = {
             "append": lambda: self.foreign_append(1, keyed),
             "rewrite": lambda: self.foreign_rewrite(keyed),
             "add_column": lambda: self.foreign_add_column(keyed),
             "repartition": lambda: self.foreign_repartition(keyed),
+            "recreate": lambda: self.foreign_recreate(keyed, True),
         }
         leader = self.lead()
 
