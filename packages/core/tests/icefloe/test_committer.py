@@ -608,6 +608,24 @@ def test_screen_refuses_only_the_bad_files(catalog: SqlCatalog, table: Table) ->
     assert snapshot_count(catalog) == 0
 
 
+def test_a_file_of_another_incarnation_of_the_table_is_refused_in_every_copy(
+    catalog: SqlCatalog, table: Table
+) -> None:
+    """Found by the simulation (seeds 23001, 23003): a batch's files
+    announced again under another writer id without a table uuid, the table dropped and
+    created again under the same name and location: the original copy (the dropped table's
+    uuid) was quarantined and the other committed, so the rows were in both places."""
+    [meta] = write(table, [1])
+    stale = [PendingFile(meta, "w1", 0, "0", 0, table_uuid=str(uuid.uuid4()))]
+    again = [PendingFile(meta, "r1", 0, "0", 1)]  # no uuid: a writer that lost its identity
+    screening = IcebergCommitter(catalog, GROUP).screen("db.events", stale + again)
+    assert screening.accepted == ()
+    assert [(f.writer_id, type(e)) for f, e in screening.refused] == [
+        ("w1", TableMismatchError),
+        ("r1", TableMismatchError),
+    ]
+
+
 def test_screen_of_a_missing_table_is_a_permanent_table_error(catalog: SqlCatalog) -> None:
     with pytest.raises(TableMissingError):
         IcebergCommitter(catalog, GROUP).screen("db.nope", [])

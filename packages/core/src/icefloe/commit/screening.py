@@ -87,6 +87,17 @@ def screen(
         verdicts.append((f, error))
         if covered:
             held.add(f.meta.path)
+    # a file written for another incarnation of the table (a dropped table of the same name
+    # and location) is refused in every copy the table does not hold already: announced again
+    # without a uuid (a writer under a new id, a forgery) it was committed while the copy with
+    # the uuid was quarantined, its rows in both places (found by the simulation)
+    foreign = {
+        canonical_path(f.meta.path): e for f, e in verdicts if isinstance(e, TableMismatchError)
+    }
+    verdicts = [
+        (f, e if e is not None or f.meta.path in held else foreign.get(canonical_path(f.meta.path)))
+        for f, e in verdicts
+    ]
     sunk = _sunk_keyed_batches(verdicts)
     accepted: list[PendingFile] = []
     refused: list[tuple[PendingFile, RefusedFileError]] = []
