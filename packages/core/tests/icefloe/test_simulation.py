@@ -389,6 +389,7 @@ class Batch:
     rows: dict[str, list[int]] = field(default_factory=dict)  # ids per table of APPENDED
     changes: dict[int, int | None] = field(default_factory=dict)  # KEYED: key -> value / delete
     source: tuple[int, int] | None = None  # the source partition and offset it read
+    uuids: dict[str, str] = field(default_factory=dict)  # table -> uuid it was written for
 
     @property
     def label(self) -> str:
@@ -576,11 +577,14 @@ class World(RuleBasedStateMachine):
         client.start()
         return client
 
-    def announce(self, files: dict[str, list[DataFileMeta]], prefix: str) -> None:
-        """Files announced once by a writer under a new id."""
+    def announce(
+        self, files: dict[str, list[DataFileMeta]], prefix: str, uuids: dict[str, str] | None = None
+    ) -> None:
+        """Files announced once by a writer under a new id (with the uuids of the tables they
+        were written for, as icefloe's writers always send them, or none)."""
         client = self.client(self.name(prefix))
         try:
-            client.publish(0, files, [])
+            client.publish(0, files, [], {n: u for n, u in (uuids or {}).items() if n in files})
         finally:
             client.close()
 
@@ -682,6 +686,7 @@ class World(RuleBasedStateMachine):
         batch.source = (int(client.writer_id[1:]), batch.seq)
         positions = [SourcePosition(SOURCE, batch.source[0], batch.seq + 1, None)]
         uuids = {n: str(self.catalog.load_table(n).metadata.table_uuid) for n in batch.files}
+        batch.uuids = uuids
         try:
             published = client.publish(batch.seq, batch.files, positions, uuids)
         except WriterFencedError:
@@ -1000,7 +1005,9 @@ class CommitPath(World):
         """An earlier batch's very files announced again under a new writer id (a writer that
         lost its identity, or a forged announcement): no record may land twice."""
         old = self.batches[pick % len(self.batches)]
-        self.announce(self.not_rewritten(dict(old.files)), "r")
+        # the writer that lost its identity still names the table it wrote for (a file of a
+        # dropped table must not land in the one created again under its name)
+        self.announce(self.not_rewritten(dict(old.files)), "r", old.uuids)
 
     @precondition(lambda self: bool(self.server.batches))
     @rule(pick=st.integers(0, 1 << 16))
