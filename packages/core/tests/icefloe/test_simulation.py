@@ -1396,6 +1396,9 @@ class CommitPath(World):
         # are then in quarantine, not back in the table. Not a defect: nothing but the dropped
         # table knew it took them.
         self.dropped |= gone
+        # rows a rollback took out for a replay go with the table too: the new table knows no
+        # rollback, so none is replayed into it
+        self.discarded |= self.awaiting.pop(name, set())
         if name == ROWS:
             self.foreign_live.clear()
         self.catalog.drop_table(name)
