@@ -9,6 +9,7 @@ is read with pyiceberg, never with the committer's code.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import subprocess
 import sys
@@ -59,6 +60,10 @@ def assert_each_key_once(catalog: Catalog, table: str, upto: int) -> None:
 
 def has_all(catalog: Catalog, table: str, upto: int) -> bool:
     return set(keys_of(table, upto)) <= set(table_ids(catalog, table))
+
+
+def has_both(catalog: Catalog, upto: int) -> bool:
+    return has_all(catalog, A, upto) and has_all(catalog, B, upto)
 
 
 def head_ancestry(catalog: Catalog, table: str) -> list[int]:
@@ -121,9 +126,13 @@ def test_rolled_back_table_gets_its_rows_again_exactly_once_and_no_other_table_c
     config_file.write_text(tomli_w.dumps(data))
     config = config_from_dict(data)
 
-    produce_json(bootstrap, topic, range(300))
     with Pipeline(config, spark=spark):
-        wait_until(lambda: has_all(catalog, A, 300) and has_all(catalog, B, 300), WAIT_S, "300")
+        # three rounds, each committed before the next is produced: at least three snapshots
+        # of A to roll back over, whatever the batch sizes and commit timing (one backlog of
+        # 300 was sometimes committed in two)
+        for upto in (100, 200, 300):
+            produce_json(bootstrap, topic, range(upto - 100, upto))
+            wait_until(functools.partial(has_both, catalog, upto), WAIT_S, str(upto))
         ours = [s.snapshot_id for s in group_snapshots(catalog, A, group)]
         assert len(ours) >= 3, "want several snapshots to roll back over"
         b_before = [s.snapshot_id for s in group_snapshots(catalog, B, group)]
