@@ -50,6 +50,14 @@ COMMIT_CYCLE_SECONDS = Histogram(
     "Duration of a commit cycle, from StartCommit to the last table commit.",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+TABLE_COMMIT_SECONDS = Histogram(
+    "icefloe_table_commit_seconds",
+    "Duration of one table's part of a cycle (screening and its Iceberg commit): with many "
+    "tables, the shape of this decides the cycle time and what commit_parallelism can gain.",
+    # one histogram for every table, not one per table: hundreds of tables times the buckets
+    # would swamp a Prometheus server; the slow tables show in the log and in status
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 TABLE_COMMITS = Counter("icefloe_table_commits", "Iceberg commits made, per table.", ["table"])
 FILES_QUARANTINED = Counter(
     "icefloe_files_quarantined",

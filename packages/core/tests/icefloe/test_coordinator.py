@@ -1365,6 +1365,35 @@ def test_a_table_failing_in_one_worker_does_not_stop_the_others(
     assert make.backend.server.stored_position(group_id) == coord.read_position
 
 
+def test_each_table_commit_is_timed_once_and_a_failed_one_not(
+    make: _Factory, group_id: str
+) -> None:
+    """``icefloe_table_commit_seconds`` gets one observation per table committed in a
+    parallel cycle (the failing table none), each no longer than the cycle itself."""
+    from icefloe import metrics
+
+    def samples() -> tuple[float, float]:
+        got = {s.name: s.value for m in metrics.TABLE_COMMIT_SECONDS.collect() for s in m.samples}
+        return got["icefloe_table_commit_seconds_count"], got["icefloe_table_commit_seconds_sum"]
+
+    source = RowSource.create(make.catalog, PAR_TABLES)
+    w = make.writer("w")
+    coord = make.coordinator(
+        hooks=CoordinatorHooks(before_table_commit=fail_once(PAR_TABLES[0])),
+        commit_parallelism=4,
+    )
+    lead(coord)
+    wait_pending(coord, source.publish(w, 0).file_count)
+    count, total = samples()
+    started = time.monotonic()
+    result = coord.commit_now()
+    took = time.monotonic() - started
+    assert set(result.failed) == {PAR_TABLES[0]}
+    count_after, total_after = samples()
+    assert count_after - count == len(PAR_TABLES) - 1
+    assert 0 < total_after - total <= took * (len(PAR_TABLES) - 1)
+
+
 def test_deposed_leaders_parallel_commits_are_refused_per_table(
     make: _Factory, group_id: str
 ) -> None:

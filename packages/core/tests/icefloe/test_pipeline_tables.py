@@ -28,7 +28,7 @@ from icefloe.config import load_config
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.ops.maintenance import maintain
-from icefloe.ops.status import collect
+from icefloe.ops.status import collect, render_lines
 from icefloe.ops.tables import committed_tables
 from icefloe.plugins.manager import Plugins, new_plugins
 from icefloe.testing.fixtures import (
@@ -192,6 +192,17 @@ def test_status_and_maintain_cover_dead_letter_and_dynamic_tables(stopped: Stopp
     assert shown == dict.fromkeys(ALL, 1)
     lines = maintain(config)
     assert sorted({line.split(":")[0] for line in lines}) == sorted(set(ALL) - {FRESH})
+
+
+def test_status_names_the_leaders_committers(stopped: Stopped) -> None:
+    """The committers are the leader's threads: as many as ``commit_parallelism`` says."""
+    config = load_config(stopped.path)
+    config = config.model_copy(
+        update={"coordination": config.coordination.model_copy(update={"commit_parallelism": 3})}
+    )
+    status = collect(config)
+    assert status.committers == 3
+    assert "  committers 3 (threads of the leader)" in render_lines(status)
 
 
 def test_committed_tables_are_found_by_the_groups_property_in_nested_namespaces(

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+from icefloe import metrics
 from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import FailingTable, Quarantine, QuarantineEntry
@@ -315,6 +316,7 @@ class CommitCycle:
         changed only under ``self._shared``."""
         reader = self._reader
         outcome = _TableOutcome(table)
+        started = time.monotonic()
         with self._shared:
             files = tuple(reader.pending[table])
         try:
@@ -358,6 +360,8 @@ class CommitCycle:
             return outcome
         with self._shared:
             self._committing(table)
+        if outcome.result is not None:
+            metrics.TABLE_COMMIT_SECONDS.observe(time.monotonic() - started)
         return outcome
 
     def _compact(self, results: Sequence[TableCommitResult]) -> None:

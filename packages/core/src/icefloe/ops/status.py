@@ -68,6 +68,7 @@ class PipelineStatus:
     tables: list[TableStatus] = field(default_factory=list)
     dead_lettered: int | None = None  # rows in the dead-letter table
     channel_stall: str | None = None  # why a reader of the channel cannot reach its end
+    committers: int = 1  # threads of the leader committing a cycle's tables at once
 
     @property
     def stuck(self) -> bool:
@@ -316,6 +317,7 @@ def collect(config: PipelineConfig) -> PipelineStatus:
         tables,
         _dead_lettered(catalog, config),
         channel_stall,
+        config.coordination.commit_parallelism,
     )
 
 
@@ -337,6 +339,9 @@ def render_lines(status: PipelineStatus) -> list[str]:
         )
         writers = "?" if b.writers is None else f"{len(b.writers)} ({', '.join(b.writers)})"
         out.append(f"  writers {writers}")
+        # who commits: the leader decides each cycle and commits its tables on this many
+        # threads (coordination.commit_parallelism); icefloe_table_commit_seconds times them
+        out.append(f"  committers {status.committers} (threads of the leader)")
     if status.dead_lettered is not None:
         out.append(f"  dead-lettered records {status.dead_lettered}")
     if status.channel_stall is not None:
