@@ -565,23 +565,24 @@ class IcebergCommitter:
             state is None
             or (kept.snapshot_id, kept.commit_id) != (state.snapshot_id, state.commit_id)
         ):
-            expired = None if state is not None else self._expired(table, head, kept, truncated)
-            if kept.snapshot_id in branches.history(head, metadata) or expired:
-                # re-anchored by an accepted rollback, or expired (the group's snapshots, or
-                # another engine's between the kept one and the head)
+            # in the history: re-anchored by an accepted rollback
+            expired: bool | None = kept.snapshot_id in branches.history(head, metadata)
+            if not expired and state is None:
+                expired = self._expired(table, head, kept, truncated)
+            if expired:
                 state = kept
             elif state is None and (truncated or expired is None):
                 raise RollbackNotReplayableError(
                     f"table '{table_name(table)}': its branch's history no longer reaches the "
                     f"pipeline's snapshot {kept.snapshot_id}; it stops at an expired snapshot "
                     "(or begins after that one), and nothing shows that it descends from it "
-                    "(the branch lacks files that snapshot held): rolled back to a snapshot whose "
-                    "older history was expired, or another engine expired snapshots between and "
-                    "deleted those files. What it holds of "
-                    f"pipeline '{self._group_id}' is unknown, so nothing can be replayed "
-                    "exactly. Fix: roll back to a snapshot the pipeline made, or go on from what "
-                    "the table holds (accepting a rollback without a replay): icefloe rollback "
-                    f"--config <pipeline.toml> {table_name(table)} <snapshot id> --no-replay"
+                    "(the branch lacks files that snapshot held): rolled back to a snapshot "
+                    "whose older history was expired, or another engine expired snapshots "
+                    "between and deleted those files. What it holds of pipeline "
+                    f"'{self._group_id}' is unknown, so nothing can be replayed exactly. Fix: "
+                    "roll back to a snapshot the pipeline made, or go on from what the table "
+                    "holds (accepting a rollback without a replay): icefloe rollback --config "
+                    f"<pipeline.toml> {table_name(table)} <snapshot id> --no-replay"
                 )
             else:
                 rollback = detect(
@@ -627,7 +628,7 @@ class IcebergCommitter:
         sequence = kept_sequence_number(table, self._group_id, self._branch_for(table))
         verdict = line.descends(sequence)
         if verdict is not None or not (truncated or line.after(sequence)):
-            return bool(verdict)  # not cut short: its line runs down to a root without it
+            return bool(verdict)  # told by the line, or it runs down to a root without it
         snapshot = table.metadata.snapshot_by_id(kept.snapshot_id)
         if snapshot is not None:
             kept_on = self._descends(table, head, snapshot) or self._holds(table, head, snapshot)
