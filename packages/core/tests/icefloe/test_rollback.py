@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import tomli_w
 from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.io.pyarrow import schema_to_pyarrow
 from typer.testing import CliRunner
 
 from icefloe.cli.main import app
@@ -36,11 +37,15 @@ from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ConfigError, RollbackNotReplayableError
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import (
+    KEYED_ROWS_SCHEMA,
     assert_exactly_once,
+    commit_changes,
     create_rows_table,
+    group_snapshots,
     make_sqlite_catalog,
     rows_table,
     sqlite_catalog_properties,
+    table_ids,
     write_rows,
 )
 from icefloe.testing.harness import Batch, RowSource, drive, lead, wait_pending
@@ -486,3 +491,91 @@ def test_replayed_rows_are_not_joined_by_their_old_files_announced_again(
     finally:
         pipe.close()
     assert_exactly_once(catalog, ROWS, source.expected[ROWS])
+
+
+KEYED = "db.keyed"
+
+
+def keyed_table(tmp_path: Path) -> SqlCatalog:
+    """A catalog with the upsert table :data:`KEYED` (no snapshot yet)."""
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    catalog.create_namespace("db")
+    catalog.create_table(KEYED, schema=KEYED_ROWS_SCHEMA)
+    return catalog
+
+
+def foreign_append(catalog: SqlCatalog, ids: list[int]) -> int:
+    """Another engine appends rows of its own; returns its snapshot id."""
+    table = catalog.load_table(KEYED)
+    table.append(rows_table(ids, "x", 0).cast(schema_to_pyarrow(table.schema())))
+    head = catalog.load_table(KEYED).current_snapshot()
+    assert head is not None
+    return head.snapshot_id
+
+
+def delete_only(catalog: SqlCatalog, key: int, batch_seq: int) -> int:
+    """The pipeline commits a batch that only deletes ``key``: a position delete file when a
+    row holds it, no file at all when none does. Returns its snapshot id."""
+    commit_changes(catalog, "pipe", KEYED, deletes=[key], batch_seq=batch_seq)
+    [*_, ours] = group_snapshots(catalog, KEYED, "pipe")
+    return ours.snapshot_id
+
+
+def expire(catalog: SqlCatalog, snapshot_id: int) -> None:
+    catalog.load_table(KEYED).maintenance.expire_snapshots().by_id(snapshot_id).commit()
+
+
+@pytest.mark.parametrize(
+    "gap",
+    ["its empty snapshot expired", "the one after its empty one", "the one after its deletes"],
+)
+def test_another_engine_expiring_around_a_delete_only_keyed_snapshot_is_no_rollback(
+    tmp_path: Path, gap: str
+) -> None:
+    """The pipeline's newest snapshot only deletes (nothing at all where no row holds the key,
+    as the simulation found: seed 50030; else a position delete file), another engine appends
+    twice and expires the pipeline's snapshot, or the one between it and the head. Nothing was
+    rolled back: the next batch commits. Before: the first took the missing snapshot for a
+    rollback to nothing (RollbackPendingError: a keyed table's rollback is never replayed, so
+    the table waited for good), the others refused with RollbackNotReplayableError (the check
+    for a gap looked for a data file the kept snapshot added, and it added none)."""
+    catalog = keyed_table(tmp_path)
+    try:
+        if gap == "the one after its deletes":
+            commit_changes(catalog, "pipe", KEYED, upserts=[1, 2], batch_seq=0)
+            ours = delete_only(catalog, 1, 1)  # a position delete file
+            kept = [2, 100, 101]
+        else:
+            ours = delete_only(catalog, 7, 0)  # no row holds key 7: an empty snapshot
+            kept = [100, 101]
+        between = foreign_append(catalog, [100])
+        foreign_append(catalog, [101])
+        expire(catalog, ours if gap == "its empty snapshot expired" else between)
+        assert IcebergCommitter(catalog, "pipe").rollback(KEYED) is None
+        commit_changes(catalog, "pipe", KEYED, upserts=[5], deletes=[101], batch_seq=2)
+        assert table_ids(catalog, KEYED) == sorted([*kept[:-1], 5])
+    finally:
+        catalog.engine.dispose()
+
+
+@pytest.mark.parametrize("key", [1, 7], ids=["position delete", "no row held the key"])
+def test_a_rollback_below_a_delete_only_keyed_snapshot_is_still_one(
+    tmp_path: Path, key: int
+) -> None:
+    """The converse: another tool rolls the branch back below the pipeline's only snapshot (a
+    delete-only one), another engine appends, and that snapshot is expired. The branch's line
+    reaches a snapshot older than it without passing it: still a rollback (to nothing), never
+    taken for an expiry with the pipeline's deletes silently undone."""
+    catalog = keyed_table(tmp_path)
+    try:
+        restored = foreign_append(catalog, [1, 2])
+        ours = delete_only(catalog, key, 0)
+        with catalog.load_table(KEYED).manage_snapshots() as refs:
+            refs.create_branch(restored, "main")
+        foreign_append(catalog, [100])
+        expire(catalog, ours)
+        rollback = IcebergCommitter(catalog, "pipe").rollback(KEYED)
+    finally:
+        catalog.engine.dispose()
+    assert rollback is not None
+    assert (rollback.restored_snapshot_id, rollback.lost_snapshot_id) == (None, ours)

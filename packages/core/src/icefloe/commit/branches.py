@@ -8,6 +8,9 @@ unreferenced root snapshot (summary ``icefloe.branch-root``) comes first to fork
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
+
 from pyiceberg.manifest import ManifestContent, ManifestEntryStatus
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
@@ -17,6 +20,8 @@ from pyiceberg.table.snapshots import Snapshot, ancestors_of
 from icefloe.commit.request import table_name
 from icefloe.commit.summary import BRANCH_ROOT_KEY
 from icefloe.errors import CommitError
+
+DELETES = ManifestContent.DELETES
 
 
 def branch_head(table: Table, branch: str) -> tuple[Snapshot | None, int | None]:
@@ -41,19 +46,73 @@ def history(head: Snapshot | None, metadata: TableMetadata) -> set[int]:
     return {s.snapshot_id for s in ancestors_of(head, metadata)}
 
 
-def added_data_files(table: Table, snapshot: Snapshot) -> set[str]:
-    """Paths of the data files ``snapshot`` added (its manifests' entries added by it).
+def added_files(table: Table, snapshot: Snapshot) -> tuple[set[str], set[str]]:
+    """Paths of the data files and of the delete files ``snapshot`` added (its manifests'
+    entries added by it).
 
     Why: a descendant of ``snapshot`` still references those it did not delete, and a
     snapshot that does not descend from it (a rollback below it) references none of them, so
-    they tell the two apart where the parent links between were expired."""
+    they tell the two apart where the parent links between were expired. Delete files count
+    too: a batch of an upsert/CDC table that only deletes adds no data file."""
+    added: dict[ManifestContent, set[str]] = {ManifestContent.DATA: set(), DELETES: set()}
+    for m in snapshot.manifests(table.io):
+        if m.added_snapshot_id == snapshot.snapshot_id:
+            added[m.content] |= {
+                e.data_file.file_path
+                for e in m.fetch_manifest_entry(table.io, discard_deleted=True)
+                if e.status == ManifestEntryStatus.ADDED and e.snapshot_id == snapshot.snapshot_id
+            }
+    return added[ManifestContent.DATA], added[DELETES]
+
+
+def live_delete_files(table: Table, head: Snapshot | None) -> set[str]:
+    """Paths of the delete files ``head`` references (read only where the walk down a branch
+    stops at an expired snapshot, see :func:`added_files`)."""
+    if head is None:
+        return set()
     return {
         e.data_file.file_path
-        for m in snapshot.manifests(table.io)
-        if m.content == ManifestContent.DATA and m.added_snapshot_id == snapshot.snapshot_id
+        for m in head.manifests(table.io)
+        if m.content == DELETES
         for e in m.fetch_manifest_entry(table.io, discard_deleted=True)
-        if e.status == ManifestEntryStatus.ADDED and e.snapshot_id == snapshot.snapshot_id
     }
+
+
+@dataclass(frozen=True)
+class Line:
+    """The history of a branch head as far as it reaches, told against a snapshot ``target``
+    that is not in it (the group's newest, which the table property keeps).
+
+    Sequence numbers grow along every line of descent, so a line reaching a snapshot older
+    than ``target`` without passing it never descended from it (the branch was moved off it:
+    a rollback), while a line that begins after it (its oldest snapshot lost its parent to
+    expiry) may descend from it."""
+
+    oldest: Snapshot | None
+    target: int
+
+    def descends(self, sequence: int | None) -> bool | None:
+        """True or False where the line itself tells (``sequence``: the target's sequence
+        number, None when unknown); None where it cannot."""
+        if self.oldest is None:
+            return False  # no branch head: nothing of the target is left
+        if self.oldest.parent_snapshot_id == self.target:
+            return True  # the expired parent it names (Iceberg Java keeps the dangling id)
+        number = self.oldest.sequence_number
+        if sequence and number and number < sequence:
+            return False
+        return None
+
+    def after(self, sequence: int | None) -> bool:
+        """Whether the line begins after the target (its oldest snapshot is newer)."""
+        number = None if self.oldest is None else self.oldest.sequence_number
+        return bool(sequence and number and number > sequence)
+
+
+def line(head: Snapshot | None, metadata: TableMetadata, target: int) -> Line:
+    """The :class:`Line` of ``head`` told against the snapshot ``target``."""
+    last = deque(ancestors_of(head, metadata), maxlen=1)
+    return Line(last[0] if last else None, target)
 
 
 def needs_root(table: Table, branch: str) -> bool:

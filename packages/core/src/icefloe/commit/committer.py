@@ -87,12 +87,15 @@ from icefloe.commit.rollback import Rollback, detect, is_replay_writer, lost_cha
 from icefloe.commit.screening import Screening
 from icefloe.commit.summary import (
     FENCING_TOKEN_KEY,
+    SEQUENCE_NUMBER_KEY,
     RecordedCommit,
     compact_json,
     drained_property,
     fencing_token_property,
     find_recorded,
     kept_record,
+    kept_sequence_number,
+    kept_state,
     new_summary,
     property_token,
     recorded_token,
@@ -174,6 +177,8 @@ class IcebergCommitter:
         self._side_files = SideFiles()
         self._ownership = Ownership(group_id)
         self._versions = KnownVersions()
+        # (table, snapshot id): kept snapshots taken as expired without proof (logged once)
+        self._assumed_expired: set[tuple[str, int]] = set()
         # per table: the merged originals deleted after its last commit here (not to look for)
         self._deleted: dict[str, set[str]] = {}
 
@@ -280,6 +285,9 @@ class IcebergCommitter:
                 kept["summary"] = self._rolled_back(loaded, [head, lost], target, kept["summary"])
                 if not replay:
                     kept["snapshot-id"] = target
+                    restored = loaded.metadata.snapshot_by_id(target)
+                    assert restored is not None  # it is in the branch history
+                    kept[SEQUENCE_NUMBER_KEY] = restored.sequence_number
                 tx.set_properties({prop: compact_json(kept)})
             try:
                 tx.commit_transaction()
@@ -557,23 +565,24 @@ class IcebergCommitter:
             state is None
             or (kept.snapshot_id, kept.commit_id) != (state.snapshot_id, state.commit_id)
         ):
-            snapshot = metadata.snapshot_by_id(kept.snapshot_id)
-            if (
-                kept.snapshot_id in branches.history(head, metadata)
-                or (snapshot is None and state is None and truncated)
-                or (state is None and truncated and self._descends(table, head, snapshot))
-            ):
-                # re-anchored by an accepted rollback, expired, or kept with expired history
-                # between it and the head (another engine expired snapshots in between)
+            # in the history: re-anchored by an accepted rollback
+            expired: bool | None = kept.snapshot_id in branches.history(head, metadata)
+            if not expired and state is None:
+                expired = self._expired(table, head, kept, truncated)
+            if expired:
                 state = kept
-            elif state is None and truncated:
+            elif state is None and (truncated or expired is None):
                 raise RollbackNotReplayableError(
-                    f"table '{table_name(table)}' was rolled back to a snapshot whose older "
-                    f"history was expired (its branch holds no file of the pipeline's snapshot "
-                    f"{kept.snapshot_id}): what it holds of pipeline '{self._group_id}' is "
-                    "unknown, so nothing can be replayed exactly. Fix: roll back to a snapshot the "
-                    "pipeline made, or accept the rollback without a replay: icefloe rollback "
-                    f"--config <pipeline.toml> {table_name(table)} <snapshot id> --no-replay"
+                    f"table '{table_name(table)}': its branch's history no longer reaches the "
+                    f"pipeline's snapshot {kept.snapshot_id}; it stops at an expired snapshot "
+                    "(or begins after that one), and nothing shows that it descends from it "
+                    "(the branch lacks files that snapshot held): rolled back to a snapshot "
+                    "whose older history was expired, or another engine expired snapshots "
+                    "between and deleted those files. What it holds of pipeline "
+                    f"'{self._group_id}' is unknown, so nothing can be replayed exactly. Fix: "
+                    "roll back to a snapshot the pipeline made, or go on from what the table "
+                    "holds (accepting a rollback without a replay): icefloe rollback --config "
+                    f"<pipeline.toml> {table_name(table)} <snapshot id> --no-replay"
                 )
             else:
                 rollback = detect(
@@ -609,15 +618,59 @@ class IcebergCommitter:
             boundary = replace(boundary, applied=side.applied(table, boundary.applied_file, group))
         return boundary
 
-    def _descends(self, table: Table, head: Snapshot | None, snapshot: Snapshot | None) -> bool:
+    def _expired(
+        self, table: Table, head: Snapshot | None, kept: RecordedCommit, truncated: bool
+    ) -> bool | None:
+        """Whether ``head``, whose history holds no snapshot of the group, descends from the
+        kept one (True: the snapshots between were expired by another engine), was moved off
+        its line (False: a rollback), or that cannot be told (None)."""
+        line = branches.line(head, table.metadata, kept.snapshot_id)
+        sequence = kept_sequence_number(table, self._group_id, self._branch_for(table))
+        verdict = line.descends(sequence)
+        if verdict is not None or not (truncated or line.after(sequence)):
+            return bool(verdict)  # told by the line, or it runs down to a root without it
+        snapshot = table.metadata.snapshot_by_id(kept.snapshot_id)
+        if snapshot is not None:
+            kept_on = self._descends(table, head, snapshot) or self._holds(table, head, snapshot)
+            return kept_on or None  # None: a rollback whose older history was expired, or not
+        # nothing left to compare: taken as expired, as a rollback to a snapshot older than
+        # the kept one shows in the line unless that snapshot was expired as well
+        key = (table_name(table), kept.snapshot_id)
+        if key not in self._assumed_expired:
+            self._assumed_expired.add(key)
+            logger.warning(
+                "%s: the pipeline's snapshot %d was expired and the branch's history begins "
+                "after it: taken as expired by another engine, not rolled back (a rollback "
+                "whose restored snapshot was expired as well looks the same, and is not "
+                "replayed: docs/operations.md, Rollback)",
+                *key,
+            )
+        return True
+
+    def _descends(self, table: Table, head: Snapshot | None, snapshot: Snapshot) -> bool:
         """Whether ``head`` descends from ``snapshot`` although the walk down the branch stops
-        at an expired snapshot above it: ``head`` still references a data file ``snapshot``
-        added, which no snapshot outside its line of descent does (a rollback below it
-        removed them all). False when that cannot be told (all its files deleted since)."""
-        if snapshot is None:
+        at an expired snapshot above it: ``head`` still references a file (data or delete)
+        ``snapshot`` added, which no snapshot outside its line of descent does (a rollback
+        below it removed them all). False when that cannot be told (all its files deleted
+        since, or it added none)."""
+        data, deletes = branches.added_files(table, snapshot)
+        if self._live_files.live_paths(table, head, data):
+            return True
+        return bool(deletes and deletes & branches.live_delete_files(table, head))
+
+    def _holds(self, table: Table, head: Snapshot | None, snapshot: Snapshot) -> bool:
+        """Whether ``head`` references every file (data or delete) ``snapshot`` references,
+        where the walk down the branch stops at an expired snapshot above it and
+        :meth:`_descends` cannot tell (``snapshot`` added nothing, as a batch that only
+        deletes keys no row holds): nothing it held is missing, so no rollback from it took
+        out a row or a delete, and none waits for a replay."""
+        if head is None:
             return False
-        added = branches.added_data_files(table, snapshot)
-        return bool(self._live_files.live_paths(table, head, added))
+        data = self._live_files.all_live
+        if not data(table, snapshot) <= data(table, head):
+            return False
+        deletes = branches.live_delete_files
+        return deletes(table, snapshot) <= deletes(table, head)
 
     def _for_channel(
         self, table: Table, state: RecordedCommit | None, channel_id: str | None
@@ -757,8 +810,9 @@ class IcebergCommitter:
             and fastappend.applicable(table, branch, head)
         ):
             snapshot_id = table.metadata.new_snapshot_id()
-            kept = {"snapshot-id": snapshot_id, "summary": plan.summary}
-            properties[state_property(self._group_id, branch)] = compact_json(kept)
+            properties[state_property(self._group_id, branch)] = kept_state(
+                snapshot_id, table.metadata.next_sequence_number(), plan.summary
+            )
             build = DataFileBuilder(table.metadata).build
             staged = fastappend.stage(
                 table,
@@ -796,8 +850,9 @@ class IcebergCommitter:
                 for meta in plan.appended():
                     append.append_data_file(build(meta))
             snapshot_id = append.snapshot_id
-        kept = {"snapshot-id": snapshot_id, "summary": plan.summary}
-        tx.set_properties({state_property(self._group_id, branch): compact_json(kept)})
+        # the number pyiceberg gave the snapshot: staging it changed nothing that counts
+        kept = kept_state(snapshot_id, table.metadata.next_sequence_number(), plan.summary)
+        tx.set_properties({state_property(self._group_id, branch): kept})
         return tx.commit_transaction, snapshot_id
 
     def _committing_append(self, staged: fastappend.StagedAppend) -> Callable[[], Table]:

@@ -26,6 +26,7 @@ VALID_THROUGH_KEY = "icefloe.valid-through-ms"
 BRANCH_ROOT_KEY = "icefloe.branch-root"
 STATE_KEY = "icefloe.state"
 DRAINED_KEY = "icefloe.channel-drained"
+SEQUENCE_NUMBER_KEY = "sequence-number"  # in the value of state_property, next to snapshot-id
 
 
 def fencing_token_property(group_id: str) -> str:
@@ -124,6 +125,30 @@ def _cut_short(oldest: Snapshot) -> bool:
     except ValueError:
         return False
     return total > added
+
+
+def kept_state(snapshot_id: int, sequence_number: int, summary: Mapping[str, Any]) -> str:
+    """The value of :func:`state_property` for the group's snapshot ``snapshot_id``. Why the
+    sequence number: once that snapshot is expired, it still tells whether the branch's line
+    passes below it (a rollback) or begins after it (expired by another engine), see
+    :func:`kept_sequence_number`."""
+    kept: dict[str, Any] = {"snapshot-id": snapshot_id, "summary": summary}
+    if sequence_number > 0:  # format v1 numbers no snapshot
+        kept[SEQUENCE_NUMBER_KEY] = sequence_number
+    return compact_json(kept)
+
+
+def kept_sequence_number(table: Table, group_id: str, branch: str) -> int | None:
+    """The sequence number of the snapshot :func:`state_property` names: the snapshot's own
+    while it exists, else the one the property records (None: written by an icefloe version
+    that did not record it, or a format v1 table)."""
+    raw = table.metadata.properties.get(state_property(group_id, branch))
+    if raw is None:
+        return None
+    kept = json.loads(raw)
+    snapshot = table.metadata.snapshot_by_id(int(kept["snapshot-id"]))
+    number = kept.get(SEQUENCE_NUMBER_KEY) if snapshot is None else snapshot.sequence_number
+    return int(number) if number else None
 
 
 def kept_record(table: Table, group_id: str, branch: str) -> RecordedCommit | None:
