@@ -37,7 +37,7 @@ from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import FailingTable, Quarantine, QuarantineEntry
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
-from icefloe.commit.rollback import in_range, is_replay_writer
+from icefloe.commit.rollback import is_replay_writer, replays
 from icefloe.commit.screening import Screening
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
@@ -489,22 +489,24 @@ class CommitCycle:
 
     def _retire_replayed(self, table: str, files: Sequence[PendingFile]) -> None:
         """Before committing the replay of a rollback of ``table``: retire the quarantine
-        entries of files announced in the rolled-back range. The replay reads that source range
-        again, the records of those files included (under today's spec, say, they fit): left
-        in the quarantine, recovering them with ``add_files`` as the entry says would add them
-        twice. Retired before the commit, not after: a crash in between leaves the replay
-        pending, and it is committed (or quarantined, its files holding those records) later;
-        after the commit the rollback would no longer be known."""
-        replays = {f.writer_id for f in files if is_replay_writer(f.writer_id)}
-        if not replays:
+        entries of files whose batches lie in the rolled-back source range (by the source
+        offsets an entry records, which hold across a backend swap; an entry without them: by
+        the rolled-back channel range). The replay reads that source range again, the records
+        of those files included (under today's spec, say, they fit): left in the quarantine,
+        recovering them with ``add_files`` as the entry says would add them twice. Retired
+        before the commit, not after: a crash in between leaves the replay pending, and it is
+        committed (or quarantined, its files holding those records) later; after the commit
+        the rollback would no longer be known."""
+        replayers = {f.writer_id for f in files if is_replay_writer(f.writer_id)}
+        if not replayers:
             return
         rollback = self._committer.rollback(table)
-        if rollback is None or rollback.writer_id not in replays:
+        if rollback is None or rollback.writer_id not in replayers:
             return  # a stale replay: the commit drops it
         paths = [
             e.file_path
             for e in self._quarantine.list(self._group_id, table)
-            if in_range(rollback, e.channel_partition, e.channel_offset)
+            if replays(rollback, e.source_offsets, e.channel_partition, e.channel_offset)
         ]
         if self._quarantine.retire(self._group_id, table, paths):
             log.warning(
@@ -566,6 +568,7 @@ class CommitCycle:
                 error_message=str(e),
                 commit_id=commit_id,
                 quarantined_at=now,
+                source_offsets=f.source_offsets,
             )
             for f, e in refused
         ]

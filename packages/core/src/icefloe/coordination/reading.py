@@ -350,7 +350,7 @@ class EventReader:
                 self.answered.add(ref.writer_id)
             if opened is not None:  # the batch is whole: its files are pending now
                 for written, dw in opened.written:
-                    self._add_files(written, ref.writer_id, opened.batch_seq, dw)
+                    self._add_files(written, ref.writer_id, opened.batch_seq, dw, payload.positions)
         elif event.batch_seq is None:
             log.warning("ignoring DataWritten of %s without a batch sequence", ref.writer_id)
         else:
@@ -359,13 +359,20 @@ class EventReader:
             opened.written.append((rec, payload))
             self._open[ref.writer_id] = opened
 
-    def _add_files(self, rec: ChannelRecord, writer_id: str, seq: int, dw: DataWritten) -> None:
+    def _add_files(
+        self,
+        rec: ChannelRecord,
+        writer_id: str,
+        seq: int,
+        dw: DataWritten,
+        source: tuple[SourcePosition, ...],
+    ) -> None:
         key = (writer_id, seq, dw.table)
         if key in self._pending_keys:
             return  # a second copy of a batch (replay the backend could not refuse)
         quarantined = self.quarantined_paths(dw.table)
         files = [
-            PendingFile(f, writer_id, seq, rec.partition, rec.offset, dw.table_uuid)
+            PendingFile(f, writer_id, seq, rec.partition, rec.offset, dw.table_uuid, source)
             for f in dw.files
             if f.path not in quarantined
         ]
