@@ -522,6 +522,30 @@ def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
     ]
 
 
+def test_under_the_memory_bound_files_waiting_for_a_replay_do_not_keep_it_unread(
+    tmp_path: Path,
+) -> None:
+    """Found by the commit-path simulation (seed 62001): live files of a rolled-back table
+    fill the bound before its replay batch is read. They wait for the replay, and reading
+    waited for them to commit: the table never committed again (I4). Like those of a table
+    backing off, they count against the hard cap only, so the replay behind them is read."""
+    pipe = Replaying.open(tmp_path, max_pending_files=2)
+    catalog, source, coordinator = pipe.catalog, pipe.source, pipe.coordinator
+    try:
+        first, lost = pipe.two_commits()
+        rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, first)
+        assert rollback is not None
+        live = [source.publish(pipe.writer, seq) for seq in (2, 3)]
+        wait_pending(coordinator, sum(b.file_count for b in live))
+        replayed = pipe.replay(rollback.writer_id, lost.ids)
+        replay_done = IcebergCommitter(catalog, "pipe").rollback
+        drive(coordinator, lambda: replay_done(ROWS) is None, "the replay's commit", 10)
+    finally:
+        pipe.close()
+    assert replayed.file_count
+    assert_exactly_once(catalog, ROWS, source.expected[ROWS])
+
+
 def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(
     tmp_path: Path,
 ) -> None:

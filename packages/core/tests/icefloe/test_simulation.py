@@ -1659,6 +1659,26 @@ def test_a_replay_after_a_swap_leaves_a_quarantined_record_in_one_place() -> Non
         machine.teardown()
 
 
+def test_files_waiting_for_a_replay_under_the_memory_bound_let_the_replay_be_read() -> None:
+    """Found by ``--schedules 300 --seed 62000`` (seed 62001): under a bound of 3 pending files,
+    a misplaced batch, two batches (the second one's cycle with another engine's append in
+    between), a batch announced again, a rollback to the other engine's snapshot with replay.
+    The settling leader read four files of the rolled-back table, which wait for the replay,
+    and reading waited for them to commit: the replay was never read (I4). They now count
+    against the hard cap only (``test_rollback.py`` has the same case)."""
+    machine = CommitPath()
+    with inline_executor():
+        machine.configure(branch="main", key_type="long", bounded=True, compact=())
+        machine.misplaced_batch(rows=1)
+        machine.batch(Shape(writer=0, rows=0, tasks=1, dead=0, changes={}))
+        machine.batch(Shape(writer=0, rows=1, tasks=1, dead=0, changes={0: False}))
+        shape = Shape(writer=0, rows=2, tasks=1, dead=0, changes={})
+        machine.foreign_commit_between(keyed=False, shape=shape, what="append")
+        machine.reannounce(pick=2)
+        machine.operator_rolls_back(dead=False, pick=0, replay=True)
+        machine.teardown()
+
+
 @pytest.mark.xfail(
     strict=True, raises=InvariantError, reason="open: docs/reliability.md, expired own snapshot"
 )

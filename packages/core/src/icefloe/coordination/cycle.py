@@ -88,6 +88,7 @@ class _TableBackoff:
     retry_at: float
     since_ms: int  # wall clock of the first failure in a row
     alarmed: bool = False  # reached quarantine_after_failures: reported as failing
+    replay_pending: bool = False  # the last failure: its rollback's replay batch not read yet
 
 
 class CommitCycle:
@@ -125,6 +126,7 @@ class CommitCycle:
         self._marked: set[str] | None = None
         self.quarantined_files = 0  # since this coordinator started (a metric)
         reader.backing_off = self.backing_off
+        reader.awaiting_replay = self.awaiting_replay
         self.stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
         self.last_end = time.monotonic()
         # no cycle of this leadership has committed a file yet, or the last one committed none
@@ -142,6 +144,15 @@ class CommitCycle:
         """Whether ``table`` failed recently and waits for its next attempt."""
         trouble = self._trouble.get(table)
         return trouble is not None and time.monotonic() < trouble.retry_at
+
+    def awaiting_replay(self, table: str) -> bool:
+        """Whether ``table``'s files wait for its rollback's replay batch, which is not among
+        them yet (its last attempt failed with RollbackPendingError): they cannot commit before
+        the reader reaches that batch."""
+        trouble = self._trouble.get(table)
+        if trouble is None or not trouble.replay_pending:
+            return False
+        return not any(is_replay_writer(f.writer_id) for f in self._reader.pending.get(table, ()))
 
     def due(self) -> bool:
         s = self._settings
@@ -416,6 +427,7 @@ class CommitCycle:
         trouble.failures += 1
         # a rolled-back table waits for its replay, which comes soon: no growing backoff
         waiting = isinstance(exc, RollbackPendingError)
+        trouble.replay_pending = waiting
         wait = min(s.table_retry_base_s * 2 ** (trouble.failures - 1), s.table_retry_max_s)
         if waiting:
             wait = s.table_retry_base_s

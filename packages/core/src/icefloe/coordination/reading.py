@@ -154,6 +154,7 @@ class EventReader:
         self._settings = settings
         self._quarantine = quarantine
         self.backing_off: Callable[[str], bool] = lambda table: False  # set by the cycle
+        self.awaiting_replay: Callable[[str], bool] = lambda table: False  # set by the cycle
         self.reset()
 
     def reset(self) -> None:
@@ -198,13 +199,17 @@ class EventReader:
         Files of tables backing off after a failure count only against a hard cap of
         ``_HARD_CAP`` times the bound: below it the other tables keep being read and committed
         while one table fails; at it memory wins and reading waits (a permanently failing
-        table's files are quarantined after its attempts, which frees it).
+        table's files are quarantined after its attempts, which frees it). So do the files of a
+        rolled-back table waiting for its replay batch: they commit only with that batch, which
+        only reading brings (counted as ready, they kept it unread for good).
         """
         s = self._settings
         if s.max_pending_files is None and s.max_pending_bytes is None:
             return False
         every = self.pending_size(self.pending)
-        ready = self.pending_size(t for t in self.pending if not self.backing_off(t))
+        ready = self.pending_size(
+            t for t in self.pending if not (self.backing_off(t) or self.awaiting_replay(t))
+        )
         for (files, size), factor in ((ready, 1), (every, _HARD_CAP)):
             if s.max_pending_files is not None and files >= s.max_pending_files * factor:
                 return True
