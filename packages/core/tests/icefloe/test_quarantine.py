@@ -7,12 +7,20 @@ import datetime as dt
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.schema import Schema
 from typer.testing import CliRunner
 
 from icefloe.cli.main import app
-from icefloe.commit.quarantine import FailingTable, Quarantine, QuarantineEntry
+from icefloe.commit.quarantine import (
+    _SCHEMA,
+    DEFAULT_QUARANTINE_TABLE,
+    FailingTable,
+    Quarantine,
+    QuarantineEntry,
+)
 from icefloe.testing.fixtures import make_sqlite_catalog, sqlite_catalog_properties
 
 GROUP = "pipe-q"
@@ -52,6 +60,39 @@ def test_entries_are_recorded_once_per_pipeline_table_and_path(sqlite_catalog: S
     assert q.drop(GROUP, "db.a", "/x/1") == 1
     assert q.paths(GROUP, "db.a") == {"/x/2"}
     assert q.paths("other", "db.a") == {"/x/1"}
+
+
+def test_entries_keep_the_source_offsets_their_batch_reached(sqlite_catalog: SqlCatalog) -> None:
+    q = Quarantine(sqlite_catalog)
+    reached = {"a": {0: 12, 3: 4}, "b": {1: 7}}
+    with_offsets = dataclasses.replace(_entry("db.a", "/x/1"), source_offsets=reached)
+    q.add([with_offsets, _entry("db.a", "/x/2")])
+    assert q.list(GROUP) == [with_offsets, _entry("db.a", "/x/2")]
+
+
+def test_a_table_written_before_source_offsets_keeps_working(sqlite_catalog: SqlCatalog) -> None:
+    """An existing quarantine table without the later columns is read as it is (they read as
+    None), and its next write adds them; a writer that leaves them out still appends."""
+    first = Schema(*(f for f in _SCHEMA.fields if f.name != "source_offsets"))
+    sqlite_catalog.create_namespace("icefloe")
+    old = sqlite_catalog.create_table(DEFAULT_QUARANTINE_TABLE, first)
+    old_row = {k: v for k, v in dataclasses.asdict(_entry("db.a", "/x/0")).items()}
+    del old_row["source_offsets"]
+    old.append(pa.Table.from_pylist([old_row], schema=first.as_arrow()))
+    q = Quarantine(sqlite_catalog)
+    assert q.list(GROUP) == [_entry("db.a", "/x/0")]
+    assert q.retire(GROUP, "db.a", ["/x/none"]) == 0
+    reached = dataclasses.replace(_entry("db.a", "/x/1"), source_offsets={"t": {0: 5}})
+    assert q.add([reached, _entry("db.a", "/x/0")]) == [reached]
+    upgraded = sqlite_catalog.load_table(DEFAULT_QUARANTINE_TABLE)
+    assert "source_offsets" in upgraded.schema().column_names
+    older_row = {**old_row, "file_path": "/x/2"}  # a coordinator of the first schema
+    upgraded.append(pa.Table.from_pylist([older_row], schema=first.as_arrow()))
+    assert [(e.file_path, e.source_offsets) for e in q.list(GROUP)] == [
+        ("/x/0", None),
+        ("/x/1", {"t": {0: 5}}),
+        ("/x/2", None),
+    ]
 
 
 def test_failing_marks_are_kept_per_pipeline_and_table(sqlite_catalog: SqlCatalog) -> None:

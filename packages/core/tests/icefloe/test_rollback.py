@@ -31,10 +31,12 @@ from icefloe.commit.rollback import (
     keyed_refusal,
     lost_channel_range,
     replay_writer_id,
+    replays,
 )
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ConfigError, RollbackNotReplayableError
+from icefloe.ops.drain import drain
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import (
     KEYED_ROWS_SCHEMA,
@@ -72,6 +74,25 @@ def test_the_lost_channel_range_is_what_was_read_between_the_two_snapshots() -> 
     assert in_range(rollback, "2", 0)
     # offsets of two channels (a swap in between) cannot be compared: nothing is in range
     assert lost_channel_range({"0": 5}, {"0": 12}, same_channel=False) == {}
+
+
+def test_a_batch_is_replayed_when_its_source_offsets_lie_in_the_replayed_range() -> None:
+    """By the source offsets a quarantine entry records, whatever channel the batch came
+    through; an entry without them falls back to the channel range."""
+    restored = Snap(1, {"t": {0: 10, 1: 5}})
+    rollback = detect("p", "main", "db.a", restored, Snap(2, {"t": {0: 20, 1: 5, 2: 7}}))
+    assert rollback is not None
+    assert rollback.channel_range == {}
+    reached = [{"t": {0: o}} for o in (10, 11, 20, 21)]
+    assert [replays(rollback, r, "0", 0) for r in reached] == [False, True, True, False]
+    assert replays(rollback, {"t": {0: 15, 2: 3}}, "0", 0)  # a partition only the lost records
+    assert not replays(rollback, {"t": {0: 15, 1: 5}}, "0", 0)  # partly before the range
+    assert not replays(rollback, {"t": {0: 15, 3: 1}}, "0", 0)  # partly past it
+    assert not replays(rollback, {"u": {0: 15}}, "0", 0)  # another topic
+    spanned = dataclasses.replace(rollback, channel_range={"0": (4, 8)})
+    assert [replays(spanned, None, "0", o) for o in (3, 4, 8)] == [False, True, False]
+    assert replays(spanned, {}, "0", 4)  # a batch that reports no source position
+    assert not replays(spanned, {"t": {0: 10}}, "0", 4)  # the source offsets decide
 
 
 def test_no_kept_state_or_same_snapshot_is_no_rollback() -> None:
@@ -282,22 +303,19 @@ class Replaying:
     @classmethod
     def open(cls, tmp_path: Path, max_pending_files: int | None = None) -> Replaying:
         catalog = make_sqlite_catalog(tmp_path / "iceberg")
-        backend = MemoryBackend(MemoryServer(), "pipe")
-        writer = WriterClient(backend.writer("w1"), "pipe", "w1")
-        writer.start()
-        settings = CoordinatorSettings(
-            3600,
-            30,
-            table_retry_base_s=0.0,
-            table_retry_max_s=0.0,
-            max_pending_files=max_pending_files,
-        )
-        plugins = new_plugins(autoload=False)
-        coordinator = Coordinator(
-            "pipe", backend.coordinator("c1"), catalog, settings, plugins=plugins
-        )
-        lead(coordinator)
+        backend, writer, coordinator = _run_on(catalog, MemoryServer(), max_pending_files)
         return cls(catalog, RowSource.create(catalog, [ROWS]), backend, writer, coordinator)
+
+    def swap(self) -> None:
+        """Stop, ``icefloe drain`` the channel, and go on with the same writer id on a new one
+        (a backend swap)."""
+        self.close()
+        drainer = _run_on(self.catalog, self.backend.server, None, lead_it=False)[2]
+        try:
+            drain(drainer, IcebergCommitter(self.catalog, "pipe"), [ROWS], 60.0, 0.0)
+        finally:
+            drainer.close()
+        self.backend, self.writer, self.coordinator = _run_on(self.catalog, MemoryServer(), None)
 
     def replay(self, writer_id: str, ids: dict[str, list[int]]) -> Batch:
         """The rollback's replay batch: ``ids`` written anew, published under ``writer_id``."""
@@ -332,6 +350,28 @@ class Replaying:
     def close(self) -> None:
         self.writer.close()
         self.coordinator.close()
+
+
+def _run_on(
+    catalog: SqlCatalog, server: MemoryServer, max_pending_files: int | None, lead_it: bool = True
+) -> tuple[MemoryBackend, WriterClient, Coordinator]:
+    """Writer ``w1`` of pipeline ``pipe`` and its coordinator (failed tables retried at once)
+    on the channel ``server`` holds."""
+    backend = MemoryBackend(server, "pipe")
+    writer = WriterClient(backend.writer("w1"), "pipe", "w1")
+    writer.start()
+    settings = CoordinatorSettings(
+        3600,
+        30,
+        table_retry_base_s=0.0,
+        table_retry_max_s=0.0,
+        max_pending_files=max_pending_files,
+    )
+    plugins = new_plugins(autoload=False)
+    coordinator = Coordinator("pipe", backend.coordinator("c1"), catalog, settings, plugins=plugins)
+    if lead_it:
+        lead(coordinator)
+    return backend, writer, coordinator
 
 
 def test_a_replay_refused_whole_does_not_hold_the_table_back(tmp_path: Path) -> None:
@@ -402,6 +442,42 @@ def test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place(tmp_path
     assert sorted(in_table + quarantined) == sorted(source.expected[ROWS])
 
 
+def test_a_replay_after_a_swap_retires_the_quarantined_batch_by_its_source_offsets(
+    tmp_path: Path,
+) -> None:
+    """Found by the commit-path simulation: batch 0 committed, a drain and a backend swap,
+    batch 1 quarantined and batch 2 committed through the new channel, a rollback to batch 0's
+    snapshot and its replay (batches 1 and 2 read again). The restored and the lost snapshot
+    record channel positions of two channels, which cannot be compared: the entry must be
+    retired by the source offsets batch 1 reached, or its records are in the table and in
+    the quarantine."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source = pipe.catalog, pipe.source
+    try:
+        wait_pending(pipe.coordinator, source.publish(pipe.writer, 0).file_count)
+        [first] = pipe.coordinator.commit_now().tables
+        pipe.swap()
+        refused = source.publish(pipe.writer, 1)
+        wait_pending(pipe.coordinator, refused.file_count)
+        with catalog.load_table(ROWS).update_spec() as update:
+            update.add_identity("writer")
+        assert dict(pipe.coordinator.commit_now().quarantined) == {ROWS: refused.file_count}
+        wait_pending(pipe.coordinator, source.publish(pipe.writer, 2).file_count)
+        assert not pipe.coordinator.commit_now().failed
+        assert first.snapshot_id is not None
+        rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, first.snapshot_id)
+        assert rollback is not None
+        assert rollback.channel_range == {}  # two channels: no channel range
+        lost = source.expected_ids_of("w1", 1)[ROWS] + source.expected_ids_of("w1", 2)[ROWS]
+        replayed = pipe.replay(rollback.writer_id, {ROWS: lost})
+        wait_pending(pipe.coordinator, replayed.file_count)
+        assert not pipe.coordinator.commit_now().failed
+    finally:
+        pipe.close()
+    assert Quarantine(catalog).list("pipe", ROWS) == []
+    assert_exactly_once(catalog, ROWS, source.expected[ROWS])
+
+
 def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Path) -> None:
     """The pipeline's snapshot is kept (a tag names it), another engine's snapshot after it
     was expired (explicitly, or by age with the tag protecting the older one), a newer one of
@@ -449,6 +525,30 @@ def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
     assert rollback.ranges(beginning) == [
         ReplayRange(position.topic, position.partition, 0, position.offset)
     ]
+
+
+def test_under_the_memory_bound_files_waiting_for_a_replay_do_not_keep_it_unread(
+    tmp_path: Path,
+) -> None:
+    """Found by the commit-path simulation (seed 62001): live files of a rolled-back table
+    fill the bound before its replay batch is read. They wait for the replay, and reading
+    waited for them to commit: the table never committed again (I4). Like those of a table
+    backing off, they count against the hard cap only, so the replay behind them is read."""
+    pipe = Replaying.open(tmp_path, max_pending_files=2)
+    catalog, source, coordinator = pipe.catalog, pipe.source, pipe.coordinator
+    try:
+        first, lost = pipe.two_commits()
+        rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, first)
+        assert rollback is not None
+        live = [source.publish(pipe.writer, seq) for seq in (2, 3)]
+        wait_pending(coordinator, sum(b.file_count for b in live))
+        replayed = pipe.replay(rollback.writer_id, lost.ids)
+        replay_done = IcebergCommitter(catalog, "pipe").rollback
+        drive(coordinator, lambda: replay_done(ROWS) is None, "the replay's commit", 10)
+    finally:
+        pipe.close()
+    assert replayed.file_count
+    assert_exactly_once(catalog, ROWS, source.expected[ROWS])
 
 
 def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(

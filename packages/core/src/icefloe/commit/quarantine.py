@@ -17,6 +17,12 @@ in between re-reads the event, finds the record and neither loses nor re-quarant
 (rows are keyed by pipeline, table and path). Operators list and drop entries with
 ``icefloe quarantine``.
 
+An entry also records the source offsets its batch reached (``source_offsets``): a rollback's
+replay reads a source range again and retires the entries of the batches inside it
+(:func:`icefloe.commit.rollback.replays`), which channel offsets cannot tell across a backend
+swap. Columns added since the table's first release are optional and added to an existing
+table by its next write, so older tables, readers and writers keep working.
+
 The same table keeps, as table properties, the tables whose commits keep failing
 (:class:`FailingTable`: ``coordination.quarantine_after_failures`` failures in a row with an
 error that quarantines nothing), so ``icefloe status`` can report them from any process.
@@ -27,16 +33,25 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NoSuchTableError
+from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
 from pyiceberg.expressions import AlwaysTrue, And, BooleanExpression, EqualTo, In, Reference
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
-from pyiceberg.types import LongType, NestedField, StringType, TimestamptzType
+from pyiceberg.types import (
+    IntegerType,
+    ListType,
+    LongType,
+    NestedField,
+    StringType,
+    StructType,
+    TimestamptzType,
+)
 
 DEFAULT_QUARANTINE_TABLE = "icefloe.quarantine"
 # a table property of the quarantine table per failing table: icefloe.failing.<group>/<table>
@@ -61,6 +76,21 @@ _SCHEMA = Schema(
     NestedField(12, "error_message", StringType(), required=True),
     NestedField(13, "commit_id", StringType(), required=True),
     NestedField(14, "quarantined_at", TimestamptzType(), required=True),
+    # added after the first release: optional, and added to an existing table by its next write
+    NestedField(
+        15,
+        "source_offsets",
+        ListType(
+            16,
+            StructType(
+                NestedField(17, "topic", StringType(), required=True),
+                NestedField(18, "partition", IntegerType(), required=True),
+                NestedField(19, "offset", LongType(), required=True),
+            ),
+            element_required=True,
+        ),
+        required=False,
+    ),
 )
 
 
@@ -82,9 +112,15 @@ class QuarantineEntry:
     error_message: str
     commit_id: str
     quarantined_at: dt.datetime
+    source_offsets: Mapping[str, Mapping[int, int]] | None = None
+    """Where the file's batch reached in the source (topic -> partition -> next offset, from its
+    DataComplete): what a rollback's replay range is compared with, whatever channel the batch
+    came through. None when not known: an entry written before icefloe recorded it, or a batch
+    that reports no source position (a rollback's own replay)."""
 
 
 _FIELDS = tuple(f.name for f in _SCHEMA.fields)
+_SOURCE_OFFSETS = "source_offsets"
 
 
 @dataclass(frozen=True)
@@ -115,6 +151,23 @@ class Quarantine:
         self._catalog.create_namespace_if_not_exists(namespace)
         return self._catalog.create_table_if_not_exists(self.identifier, _SCHEMA)
 
+    def _writable(self) -> Table:
+        """The table, created or given the columns added since it was created (optional ones:
+        readers of either schema, and older writers that leave them out, keep working)."""
+        t = self._table(create=True)
+        assert t is not None
+        have = {f.name for f in t.schema().fields}
+        if have.issuperset(_FIELDS):
+            return t
+        try:
+            with t.update_schema() as update:
+                update.union_by_name(_SCHEMA)
+        except CommitFailedException:
+            t = self._catalog.load_table(self.identifier)  # another writer added them first
+            if not {f.name for f in t.schema().fields}.issuperset(_FIELDS):
+                raise
+        return t
+
     def paths(self, group_id: str, table_name: str) -> set[str]:
         """Paths of ``table_name``'s files quarantined by ``group_id``."""
         t = self._table(create=False)
@@ -136,8 +189,7 @@ class Quarantine:
         """Record ``entries`` (one append), skipping files already recorded; returns the new."""
         if not entries:
             return []
-        t = self._table(create=True)
-        assert t is not None
+        t = self._writable()
         known: dict[tuple[str, str], set[str]] = {}
         new: list[QuarantineEntry] = []
         for e in entries:
@@ -148,7 +200,7 @@ class Quarantine:
                 known[key].add(e.file_path)
                 new.append(e)
         if new:
-            t.append(_to_arrow(new))
+            t.append(_to_arrow(t, new))
         return new
 
     def list(self, group_id: str, table_name: str | None = None) -> list[QuarantineEntry]:
@@ -157,7 +209,7 @@ class Quarantine:
         if t is None:
             return []
         rows = t.scan(row_filter=_filter(group_id, table_name)).to_arrow().to_pylist()
-        entries = [QuarantineEntry(**{k: r[k] for k in _FIELDS}) for r in rows]
+        entries = [_from_row(r) for r in rows]
         return sorted(entries, key=lambda e: (e.quarantined_at, e.table_name, e.file_path))
 
     def mark_failing(self, group_id: str, table_name: str, failing: FailingTable) -> None:
@@ -236,6 +288,30 @@ def _eq(column: str, value: str) -> BooleanExpression:
     return EqualTo(Reference(column), value)  # type: ignore[call-arg,arg-type]
 
 
-def _to_arrow(entries: Iterable[QuarantineEntry]) -> pa.Table:
-    rows = [{k: getattr(e, k) for k in _FIELDS} for e in entries]
-    return pa.Table.from_pylist(rows, schema=_SCHEMA.as_arrow())
+def _to_arrow(table: Table, entries: Iterable[QuarantineEntry]) -> pa.Table:
+    # the table's own schema: an upgraded table numbers the added columns its own way
+    rows = [_to_row(e) for e in entries]
+    return pa.Table.from_pylist(rows, schema=table.schema().as_arrow())
+
+
+def _to_row(entry: QuarantineEntry) -> dict[str, Any]:
+    row = {k: getattr(entry, k) for k in _FIELDS}
+    if entry.source_offsets is not None:
+        row[_SOURCE_OFFSETS] = [
+            {"topic": topic, "partition": partition, "offset": offset}
+            for topic, parts in sorted(entry.source_offsets.items())
+            for partition, offset in sorted(parts.items())
+        ]
+    return row
+
+
+def _from_row(row: Mapping[str, Any]) -> QuarantineEntry:
+    """An entry from a scanned row; a table without the later columns reads as None there."""
+    values: dict[str, Any] = {k: row.get(k) for k in _FIELDS}
+    listed = values.pop(_SOURCE_OFFSETS)
+    offsets: dict[str, dict[int, int]] | None = None
+    if listed:  # a null list may read back empty
+        offsets = {}
+        for p in listed:
+            offsets.setdefault(p["topic"], {})[p["partition"]] = p["offset"]
+    return QuarantineEntry(**values, source_offsets=offsets)

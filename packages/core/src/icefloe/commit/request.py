@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pyiceberg.table import Table
 
-from icefloe.events import DataFileMeta, FileContent
+from icefloe.events import DataFileMeta, FileContent, SourcePosition
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,19 @@ class PendingFile:
     partition: str
     offset: int
     table_uuid: str | None = None
+    source_positions: tuple[SourcePosition, ...] = ()
+    """Where its batch reached in the source (its DataComplete's positions): unlike the channel
+    offset, comparable with a rollback's source range across a backend swap."""
+
+    @property
+    def source_offsets(self) -> dict[str, dict[int, int]] | None:
+        """``source_positions`` as topic -> partition -> next offset (None: none known)."""
+        if not self.source_positions:
+            return None
+        out: dict[str, dict[int, int]] = {}
+        for p in self.source_positions:
+            out.setdefault(p.topic, {})[p.partition] = p.offset
+        return out
 
     @property
     def is_key_file(self) -> bool:

@@ -73,7 +73,8 @@ class Rollback:
     """``{channel partition: (start, end)}``: the DataWritten offsets the pipeline read between
     the restored and the lost snapshot (empty when they came through different channels).
     Files quarantined from that range hold records of the replayed source range: the replay
-    writes them again, so their quarantine entries are retired with it (:func:`in_range`)."""
+    writes them again, so their quarantine entries are retired with it (:func:`in_range`; only
+    for entries that do not record their batch's source offsets, see :func:`replays`)."""
 
     def ranges(self, beginning: Mapping[tuple[str, int], int] | None = None) -> list[ReplayRange]:
         """The source ranges to read again: per partition from the restored offsets (or, for a
@@ -99,6 +100,32 @@ class Rollback:
                 if end > start:
                     out.append(ReplayRange(topic, partition, start, end))
         return out
+
+
+def replays(rollback: Rollback, source: SourceOffsets | None, partition: str, offset: int) -> bool:
+    """Whether the replay of ``rollback`` writes again the records of a batch that reached
+    ``source`` (its DataComplete's source offsets) and was announced at ``partition``/``offset``
+    of the channel: by the source offsets when known (:func:`within`), else by the channel
+    (:func:`in_range`, which cannot tell after a backend swap)."""
+    if source:
+        return within(rollback, source)
+    return in_range(rollback, partition, offset)
+
+
+def within(rollback: Rollback, source: SourceOffsets) -> bool:
+    """Whether a batch that reached ``source`` lies inside the replayed source range: in every
+    source partition it read, past the restored snapshot's offset (a partition the restored
+    snapshot does not record is replayed from where the pipeline began) and not past the lost
+    snapshot's. Its start is not recorded, and needs not be: a writer's batches read each
+    partition in order, so a batch that ends past the restored offset began at it or later
+    (the restored snapshot records the end of every batch read before it)."""
+    for topic, parts in source.items():
+        for partition, end in parts.items():
+            start = rollback.from_offsets.get(topic, {}).get(partition)
+            stop = rollback.to_offsets.get(topic, {}).get(partition)
+            if stop is None or end > stop or (start is not None and end <= start):
+                return False
+    return True
 
 
 def in_range(rollback: Rollback, partition: str, offset: int) -> bool:

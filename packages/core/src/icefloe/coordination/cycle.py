@@ -38,7 +38,7 @@ from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import FailingTable, Quarantine, QuarantineEntry
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
-from icefloe.commit.rollback import in_range, is_replay_writer
+from icefloe.commit.rollback import is_replay_writer, replays
 from icefloe.commit.screening import Screening
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.reading import EventReader
@@ -89,6 +89,7 @@ class _TableBackoff:
     retry_at: float
     since_ms: int  # wall clock of the first failure in a row
     alarmed: bool = False  # reached quarantine_after_failures: reported as failing
+    replay_pending: bool = False  # the last failure: its rollback's replay batch not read yet
 
 
 class CommitCycle:
@@ -126,6 +127,7 @@ class CommitCycle:
         self._marked: set[str] | None = None
         self.quarantined_files = 0  # since this coordinator started (a metric)
         reader.backing_off = self.backing_off
+        reader.awaiting_replay = self.awaiting_replay
         self.stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
         self.last_end = time.monotonic()
         # no cycle of this leadership has committed a file yet, or the last one committed none
@@ -143,6 +145,15 @@ class CommitCycle:
         """Whether ``table`` failed recently and waits for its next attempt."""
         trouble = self._trouble.get(table)
         return trouble is not None and time.monotonic() < trouble.retry_at
+
+    def awaiting_replay(self, table: str) -> bool:
+        """Whether ``table``'s files wait for its rollback's replay batch, which is not among
+        them yet (its last attempt failed with RollbackPendingError): they cannot commit before
+        the reader reaches that batch."""
+        trouble = self._trouble.get(table)
+        if trouble is None or not trouble.replay_pending:
+            return False
+        return not any(is_replay_writer(f.writer_id) for f in self._reader.pending.get(table, ()))
 
     def due(self) -> bool:
         s = self._settings
@@ -420,6 +431,7 @@ class CommitCycle:
         trouble.failures += 1
         # a rolled-back table waits for its replay, which comes soon: no growing backoff
         waiting = isinstance(exc, RollbackPendingError)
+        trouble.replay_pending = waiting
         wait = min(s.table_retry_base_s * 2 ** (trouble.failures - 1), s.table_retry_max_s)
         if waiting:
             wait = s.table_retry_base_s
@@ -493,22 +505,24 @@ class CommitCycle:
 
     def _retire_replayed(self, table: str, files: Sequence[PendingFile]) -> None:
         """Before committing the replay of a rollback of ``table``: retire the quarantine
-        entries of files announced in the rolled-back range. The replay reads that source range
-        again, the records of those files included (under today's spec, say, they fit): left
-        in the quarantine, recovering them with ``add_files`` as the entry says would add them
-        twice. Retired before the commit, not after: a crash in between leaves the replay
-        pending, and it is committed (or quarantined, its files holding those records) later;
-        after the commit the rollback would no longer be known."""
-        replays = {f.writer_id for f in files if is_replay_writer(f.writer_id)}
-        if not replays:
+        entries of files whose batches lie in the rolled-back source range (by the source
+        offsets an entry records, which hold across a backend swap; an entry without them: by
+        the rolled-back channel range). The replay reads that source range again, the records
+        of those files included (under today's spec, say, they fit): left in the quarantine,
+        recovering them with ``add_files`` as the entry says would add them twice. Retired
+        before the commit, not after: a crash in between leaves the replay pending, and it is
+        committed (or quarantined, its files holding those records) later; after the commit
+        the rollback would no longer be known."""
+        replayers = {f.writer_id for f in files if is_replay_writer(f.writer_id)}
+        if not replayers:
             return
         rollback = self._committer.rollback(table)
-        if rollback is None or rollback.writer_id not in replays:
+        if rollback is None or rollback.writer_id not in replayers:
             return  # a stale replay: the commit drops it
         paths = [
             e.file_path
             for e in self._quarantine.list(self._group_id, table)
-            if in_range(rollback, e.channel_partition, e.channel_offset)
+            if replays(rollback, e.source_offsets, e.channel_partition, e.channel_offset)
         ]
         if self._quarantine.retire(self._group_id, table, paths):
             log.warning(
@@ -570,6 +584,7 @@ class CommitCycle:
                 error_message=str(e),
                 commit_id=commit_id,
                 quarantined_at=now,
+                source_offsets=f.source_offsets,
             )
             for f, e in refused
         ]

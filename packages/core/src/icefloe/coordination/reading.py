@@ -154,6 +154,7 @@ class EventReader:
         self._settings = settings
         self._quarantine = quarantine
         self.backing_off: Callable[[str], bool] = lambda table: False  # set by the cycle
+        self.awaiting_replay: Callable[[str], bool] = lambda table: False  # set by the cycle
         self.reset()
 
     def reset(self) -> None:
@@ -198,13 +199,17 @@ class EventReader:
         Files of tables backing off after a failure count only against a hard cap of
         ``_HARD_CAP`` times the bound: below it the other tables keep being read and committed
         while one table fails; at it memory wins and reading waits (a permanently failing
-        table's files are quarantined after its attempts, which frees it).
+        table's files are quarantined after its attempts, which frees it). So do the files of a
+        rolled-back table waiting for its replay batch: they commit only with that batch, which
+        only reading brings (counted as ready, they kept it unread for good).
         """
         s = self._settings
         if s.max_pending_files is None and s.max_pending_bytes is None:
             return False
         every = self.pending_size(self.pending)
-        ready = self.pending_size(t for t in self.pending if not self.backing_off(t))
+        ready = self.pending_size(
+            t for t in self.pending if not (self.backing_off(t) or self.awaiting_replay(t))
+        )
         for (files, size), factor in ((ready, 1), (every, _HARD_CAP)):
             if s.max_pending_files is not None and files >= s.max_pending_files * factor:
                 return True
@@ -350,7 +355,7 @@ class EventReader:
                 self.answered.add(ref.writer_id)
             if opened is not None:  # the batch is whole: its files are pending now
                 for written, dw in opened.written:
-                    self._add_files(written, ref.writer_id, opened.batch_seq, dw)
+                    self._add_files(written, ref.writer_id, opened.batch_seq, dw, payload.positions)
         elif event.batch_seq is None:
             log.warning("ignoring DataWritten of %s without a batch sequence", ref.writer_id)
         else:
@@ -359,13 +364,20 @@ class EventReader:
             opened.written.append((rec, payload))
             self._open[ref.writer_id] = opened
 
-    def _add_files(self, rec: ChannelRecord, writer_id: str, seq: int, dw: DataWritten) -> None:
+    def _add_files(
+        self,
+        rec: ChannelRecord,
+        writer_id: str,
+        seq: int,
+        dw: DataWritten,
+        source: tuple[SourcePosition, ...],
+    ) -> None:
         key = (writer_id, seq, dw.table)
         if key in self._pending_keys:
             return  # a second copy of a batch (replay the backend could not refuse)
         quarantined = self.quarantined_paths(dw.table)
         files = [
-            PendingFile(f, writer_id, seq, rec.partition, rec.offset, dw.table_uuid)
+            PendingFile(f, writer_id, seq, rec.partition, rec.offset, dw.table_uuid, source)
             for f in dw.files
             if f.path not in quarantined
         ]
