@@ -29,14 +29,17 @@ import json
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.expressions import AlwaysTrue, And, BooleanExpression, EqualTo, In, Reference
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
 from pyiceberg.types import LongType, NestedField, StringType, TimestamptzType
+
+if TYPE_CHECKING:  # Arrow loads to write or read entries, not to find there are none
+    import pyarrow as pa
 
 DEFAULT_QUARANTINE_TABLE = "icefloe.quarantine"
 # a table property of the quarantine table per failing table: icefloe.failing.<group>/<table>
@@ -154,7 +157,7 @@ class Quarantine:
     def list(self, group_id: str, table_name: str | None = None) -> list[QuarantineEntry]:
         """Entries of ``group_id`` (optionally one table), oldest first."""
         t = self._table(create=False)
-        if t is None:
+        if t is None or t.current_snapshot() is None:  # none: no scan (and no Arrow) needed
             return []
         rows = t.scan(row_filter=_filter(group_id, table_name)).to_arrow().to_pylist()
         entries = [QuarantineEntry(**{k: r[k] for k in _FIELDS}) for r in rows]
@@ -237,5 +240,7 @@ def _eq(column: str, value: str) -> BooleanExpression:
 
 
 def _to_arrow(entries: Iterable[QuarantineEntry]) -> pa.Table:
+    import pyarrow as pa
+
     rows = [{k: getattr(e, k) for k in _FIELDS} for e in entries]
     return pa.Table.from_pylist(rows, schema=_SCHEMA.as_arrow())
