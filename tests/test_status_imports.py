@@ -19,7 +19,6 @@ from pyiceberg.catalog import Catalog
 
 from icefloe.commit.quarantine import Quarantine
 from icefloe.config import PipelineConfig, config_from_dict
-from icefloe.coordination.writer import WriterClient
 from icefloe.ops.status import collect, render_lines
 from icefloe.plugins.backends import open_backend
 from icefloe.testing.cli import run_icefloe
@@ -64,14 +63,8 @@ def healthy(tmp_path: Path, kafka_broker: EmbeddedKafkaBroker) -> Healthy:
     }
     config = config_from_dict(raw)
     backend = open_backend(config)
-    try:
-        commit_batches(backend, catalog, group, source, [0, 1])
-        writer = WriterClient(backend.writer("w"), group, "w")
-        writer.start()
-        try:
-            source.publish(writer, 2)  # published, not committed: status reads the channel
-        finally:
-            writer.close()
+    try:  # batch 2 published, not committed: status reads the channel
+        commit_batches(backend, catalog, group, source, [0, 1], pending=[2])
     finally:
         backend.close()
     path = tmp_path / "pipeline.toml"
