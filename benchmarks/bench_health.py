@@ -5,27 +5,35 @@ operator or a health check runs them.
 
 A private Tansu broker (source topic and, for ``kafka``, the control topic) and a SQLite
 catalog holding the pipeline's table; PostgreSQL and Redis at their usual local ports. Cases:
-a healthy pipeline per backend, then one server down at a time (a closed port): the source's
-brokers, the backend's server. Reports the median wall time and the exit status per command;
-figures go to docs/benchmarks.md by hand.
+a healthy pipeline per backend (two batches committed to the table and one published, not
+committed: status reads the table's state and the channel), then one server down at a time (a
+closed port): the source's brokers, the backend's server. Reports the median wall time, the
+median CPU time (user + system: what the command itself costs, less sensitive to a loaded
+machine than wall time) and the exit status per command; figures go to docs/benchmarks.md by
+hand. ``--healthy``: only the healthy cases.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from icefloe.testing.fixtures import create_rows_table, make_sqlite_catalog
+from icefloe.config import config_from_dict
+from icefloe.plugins.backends import open_backend
+from icefloe.testing.fixtures import make_sqlite_catalog
+from icefloe.testing.harness import RowSource, commit_batches
 from icefloe_kafka.embedded import EmbeddedKafkaBroker, free_port
 
 TOPIC = "health"
@@ -43,21 +51,34 @@ def backend_section(backend: str, servers: str, down: bool) -> dict[str, Any]:
     return {"backend": "redis", "redis": {"url": f"redis://127.0.0.1:{port if down else 6379}"}}
 
 
-def timed(*args: str, repeats: int) -> tuple[float, int]:
-    """Median wall seconds of ``icefloe ARGS`` over ``repeats`` fresh processes, exit status.
-    Python may write its bytecode caches, as an installed icefloe has them."""
+def commit_and_publish(config: dict[str, Any], source: RowSource) -> None:
+    """Two batches of a writer committed to the table, a third published and not committed."""
+    parsed = config_from_dict(config)
+    backend = open_backend(parsed)
+    try:
+        commit_batches(backend, source.catalog, parsed.name, source, [0, 1], pending=[2])
+    finally:
+        backend.close()
+
+
+def timed(*args: str, repeats: int) -> tuple[float, float, int]:
+    """Median wall and CPU seconds of ``icefloe ARGS`` over ``repeats`` fresh processes, exit
+    status. Python may write its bytecode caches, as an installed icefloe has them."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    times, code = [], 0
+    times, cpus, code = [], [], 0
     for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         done = subprocess.run(
             [sys.executable, "-m", "icefloe", *args], capture_output=True, env=env, check=False
         )
         times.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
         code = done.returncode
         if SHOW:
             print(done.stdout.decode(), done.stderr.decode()[-3000:], file=sys.stderr)
-    return statistics.median(times), code
+    return statistics.median(times), statistics.median(cpus), code
 
 
 def main() -> None:
@@ -65,6 +86,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--show", action="store_true", help="print each command's output")
     parser.add_argument("--only", help="run only the cases of this backend")
+    parser.add_argument("--healthy", action="store_true", help="run only the healthy cases")
     args = parser.parse_args()
     global SHOW
     SHOW = args.show
@@ -76,8 +98,9 @@ def main() -> None:
             for f in admin.create_topics([NewTopic(TOPIC, 2, 1)]).values():
                 f.result(timeout=20)
             catalog = make_sqlite_catalog(work / "iceberg")
-            create_rows_table(catalog, "bench.health")
+            source = RowSource.create(catalog, ["bench.health"])
             closed = f"127.0.0.1:{free_port()}"
+            run = uuid.uuid4().hex[:6]
             cases = [(b, "healthy", False, broker.bootstrap_servers) for b in ("kafka",)]
             cases += [
                 (b, "healthy", False, broker.bootstrap_servers) for b in ("postgres", "redis")
@@ -88,13 +111,13 @@ def main() -> None:
             ]
             cases += [("kafka", "source and backend down", True, closed)]
             timed("--help", repeats=1)  # writes the bytecode caches of the CLI's modules
-            print("| backend | case | status | doctor |")
+            print("| backend | case | status: wall, CPU (exit) | doctor: wall, CPU (exit) |")
             print("|---|---|---|---|")
             for i, (backend, case, down, servers) in enumerate(cases):
-                if args.only and backend != args.only:
+                if (args.only and backend != args.only) or (args.healthy and case != "healthy"):
                     continue
                 config = {
-                    "name": f"health-{i}",
+                    "name": f"health-{run}-{i}",  # new per run: backends keep state
                     "source": {"bootstrap_servers": servers, "topics": [TOPIC]},
                     "tables": [{"name": "bench.health"}],
                     "catalog": {
@@ -103,13 +126,15 @@ def main() -> None:
                     },
                     "coordination": backend_section(backend, servers, down),
                 }
+                if case == "healthy":
+                    commit_and_publish(config, source)
                 path = work / f"p{i}.toml"
                 path.write_text(tomli_w.dumps(config))
                 status = timed("status", "--config", str(path), repeats=args.repeats)
                 doctor = timed("doctor", "--config", str(path), repeats=args.repeats)
                 print(
-                    f"| {backend} | {case} | {status[0]:.2f} s (exit {status[1]}) "
-                    f"| {doctor[0]:.2f} s (exit {doctor[1]}) |",
+                    f"| {backend} | {case} | {status[0]:.2f} s, {status[1]:.2f} s ({status[2]}) "
+                    f"| {doctor[0]:.2f} s, {doctor[1]:.2f} s ({doctor[2]}) |",
                     flush=True,
                 )
         finally:

@@ -13,17 +13,22 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.io.pyarrow import PyArrowFileIO
 
 from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.quarantine import Quarantine
+from icefloe.config import config_from_dict
 from icefloe.coordination.coordinator import CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataFileMeta
+from icefloe.ops.fileio import LocalFsspecFileIO, status_properties
 from icefloe.ops.maintenance import expire_snapshots, remove_orphan_files
+from icefloe.ops.status import table_status
 from icefloe.testing.fixtures import (
     KEYED_ROWS_SCHEMA,
     commit_changes,
     create_rows_table,
+    quarantine_entry,
     write_rows,
 )
 from icefloe.testing.harness import Pipe, RowSource, lead, wait_pending
@@ -257,3 +262,37 @@ def test_a_store_error_names_the_catalog_property_to_check(
     assert said.startswith(f"check catalog {named}"), said
     assert said.endswith(f"({error})")
     assert hint("sqlite3.OperationalError: no such table", properties) is None
+
+
+def test_status_reads_tables_and_quarantine_on_the_store(
+    pipe: Pipe, catalog: Catalog, s3_catalog_properties: Mapping[str, str]
+) -> None:
+    """``icefloe status``'s FileIO (fsspec for local paths) leaves ``s3://`` to the FileIO
+    pyiceberg chooses (PyArrowFileIO): metadata and the quarantine table's rows are read from
+    the bucket with the catalog's S3 properties."""
+    coordinator = pipe.coordinator("c1")
+    try:
+        lead(coordinator)
+        wait_pending(coordinator, pipe.source.publish(pipe.writer, 0).file_count)
+        assert not coordinator.commit_now().failed
+    finally:
+        coordinator.close()
+    location = catalog.load_table(PLAIN).location()
+    reading = load_catalog("s3test", **status_properties(s3_catalog_properties))
+    entry = quarantine_entry(pipe.group_id, PLAIN, f"{location}/data/refused.parquet")
+    Quarantine(reading, pipe.settings.quarantine_table).add([entry])
+    config = config_from_dict(
+        {
+            "name": pipe.group_id,
+            "source": {"topics": ["t"]},
+            "tables": [{"name": PLAIN}],
+            "coordination": {"quarantine_table": pipe.settings.quarantine_table},
+        }
+    )
+
+    status = table_status(reading, config, PLAIN, None, time.time() * 1000)
+
+    assert (status.exists, status.rows, status.quarantined_files) == (True, 10, 1)
+    io = reading.load_table(PLAIN).io
+    assert isinstance(io, LocalFsspecFileIO)
+    assert isinstance(io._io(location), PyArrowFileIO)

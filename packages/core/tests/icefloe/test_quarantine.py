@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
 from pathlib import Path
 
@@ -21,28 +20,17 @@ from icefloe.commit.quarantine import (
     Quarantine,
     QuarantineEntry,
 )
-from icefloe.testing.fixtures import make_sqlite_catalog, sqlite_catalog_properties
+from icefloe.testing.fixtures import (
+    make_sqlite_catalog,
+    quarantine_entry,
+    sqlite_catalog_properties,
+)
 
 GROUP = "pipe-q"
 
 
 def _entry(table: str, path: str, group: str = GROUP) -> QuarantineEntry:
-    return QuarantineEntry(
-        group_id=group,
-        table_name=table,
-        file_path=path,
-        record_count=3,
-        file_size_in_bytes=100,
-        writer_id="w",
-        batch_seq=7,
-        channel_partition="0",
-        channel_offset=12,
-        table_uuid=None,
-        error_type="FileOutsideTableError",
-        error_message="outside",
-        commit_id="c",
-        quarantined_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
-    )
+    return quarantine_entry(group, table, path)
 
 
 def test_entries_are_recorded_once_per_pipeline_table_and_path(sqlite_catalog: SqlCatalog) -> None:

@@ -24,10 +24,12 @@ def icefloe_source_lag(config: PipelineConfig) -> dict[str, int | None]:
     """`icefloe status`: Kafka partition ends against each table's committed source offsets."""
     from pyiceberg.catalog import load_catalog
 
+    from icefloe.ops.fileio import status_properties
     from icefloe_spark.cli.progress import Monitor
     from icefloe_spark.kafka.options import probe_mode, source_options
 
-    catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+    # status's own FileIO: reading table state here needs no pyarrow.dataset either
+    catalog = load_catalog(config.catalog.name, **status_properties(config.catalog.properties))
     probe = probe_mode(source_options(config)) != "false"
     monitor = Monitor(config, catalog, probe_end=probe)
     try:

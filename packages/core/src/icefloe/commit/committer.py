@@ -73,7 +73,7 @@ from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
-from icefloe.commit import branches, fastappend, rowdelta, screening
+from icefloe.commit import branches, fastappend, screening
 from icefloe.commit.applied import with_applied_keys, with_rolled_back
 from icefloe.commit.compaction import Compactor, RewrittenFiles, Thresholds, without_retries
 from icefloe.commit.dedupe import APPLIED_KEY, CommitBoundary
@@ -869,6 +869,10 @@ class IcebergCommitter:
         """Resolve the plan's key files against the branch head of ``table`` (the version this
         attempt loaded; a commit on top of another head fails and is re-resolved) and stage
         its data files plus the resulting position deletes as one snapshot."""
+        # Arrow and numpy load with the first keyed commit, not with every committer (reading
+        # a table's state, as `icefloe status` does, needs neither)
+        from icefloe.commit import rowdelta
+
         batches: dict[tuple[str, int], tuple[list[Any], list[Any]]] = {}
         for f in plan.files:  # channel order; one writer's batches in source order
             data, keys = batches.setdefault((f.writer_id, f.batch_seq), ([], []))

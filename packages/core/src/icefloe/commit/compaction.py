@@ -34,13 +34,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.expressions import AlwaysTrue
-from pyiceberg.io.pyarrow import ArrowScan
 from pyiceberg.manifest import (
     DataFile,
     DataFileContent,
@@ -57,11 +54,14 @@ from pyiceberg.typedef import EMPTY_DICT
 from icefloe.commit import branches
 from icefloe.commit.caches import SharedCache
 from icefloe.commit.request import table_name
-from icefloe.commit.rowdelta import FILE_PATH_FIELD_ID, write_delete_manifest
 from icefloe.commit.versions import with_metadata
 from icefloe.config import DEFAULT_TARGET_FILE_SIZE
-from icefloe.records.changes import comparable_type
 from icefloe.records.datafiles import DataFileBuilder, group_write_uuid, write_data_files
+
+if TYPE_CHECKING:  # Arrow and the row-delta writer load when a round rewrites something:
+    # the committer (and `icefloe status` through it) needs only the thresholds and the
+    # rewritten-files record from here
+    import pyarrow as pa
 
 log = logging.getLogger("icefloe.compaction")
 
@@ -181,6 +181,8 @@ def needs(part: PartitionState, thresholds: Thresholds) -> bool:
 
 def _path_range(delete_file: DataFile) -> tuple[str, str] | None:
     """The data file paths a position delete file can target, from its path bounds."""
+    from icefloe.commit.rowdelta import FILE_PATH_FIELD_ID
+
     lower = (delete_file.lower_bounds or {}).get(FILE_PATH_FIELD_ID)
     upper = (delete_file.upper_bounds or {}).get(FILE_PATH_FIELD_ID)
     if lower is None or upper is None:
@@ -229,6 +231,11 @@ def plan_rewrite(part: PartitionState, target: int) -> tuple[list[FileScanTask],
 
 def _sorted_by_keys(table: Table, rows: pa.Table) -> pa.Table:
     """``rows`` sorted by the identifier columns (unsorted when the table has none)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from icefloe.records.changes import comparable_type
+
     schema = table.schema()
     ids = sorted(schema.identifier_field_ids)
     if not ids or rows.num_rows < 2:
@@ -259,6 +266,8 @@ def rewrite_partition(
     before = sum(t.file.record_count for t in chosen)
     live_rows = 0
     if chosen:
+        from pyiceberg.io.pyarrow import ArrowScan
+
         scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
         rows = scan.to_table(chosen)
         live_rows = rows.num_rows
@@ -292,6 +301,8 @@ class _Replace(_OverwriteFiles):
         return data + self._merged_delete_manifests()
 
     def _merged_delete_manifests(self) -> list[ManifestFile]:
+        from icefloe.commit.rowdelta import write_delete_manifest
+
         head = self._transaction.table_metadata.snapshot_by_name(name=self._target_branch)
         if head is None:
             return []

@@ -37,7 +37,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from pyiceberg.expressions import AlwaysTrue
-from pyiceberg.io.pyarrow import ArrowScan
 from pyiceberg.table import FileScanTask, Table
 
 from icefloe.commit.dedupe import CommitBoundary, encode_merged
@@ -98,6 +97,8 @@ class SmallFileMerger:
         """Write the merged files of ``files`` for ``table`` (the version this attempt loaded)
         and return what to append instead of ``files``. Only files ``ownership`` proves the
         pipeline's are merged; the others are appended as they are."""
+        from pyiceberg.io.pyarrow import ArrowScan  # Arrow only when something is merged
+
         candidates, _ = groups(files, self._target)
         owned = ownership.mergeable(table, [m for g in candidates for m in g])
         to_merge, kept = groups([m for m in files if m.path in owned], self._target)

@@ -35,9 +35,8 @@ import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
 from pyiceberg.expressions import AlwaysTrue, And, BooleanExpression, EqualTo, In, Reference
@@ -52,6 +51,9 @@ from pyiceberg.types import (
     StructType,
     TimestamptzType,
 )
+
+if TYPE_CHECKING:  # Arrow loads to write or read entries, not to find there are none
+    import pyarrow as pa
 
 DEFAULT_QUARANTINE_TABLE = "icefloe.quarantine"
 # a table property of the quarantine table per failing table: icefloe.failing.<group>/<table>
@@ -206,7 +208,7 @@ class Quarantine:
     def list(self, group_id: str, table_name: str | None = None) -> list[QuarantineEntry]:
         """Entries of ``group_id`` (optionally one table), oldest first."""
         t = self._table(create=False)
-        if t is None:
+        if t is None or t.current_snapshot() is None:  # none: no scan (and no Arrow) needed
             return []
         rows = t.scan(row_filter=_filter(group_id, table_name)).to_arrow().to_pylist()
         entries = [_from_row(r) for r in rows]
@@ -289,6 +291,8 @@ def _eq(column: str, value: str) -> BooleanExpression:
 
 
 def _to_arrow(table: Table, entries: Iterable[QuarantineEntry]) -> pa.Table:
+    import pyarrow as pa
+
     # the table's own schema: an upgraded table numbers the added columns its own way
     rows = [_to_row(e) for e in entries]
     return pa.Table.from_pylist(rows, schema=table.schema().as_arrow())

@@ -17,14 +17,12 @@ import posixpath
 import uuid
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from pyiceberg.schema import index_by_id
 from pyiceberg.table import Table
 
-from icefloe.commit import rowdelta
 from icefloe.commit.dedupe import CommitBoundary
 from icefloe.commit.policy import TablePolicy
 from icefloe.commit.request import PendingFile, table_name
@@ -42,6 +40,9 @@ from icefloe.errors import (
 )
 from icefloe.events import DataFileMeta, FileContent
 from icefloe.records.datafiles import DataFileBuilder
+
+if TYPE_CHECKING:  # Arrow loads where a file is read: the path rules here need none of it
+    import pyarrow as pa
 
 # Table properties under which files may legitimately live outside the table location.
 _DATA_PATH_PROPERTIES = (
@@ -171,6 +172,8 @@ class _FileRules:
 
 def _key_file_refusal(table: Table, f: PendingFile) -> RefusedFileError | None:
     """Why ``table`` cannot resolve the key file ``f``, or None."""
+    from icefloe.commit import rowdelta
+
     try:
         fields = rowdelta.identifier_fields(table)
     except RowDeltaTableError as e:
@@ -278,6 +281,9 @@ def content_refusal(table: Table, meta: DataFileMeta) -> RefusedFileError | None
     (:mod:`icefloe.commit.ownership`). An unreadable footer (not Parquet) is refused; an I/O
     error is raised.
     """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     if meta.file_format != "PARQUET":
         return None
     try:
@@ -312,6 +318,8 @@ def _not_data(ids: set[int], known: set[int]) -> str | None:
 
 def _field_ids(schema: pa.Schema) -> set[int]:
     """Every Iceberg field id in a Parquet file's Arrow schema, nested fields included."""
+    import pyarrow as pa
+
     found: set[int] = set()
     stack: list[pa.Field] = list(schema)
     while stack:

@@ -137,6 +137,34 @@ def stalled(short: Mapping[str, tuple[int, int]], waited_s: float) -> str:
     )
 
 
+def announced(
+    channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
+) -> Iterator[tuple[str, PendingFile]]:
+    """``(table, file)`` for every file announced on the channel from its stored position to
+    its end, with where its event sits (read only: no lease, nothing stored). Shared by
+    ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted).
+    Raises :class:`~icefloe.errors.ChannelStalledError` when the end is not reached within
+    ``timeout_s``: a shorter read would leave files of published batches unprotected."""
+    for rec in backlog(channel, group_id, timeout_s):
+        event, payload = rec.event, rec.event.payload
+        if not isinstance(payload, DataWritten):
+            continue
+        writer = event.writer.writer_id if event.writer else ""
+        # no batch number: the coordinator ignores the event; -1 lets any watermark cover it
+        seq = -1 if event.batch_seq is None else event.batch_seq
+        for f in payload.files:
+            yield payload.table, PendingFile(f, writer, seq, rec.partition, rec.offset)
+
+
+def announced_files(
+    channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
+) -> set[str]:
+    """Paths of every file announced on the channel from its stored position to its end:
+    published batches the coordinator has not committed yet (read only: no lease, nothing
+    stored). Raises :class:`~icefloe.errors.ChannelStalledError` like :func:`announced`."""
+    return {f.meta.path for _, f in announced(channel, group_id, timeout_s)}
+
+
 class EventReader:
     """The coordinator's read state; single-threaded, rebuilt from the channel by a new leader."""
 

@@ -31,17 +31,14 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import ancestors_of
 
-from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.compaction import CompactionResult, Thresholds
 from icefloe.commit.dedupe import APPLIED_KEY, MERGED_KEY, RETIRED_KEY
 from icefloe.commit.quarantine import Quarantine
-from icefloe.commit.request import PendingFile
 from icefloe.commit.summary import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY
 from icefloe.config import PipelineConfig
-from icefloe.coordination.reading import READ_TO_END_S, backlog
+from icefloe.coordination.reading import announced_files
 from icefloe.errors import ConfigError, MaintenanceError
-from icefloe.events import DataWritten
 from icefloe.ops.storage import hint, location_filesystem
 
 #: Table properties icefloe sets on tables it creates, with why (for ``doctor``'s advice).
@@ -247,34 +244,6 @@ def remove_orphan_files(
             fs.delete_file(info.path)
         deleted.append(info.path)
     return OrphanResult(tuple(sorted(deleted)), tuple(sorted(spared)), tuple(sorted(kept)))
-
-
-def announced(
-    channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
-) -> Iterator[tuple[str, PendingFile]]:
-    """``(table, file)`` for every file announced on the channel from its stored position to
-    its end, with where its event sits (read only: no lease, nothing stored). Shared by
-    ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted).
-    Raises :class:`~icefloe.errors.ChannelStalledError` when the end is not reached within
-    ``timeout_s``: a shorter read would leave files of published batches unprotected."""
-    for rec in backlog(channel, group_id, timeout_s):
-        event, payload = rec.event, rec.event.payload
-        if not isinstance(payload, DataWritten):
-            continue
-        writer = event.writer.writer_id if event.writer else ""
-        # no batch number: the coordinator ignores the event; -1 lets any watermark cover it
-        seq = -1 if event.batch_seq is None else event.batch_seq
-        for f in payload.files:
-            yield payload.table, PendingFile(f, writer, seq, rec.partition, rec.offset)
-
-
-def announced_files(
-    channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
-) -> set[str]:
-    """Paths of every file announced on the channel from its stored position to its end:
-    published batches the coordinator has not committed yet (read only: no lease, nothing
-    stored). Raises :class:`~icefloe.errors.ChannelStalledError` like :func:`announced`."""
-    return {f.meta.path for _, f in announced(channel, group_id, timeout_s)}
 
 
 def compact_table(committer: IcebergCommitter, name: str, dry_run: bool = False) -> str:

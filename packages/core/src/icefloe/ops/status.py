@@ -176,8 +176,8 @@ def _announced(
     why that read did not reach the channel's end within :data:`STATUS_READ_S`, if it did
     not (the files counted are then those read so far). (The coordinator's own check, over
     time, is :class:`icefloe.coordination.stall.StallWatch`.)"""
+    from icefloe.coordination.reading import announced
     from icefloe.errors import ChannelStalledError
-    from icefloe.ops.maintenance import announced
 
     channel = backend.coordinator(f"status-{uuid.uuid4().hex[:8]}")
     try:
@@ -271,6 +271,7 @@ def collect(config: PipelineConfig) -> PipelineStatus:
     from pyiceberg.catalog import load_catalog
 
     from icefloe.ops.doctor import cause_of, quiet_clients
+    from icefloe.ops.fileio import status_properties
     from icefloe.ops.tables import pipeline_tables
     from icefloe.plugins.backends import open_backend
     from icefloe.plugins.manager import get_plugins
@@ -297,7 +298,7 @@ def collect(config: PipelineConfig) -> PipelineStatus:
         except Exception as exc:
             backend_error = cause_of(exc)
         lags = plugins.source_lag(config)
-    catalog = load_catalog(config.catalog.name, **config.catalog.properties)
+    catalog = load_catalog(config.catalog.name, **status_properties(config.catalog.properties))
     now_ms = time.time() * 1000
     seen = () if announced is None else announced[1]
     tables = [

@@ -220,10 +220,11 @@ def load_entry_points(
     if distributions is None:
         distributions = importlib.metadata.distributions()
     for dist in distributions:
+        ours = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+        if not ours:
+            continue  # its METADATA unread: parsing every installed one cost ~0.1 s a command
         dist_name = dist.metadata["Name"]
-        for ep in dist.entry_points:
-            if ep.group != ENTRY_POINT_GROUP:
-                continue
+        for ep in ours:
             name = f"{dist_name}:{ep.name}"
             if pm.get_plugin(name) is not None or pm.is_blocked(name):
                 continue

@@ -17,10 +17,8 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import replace
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-from pyiceberg.io.pyarrow import _dataframe_to_data_files, schema_to_pyarrow, write_file
 from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table, TableProperties, WriteTask
@@ -29,7 +27,9 @@ from pyiceberg.typedef import Record
 from pyiceberg.types import DecimalType, StructType
 
 from icefloe.events import DataFileMeta, FileContent, PartitionScalar, PartitionValue
-from icefloe.records.changes import leaf_fields
+
+if TYPE_CHECKING:  # the writers' side: reading file names and metadata needs no Arrow
+    import pyarrow as pa
 
 _CONTENT_TO_ICEBERG = {
     FileContent.DATA: DataFileContent.DATA,
@@ -195,6 +195,8 @@ def write_data_files(
     Uses pyiceberg's internal ``_dataframe_to_data_files`` because pyiceberg's public API
     offers only write-and-commit (``append``), and writers must never commit.
     """
+    from pyiceberg.io.pyarrow import _dataframe_to_data_files
+
     if data.num_rows == 0:
         return []
     metadata = table.metadata
@@ -224,6 +226,10 @@ def write_key_files(
     table's current schema, so it gets a copy of the metadata whose schema is the key columns
     alone (pyiceberg has no public way to write a file of some columns without committing).
     """
+    from pyiceberg.io.pyarrow import schema_to_pyarrow, write_file
+
+    from icefloe.records.changes import leaf_fields
+
     if keys.num_rows == 0:
         return []
     schema = table.schema()

@@ -40,6 +40,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.transforms import IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
+from icefloe.commit.quarantine import QuarantineEntry
 from icefloe.events import DataFileMeta
 from icefloe.records.datafiles import group_write_uuid, write_data_files
 from icefloe.testing.memory import MemoryServer
@@ -155,6 +156,26 @@ def create_rows_table(
         catalog.create_namespace(namespace)
     return catalog.create_table(
         name, schema=ROWS_SCHEMA, partition_spec=partition_spec or PartitionSpec()
+    )
+
+
+def quarantine_entry(group: str, table: str, path: str) -> QuarantineEntry:
+    """A quarantine entry of ``path`` (announced for ``table`` by ``group``'s writer ``w``)."""
+    return QuarantineEntry(
+        group_id=group,
+        table_name=table,
+        file_path=path,
+        record_count=3,
+        file_size_in_bytes=100,
+        writer_id="w",
+        batch_seq=7,
+        channel_partition="0",
+        channel_offset=12,
+        table_uuid=None,
+        error_type="FileOutsideTableError",
+        error_message="outside",
+        commit_id="c",
+        quarantined_at=datetime(2026, 1, 1, tzinfo=UTC),
     )
 
 

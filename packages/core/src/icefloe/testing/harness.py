@@ -254,10 +254,16 @@ def _writer_and_coordinator(
 
 
 def commit_batches(
-    backend: Backend, catalog: Catalog, group_id: str, source: RowSource, seqs: Sequence[int]
+    backend: Backend,
+    catalog: Catalog,
+    group_id: str,
+    source: RowSource,
+    seqs: Sequence[int],
+    pending: Sequence[int] = (),
 ) -> str:
-    """Publish ``seqs`` from writer ``w`` and commit them with a coordinator of ``backend``;
-    returns the channel id the commit recorded. For channel reset and swap tests."""
+    """Publish ``seqs`` from writer ``w`` and commit them with a coordinator of ``backend``,
+    then publish ``pending`` and leave them uncommitted; returns the channel id the commit
+    recorded. For channel reset and swap tests, and a running pipeline's state for status."""
     writer, coordinator = _writer_and_coordinator(backend, catalog, group_id, "first")
     try:
         lead(coordinator)
@@ -266,6 +272,8 @@ def commit_batches(
         wait_pending(coordinator, len(seqs) * len(source.tables))
         cycle = coordinator.commit_now()
         assert not cycle.failed, cycle.failed
+        for seq in pending:
+            source.publish(writer, seq)
         return coordinator.channel.channel_id()
     finally:
         writer.close()
