@@ -186,7 +186,8 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
     scanned = scanned.sort_by("id")
     assert scanned["id"].to_pylist() == list(range(args.rows))
     assert scanned["name"].to_pylist() == [f"v{v}" for v in version]
-    data, deletes = live_files(catalog.load_table("db.t"))
+    final = catalog.load_table("db.t")
+    data, deletes = live_files(final)
     window = max(1, min(100, args.cycles // 10))  # the goal: first vs last 100
     first, last = _p50(times[:window]), _p50(times[-window:])
     print(
@@ -197,7 +198,10 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
         f"{window} {first:.2f} s, of the last {window} {last:.2f} s ({last / first:.2f}x); "
         f"pyiceberg scan before {before_s:.2f} s, after {read_s:.2f} s "
         f"({read_s / before_s:.2f}x); {len(data)} data file(s), {len(deletes)} delete file(s) "
-        f"live at the end, at most {most[0]} / {most[1]} during the run"
+        f"live at the end, at most {most[0]} / {most[1]} during the run; "
+        f"{len(final.metadata.snapshots)} snapshots in {len(final.metadata.metadata_log)} "
+        f"metadata versions kept; p50 per {window} cycles: "
+        + " ".join(f"{_p50(times[i : i + window]):.2f}" for i in range(0, len(times), window))
         + (
             f"; compaction round p50 {_p50(rounds):.2f} s, max {max(rounds):.2f} s"
             if rounds
