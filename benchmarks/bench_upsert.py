@@ -45,6 +45,7 @@ from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.compaction import Thresholds
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.events import DataFileMeta
+from icefloe.ops.maintenance import expire_snapshots
 from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
 from icefloe.testing.readers import live_files
 
@@ -158,6 +159,7 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
     version = np.zeros(args.rows, dtype=np.int64)
     rng = np.random.default_rng(11)
     times: list[float] = []
+    most = (0, 0)  # the most live data and delete files seen after a cycle (and its round)
     for cycle in range(1, args.cycles + 1):
         updated = np.sort(rng.choice(args.rows, size=args.updates, replace=False))
         version[updated] = cycle
@@ -171,19 +173,35 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
             began = time.perf_counter()
             compactor.compact("db.t", thresholds)
             rounds.append(time.perf_counter() - began)
+        if args.expire_every and cycle % args.expire_every == 0:
+            # what an operator's scheduled `icefloe maintain` does: without it every cycle
+            # adds snapshots to the metadata that each later commit reads and writes again
+            expire_snapshots(catalog.load_table("db.t"), int(time.time() * 1000), retain_last=10)
+        if args.cycles <= 100 or cycle % 10 == 0:
+            data, deletes = live_files(catalog.load_table("db.t"))
+            most = (max(most[0], len(data)), max(most[1], len(deletes)))
     began = time.perf_counter()
     scanned = catalog.load_table("db.t").scan().to_arrow()
     read_s = time.perf_counter() - began
     scanned = scanned.sort_by("id")
     assert scanned["id"].to_pylist() == list(range(args.rows))
     assert scanned["name"].to_pylist() == [f"v{v}" for v in version]
-    data, deletes = live_files(catalog.load_table("db.t"))
+    final = catalog.load_table("db.t")
+    data, deletes = live_files(final)
+    window = max(1, min(100, args.cycles // 10))  # the goal: first vs last 100
+    first, last = _p50(times[:window]), _p50(times[-window:])
     print(
         f"{args.cycles} cycles of {args.updates} random upserts on {args.rows} rows, "
-        f"compaction {'on' if args.compact else 'off'}: commit p50 {_p50(times):.2f} s, max "
-        f"{max(times):.2f} s, first {times[0]:.2f} s, last {times[-1]:.2f} s; pyiceberg scan "
-        f"before {before_s:.2f} s, after {read_s:.2f} s; {len(data)} data file(s), "
-        f"{len(deletes)} delete file(s) live"
+        f"compaction {'on' if args.compact else 'off'}"
+        + (f", expiry every {args.expire_every} cycles" if args.expire_every else "")
+        + f": commit p50 {_p50(times):.2f} s, max {max(times):.2f} s; p50 of the first "
+        f"{window} {first:.2f} s, of the last {window} {last:.2f} s ({last / first:.2f}x); "
+        f"pyiceberg scan before {before_s:.2f} s, after {read_s:.2f} s "
+        f"({read_s / before_s:.2f}x); {len(data)} data file(s), {len(deletes)} delete file(s) "
+        f"live at the end, at most {most[0]} / {most[1]} during the run; "
+        f"{len(final.metadata.snapshots)} snapshots in {len(final.metadata.metadata_log)} "
+        f"metadata versions kept; p50 per {window} cycles: "
+        + " ".join(f"{_p50(times[i : i + window]):.2f}" for i in range(0, len(times), window))
         + (
             f"; compaction round p50 {_p50(rounds):.2f} s, max {max(rounds):.2f} s"
             if rounds
@@ -204,6 +222,13 @@ def main() -> None:
     parser.add_argument("--layout", choices=["clustered", "random", "both"], default="both")
     parser.add_argument("--cycles", type=int, default=0, help="run N upsert cycles instead")
     parser.add_argument("--compact", action="store_true", help="with --cycles: compact too")
+    parser.add_argument(
+        "--expire-every",
+        type=int,
+        default=0,
+        help="with --cycles: expire snapshots (keep 10) every N cycles, as a scheduled "
+        "`icefloe maintain` would",
+    )
     args = parser.parse_args()
     print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
     layouts = ["clustered", "random"] if args.layout == "both" else [args.layout]

@@ -68,7 +68,7 @@ from pyiceberg.exceptions import (
     CommitStateUnknownException,
     NoSuchTableError,
 )
-from pyiceberg.table import Table, Transaction
+from pyiceberg.table import Table
 from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update.snapshot import ManageSnapshots
@@ -804,26 +804,29 @@ class IcebergCommitter:
         # switch away from it needs a new drain
         removals = [drained_property(self._group_id)] if plan.clear_drained else []
         head, _ = self._branch_head(table)
-        if (
-            plan.fork_from is None
-            and not any(f.is_key_file for f in plan.files)
-            and fastappend.applicable(table, branch, head)
-        ):
+        build = DataFileBuilder(table.metadata).build
+        keyed = any(f.is_key_file for f in plan.files)
+        data, deletes = (
+            self._resolve_row_delta(table, plan, build)
+            if keyed
+            else ([build(meta) for meta in plan.appended()], [])
+        )
+        if plan.fork_from is None and fastappend.applicable(table, branch, head):
             snapshot_id = table.metadata.new_snapshot_id()
             properties[state_property(self._group_id, branch)] = kept_state(
                 snapshot_id, table.metadata.next_sequence_number(), plan.summary
             )
-            build = DataFileBuilder(table.metadata).build
             staged = fastappend.stage(
                 table,
                 branch,
                 head,
                 () if head is None else self._live_files.manifests(table, head),
-                [build(meta) for meta in plan.appended()],
+                data,
                 plan.summary,
                 properties,
                 removals,
                 snapshot_id,
+                deletes,
             )
             if staged is not None:
                 return self._committing_append(staged), snapshot_id
@@ -836,19 +839,18 @@ class IcebergCommitter:
             tx.set_properties(properties)
         if removals:
             tx.remove_properties(*removals)
-        snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=branch)
-        # read once: pyiceberg rebuilds (deep-copies) the transaction's metadata on every
-        # read, which made this loop cost seconds per 10,000 files, growing with history
-        build = DataFileBuilder(tx.table_metadata).build
-        if any(f.is_key_file for f in plan.files):
-            snapshot_id = self._stage_row_delta(table, tx, plan, build)
+        if keyed:
+            from icefloe.commit import rowdelta  # loaded already: the files were resolved
+
+            snapshot_id = rowdelta.stage(tx, branch, plan.summary, data, deletes)
         else:
             # pyiceberg's merge append is a fast append unless the table enables manifest
             # merging (commit.manifest-merge.enabled, set on tables icefloe creates): see
             # icefloe.ops.maintenance
+            snapshot = tx.update_snapshot(snapshot_properties=plan.summary, branch=branch)
             with snapshot.merge_append() as append:
-                for meta in plan.appended():
-                    append.append_data_file(build(meta))
+                for data_file in data:
+                    append.append_data_file(data_file)
             snapshot_id = append.snapshot_id
         # the number pyiceberg gave the snapshot: staging it changed nothing that counts
         kept = kept_state(snapshot_id, table.metadata.next_sequence_number(), plan.summary)
@@ -863,12 +865,12 @@ class IcebergCommitter:
 
         return commit
 
-    def _stage_row_delta(
-        self, table: Table, tx: Transaction, plan: _Plan, build: Callable[[DataFileMeta], Any]
-    ) -> int:
+    def _resolve_row_delta(
+        self, table: Table, plan: _Plan, build: Callable[[DataFileMeta], Any]
+    ) -> tuple[list[Any], list[Any]]:
         """Resolve the plan's key files against the branch head of ``table`` (the version this
-        attempt loaded; a commit on top of another head fails and is re-resolved) and stage
-        its data files plus the resulting position deletes as one snapshot."""
+        attempt loaded; a commit on top of another head fails and is re-resolved) into
+        position-delete files: the snapshot's data files and delete files."""
         # Arrow and numpy load with the first keyed commit, not with every committer (reading
         # a table's state, as `icefloe status` does, needs neither)
         from icefloe.commit import rowdelta
@@ -893,13 +895,7 @@ class IcebergCommitter:
             resolution.files_read,
             resolution.candidates,
         )
-        return rowdelta.stage(
-            tx,
-            self._branch_for(table),
-            plan.summary,
-            (d for data, _ in batches.values() for d in data),
-            deletes,
-        )
+        return [d for data, _ in batches.values() for d in data], deletes
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep

@@ -9,30 +9,41 @@ it plus the branch head's live manifests, a snapshot with pyiceberg's summary to
 caller's properties, the branch moved to it, and the table properties set or removed in the same
 catalog commit, which requires the branch head (and table uuid) to be the one planned against.
 
-It is used only where it is that same commit (:func:`applicable`): data files appended to a
-format v1/v2 table, the branch existing (or ``main`` on a table without snapshots), and no
-manifest merge that pyiceberg's merge append would do (``commit.manifest-merge.enabled`` with
-enough manifests, or manifests of older partition specs). Everything else (a branch to fork,
-row deltas, a merge due) goes through pyiceberg's transaction as before.
+The row delta of a keyed table (its data files plus the position-delete files its key files
+resolved to) is built the same way, with the delete files in a DELETES manifest per partition
+spec, as icefloe's subclass of pyiceberg's merge append (:mod:`icefloe.commit.rowdelta`) builds
+it: without this, a keyed table's commit grew with its snapshot history (about 2x over the
+snapshots of 100 cycles, measured with ``benchmarks/bench_upsert.py --cycles``).
+
+It is used only where it is that same commit (:func:`applicable`): data (and, on format v2,
+delete) files added to a format v1/v2 table, the branch existing (or ``main`` on a table
+without snapshots), and no manifest merge that pyiceberg's merge append would do
+(``commit.manifest-merge.enabled`` with enough manifests, or manifests of older partition
+specs). Everything else (a branch to fork, a merge due) goes through pyiceberg's transaction.
 """
 
 from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.io import OutputFile
 from pyiceberg.manifest import (
     DataFile,
     ManifestContent,
     ManifestEntry,
     ManifestEntryStatus,
     ManifestFile,
+    ManifestWriterV2,
     write_manifest,
     write_manifest_list,
 )
+from pyiceberg.partitioning import PartitionSpec
+from pyiceberg.schema import Schema
 from pyiceberg.table import Table, TableProperties
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
@@ -70,11 +81,12 @@ class StagedAppend:
     requirements: tuple[TableRequirement, ...]
     manifest_list: str
     manifests: tuple[ManifestFile, ...]  # as the manifest list holds them
+    written: int = 1  # the first ``written`` manifests are this commit's, the others the head's
 
     @property
     def _written(self) -> list[str]:
-        """The manifest this append wrote (the first; the others are the head's)."""
-        return [self.manifests[0].manifest_path]
+        """The manifests this commit wrote."""
+        return [m.manifest_path for m in self.manifests[: self.written]]
 
     def commit(self) -> Table:
         """Commit to the catalog; returns the table as committed. Raises what the catalog
@@ -116,14 +128,17 @@ def stage(
     set_properties: Mapping[str, str],
     remove_properties: Sequence[str],
     snapshot_id: int,
+    delete_files: Sequence[DataFile] = (),
 ) -> StagedAppend | None:
-    """Write the manifest and the manifest list of appending ``data_files`` on top of
-    ``head`` (whose manifests are ``head_manifests``) as snapshot ``snapshot_id``. None when
-    pyiceberg's merge append would merge manifests here: the caller commits through
-    pyiceberg instead."""
+    """Write the manifests and the manifest list of adding ``data_files`` (and
+    ``delete_files``) on top of ``head`` (whose manifests are ``head_manifests``) as snapshot
+    ``snapshot_id``. None when pyiceberg's merge append would merge manifests here, or delete
+    files meet a format v1 table: the caller commits through pyiceberg instead."""
     metadata = table.metadata
     spec, schema = metadata.spec(), metadata.schema()
     props = metadata.properties
+    if delete_files and metadata.format_version < 2:
+        return None  # pyiceberg's path says what is wrong
     compression = props.get(
         TableProperties.WRITE_AVRO_COMPRESSION, TableProperties.WRITE_AVRO_COMPRESSION_DEFAULT
     )
@@ -138,29 +153,34 @@ def stage(
     )
     if merging and _merge_possible(props, spec.spec_id, data):
         return None
-    manifest_path = locations.new_metadata_location(f"{commit_uuid}-m0.avro")
-    with write_manifest(
-        format_version=metadata.format_version,
-        spec=spec,
-        schema=schema,
-        output_file=table.io.new_output(manifest_path),
-        snapshot_id=snapshot_id,
-        avro_compression=compression,  # type: ignore[arg-type]
-    ) as writer:
-        for data_file in data_files:
-            writer.add(
-                ManifestEntry.from_args(
-                    status=ManifestEntryStatus.ADDED,
-                    snapshot_id=snapshot_id,
-                    sequence_number=None,
-                    file_sequence_number=None,
-                    data_file=data_file,
-                )
-            )
-    added = writer.to_manifest_file()
-    if merging and not _one_bin(props, data, added):
-        table.io.delete(manifest_path)
-        return None
+    added: list[ManifestFile] = []
+
+    def output() -> OutputFile:
+        return table.io.new_output(
+            locations.new_metadata_location(f"{commit_uuid}-m{len(added)}.avro")
+        )
+
+    if data_files:
+        with write_manifest(
+            format_version=metadata.format_version,
+            spec=spec,
+            schema=schema,
+            output_file=output(),
+            snapshot_id=snapshot_id,
+            avro_compression=compression,  # type: ignore[arg-type]
+        ) as writer:
+            for entry in added_entries(snapshot_id, data_files):
+                writer.add(entry)
+        added.append(writer.to_manifest_file())
+        if merging and not _one_bin(props, data, added[0]):
+            table.io.delete(added[0].manifest_path)
+            return None
+    specs = metadata.specs()
+    for spec_id, files in by_spec(delete_files):
+        entries = added_entries(snapshot_id, files)
+        added.append(
+            delete_manifest(specs[spec_id], schema, output(), snapshot_id, compression, entries)
+        )
     sequence_number = metadata.next_sequence_number()
     list_path = locations.new_metadata_location(f"snap-{snapshot_id}-0-{commit_uuid}.avro")
     with write_manifest_list(
@@ -173,7 +193,7 @@ def stage(
     ) as list_writer:
         # as written (sequence numbers assigned), so the caller may keep them as the list's
         # content instead of reading it back
-        manifests = tuple(list_writer.prepare_manifest(m) for m in (added, *existing))
+        manifests = tuple(list_writer.prepare_manifest(m) for m in (*added, *existing))
         list_writer.add_manifests(list(manifests))
     collector = SnapshotSummaryCollector(
         partition_summary_limit=property_as_int(  # type: ignore[arg-type]
@@ -182,10 +202,12 @@ def stage(
             TableProperties.WRITE_PARTITION_SUMMARY_LIMIT_DEFAULT,
         )
     )
-    for data_file in data_files:
-        collector.add_file(data_file, schema=schema, partition_spec=spec)
+    # as pyiceberg's producer: every added file (delete files counted by their content)
+    # under the default spec
+    for added_file in (*data_files, *delete_files):
+        collector.add_file(added_file, schema=schema, partition_spec=spec)
     summary = update_snapshot_summaries(
-        Summary(Operation.APPEND, **collector.build(), **snapshot_properties),
+        Summary(operation_of(data_files, delete_files), **collector.build(), **snapshot_properties),
         previous_summary=None if head is None else head.summary,
     )
     # pyiceberg's models take field names (populate_by_name); mypy's plugin knows only aliases
@@ -217,7 +239,70 @@ def stage(
             ref=branch,
         ),
     )
-    return StagedAppend(table, snapshot_id, tuple(updates), requirements, list_path, manifests)
+    return StagedAppend(
+        table, snapshot_id, tuple(updates), requirements, list_path, manifests, len(added)
+    )
+
+
+def operation_of(data_files: Sequence[DataFile], delete_files: Sequence[DataFile]) -> Operation:
+    """The snapshot operation of adding these files: a row delta with both overwrites."""
+    if data_files and delete_files:
+        return Operation.OVERWRITE
+    return Operation.DELETE if delete_files else Operation.APPEND
+
+
+def added_entries(snapshot_id: int, files: Iterable[DataFile]) -> Iterator[ManifestEntry]:
+    """Manifest entries adding ``files`` in ``snapshot_id`` (sequence numbers inherited)."""
+    for f in files:
+        yield ManifestEntry.from_args(
+            status=ManifestEntryStatus.ADDED,
+            snapshot_id=snapshot_id,
+            sequence_number=None,
+            file_sequence_number=None,
+            data_file=f,
+        )
+
+
+def by_spec(delete_files: Iterable[DataFile]) -> list[tuple[int, list[DataFile]]]:
+    """Delete files grouped by partition spec id: a manifest holds one spec's files."""
+    groups: dict[int, list[DataFile]] = {}
+    for f in delete_files:
+        groups.setdefault(f.spec_id or 0, []).append(f)
+    return sorted(groups.items())
+
+
+class _DeleteManifestWriter(ManifestWriterV2):
+    """pyiceberg's v2 manifest writer always declares DATA content; delete files need a
+    manifest whose content (in the manifest list and its own metadata) is DELETES."""
+
+    def content(self) -> ManifestContent:
+        return ManifestContent.DELETES
+
+    @property
+    def _meta(self) -> dict[str, str]:
+        return {**super()._meta, "content": "deletes"}
+
+
+def delete_manifest(
+    spec: PartitionSpec,
+    schema: Schema,
+    output: OutputFile,
+    snapshot_id: int,
+    compression: Any,
+    entries: Iterable[ManifestEntry],
+) -> ManifestFile:
+    """One DELETES manifest of ``entries`` (files of ``spec``) for snapshot ``snapshot_id``."""
+    writer = _DeleteManifestWriter(
+        spec=spec,
+        schema=schema,
+        output_file=output,
+        snapshot_id=snapshot_id,
+        avro_compression=compression,
+    )
+    with writer:
+        for entry in entries:
+            writer.add_entry(entry)
+    return writer.to_manifest_file()
 
 
 def _merge_possible(props: dict[str, str], spec_id: int, data: Sequence[ManifestFile]) -> bool:

@@ -43,11 +43,8 @@ from pyiceberg.manifest import (
     DataFile,
     DataFileContent,
     FileFormat,
-    ManifestContent,
     ManifestEntry,
-    ManifestEntryStatus,
     ManifestFile,
-    ManifestWriterV2,
 )
 from pyiceberg.partitioning import PartitionSpec
 from pyiceberg.schema import Schema
@@ -70,6 +67,7 @@ from pyiceberg.types import (
     TimeType,
 )
 
+from icefloe.commit import fastappend
 from icefloe.errors import RowDeltaTableError
 from icefloe.records.changes import comparable_type, leaf_fields
 
@@ -297,12 +295,7 @@ def stage(
     """Add one snapshot with ``data_files`` and ``delete_files`` to ``tx``; its id."""
     data = list(data_files)
     deletes = list(delete_files)
-    if data and deletes:
-        operation = Operation.OVERWRITE
-    elif deletes:
-        operation = Operation.DELETE
-    else:
-        operation = Operation.APPEND
+    operation = fastappend.operation_of(data, deletes)
     producer = _RowDelta(operation, tx, tx._table.io, branch, summary, deletes)
     with producer:
         for f in data:
@@ -310,34 +303,19 @@ def stage(
     return producer.snapshot_id
 
 
-class _DeleteManifestWriter(ManifestWriterV2):
-    """pyiceberg's v2 manifest writer always declares DATA content; delete files need a
-    manifest whose content (in the manifest list and its own metadata) is DELETES."""
-
-    def content(self) -> ManifestContent:
-        return ManifestContent.DELETES
-
-    @property
-    def _meta(self) -> dict[str, str]:
-        return {**super()._meta, "content": "deletes"}
-
-
 def write_delete_manifest(
     producer: _SnapshotProducer[Any], spec_id: int, entries: Iterable[ManifestEntry]
 ) -> ManifestFile:
     """One DELETES manifest of ``entries`` (under spec ``spec_id``) for ``producer``'s
     snapshot: the row delta adds delete files in one, compaction merges them into one."""
-    writer = _DeleteManifestWriter(
-        spec=producer.spec(spec_id),
-        schema=producer.schema(),
-        output_file=producer.new_manifest_output(),
-        snapshot_id=producer.snapshot_id,
-        avro_compression=producer._compression,
+    return fastappend.delete_manifest(
+        producer.spec(spec_id),
+        producer.schema(),
+        producer.new_manifest_output(),
+        producer.snapshot_id,
+        producer._compression,
+        entries,
     )
-    with writer:
-        for entry in entries:
-            writer.add_entry(entry)
-    return writer.to_manifest_file()
 
 
 class _RowDelta(_MergeAppendFiles):
@@ -367,20 +345,8 @@ class _RowDelta(_MergeAppendFiles):
 
     def _process_manifests(self, manifests: list[ManifestFile]) -> list[ManifestFile]:
         merged = super()._process_manifests(manifests)
-        by_spec: dict[int, list[DataFile]] = {}
-        for f in self._added_delete_files:
-            by_spec.setdefault(f.spec_id or 0, []).append(f)
-        for spec_id, files in sorted(by_spec.items()):
-            entries = (
-                ManifestEntry.from_args(
-                    status=ManifestEntryStatus.ADDED,
-                    snapshot_id=self.snapshot_id,
-                    sequence_number=None,
-                    file_sequence_number=None,
-                    data_file=f,
-                )
-                for f in files
-            )
+        for spec_id, files in fastappend.by_spec(self._added_delete_files):
+            entries = fastappend.added_entries(self.snapshot_id, files)
             merged.append(write_delete_manifest(self, spec_id, entries))
         return merged
 
