@@ -46,9 +46,15 @@ from icefloe.commit.compaction import Thresholds
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.events import DataFileMeta
 from icefloe.ops.maintenance import expire_snapshots
-from icefloe.records.datafiles import DataFileBuilder, write_data_files, write_key_files
+from icefloe.records.datafiles import (
+    DataFileBuilder,
+    group_write_uuid,
+    write_data_files,
+    write_key_files,
+)
 from icefloe.testing.readers import live_files
 
+GROUP = "bench"  # the pipeline (group id) committing
 SCHEMA = Schema(
     NestedField(1, "id", LongType(), required=True),
     NestedField(2, "name", StringType(), required=False),
@@ -86,7 +92,7 @@ def run(layout: str, args: argparse.Namespace, root: Path) -> None:
     )
     catalog.create_namespace("db")
     table = catalog.create_table("db.t", schema=SCHEMA)
-    committer = IcebergCommitter(catalog, "bench")
+    committer = IcebergCommitter(catalog, GROUP)
     per_file = args.rows // args.files
     seed: list[DataFileMeta] = []
     for n in range(args.files):
@@ -144,7 +150,7 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
     catalog = SqlCatalog("bench", uri=f"sqlite:///{root}/cycles.db", warehouse=f"file://{root}/c")
     catalog.create_namespace("db")
     table = catalog.create_table("db.t", schema=SCHEMA)
-    committer = IcebergCommitter(catalog, "bench")
+    committer = IcebergCommitter(catalog, GROUP)
     per_file = args.rows // args.files
     seed: list[DataFileMeta] = []
     for n in range(args.files):
@@ -164,8 +170,13 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
         updated = np.sort(rng.choice(args.rows, size=args.updates, replace=False))
         version[updated] = cycle
         table = catalog.load_table("db.t")
-        metas = write_data_files(table, rows(updated, f"v{cycle}"))
-        (key_file,) = write_key_files(table, pa.table({"id": pa.array(updated)}))
+        # named for the pipeline, as its writers name them: the committer deletes the key
+        # files it applied only when it can prove it owns them, and lists the others in the
+        # applied-files record, which would then grow by one path per cycle
+        # (a uuid per write: the same uuid gives the same file names)
+        metas = write_data_files(table, rows(updated, f"v{cycle}"), group_write_uuid(GROUP))
+        keys = pa.table({"id": pa.array(updated)})
+        (key_file,) = write_key_files(table, keys, group_write_uuid(GROUP))
         began = time.perf_counter()
         committer.commit(request(table, [*metas, key_file], cycle))
         times.append(time.perf_counter() - began)
