@@ -461,6 +461,37 @@ def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(
     assert_exactly_once(pipe.catalog, ROWS, pipe.source.expected_ids_of("w1", 0)[ROWS])
 
 
+@pytest.mark.parametrize("replay", [False, True], ids=["no-replay", "replay"])
+def test_files_another_engine_removed_above_a_rollback_stay_out_when_announced_again(
+    tmp_path: Path, replay: bool
+) -> None:
+    """A batch committed, another engine deletes its rows (its file leaves the branch), a
+    later batch committed, then a rollback below the first batch. The rollback takes the
+    delete out of the branch's history, and the file is live neither at the head nor in the
+    pipeline's lost snapshot: announced again under a fresh writer id, it must still be held,
+    or its rows come back (beside the replay's copy of them)."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
+    try:
+        kept, deleted = pipe.two_commits()
+        catalog.load_table(ROWS).delete("batch_seq == 1")
+        wait_pending(coordinator, source.publish(writer, 2).file_count)
+        assert not coordinator.commit_now().failed
+        IcebergCommitter(catalog, "pipe").roll_back(ROWS, kept, replay=replay)
+        if replay:
+            rollback = IcebergCommitter(catalog, "pipe").rollback(ROWS)
+            assert rollback is not None
+            lost = {ROWS: [i for n in (1, 2) for i in source.expected_ids_of("w1", n)[ROWS]]}
+            wait_pending(coordinator, pipe.replay(rollback.writer_id, lost).file_count)
+            assert not coordinator.commit_now().failed
+        pipe.announce_again(deleted)
+    finally:
+        pipe.close()
+    # the replay reads the source again: the rows the other engine deleted come back once
+    expected = source.expected[ROWS] if replay else source.expected_ids_of("w1", 0)[ROWS]
+    assert_exactly_once(catalog, ROWS, expected)
+
+
 @pytest.mark.parametrize("by", ["icefloe rollback", "another tool"])
 def test_replayed_rows_are_not_joined_by_their_old_files_announced_again(
     tmp_path: Path, by: str

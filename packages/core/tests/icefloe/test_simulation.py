@@ -477,8 +477,6 @@ class World(RuleBasedStateMachine):
         self.between: Callable[[], None] | None = None  # another engine, after screening
         self.dropped: set[int] = set()  # ids of an append table another engine recreated
         self.replayed: set[tuple[str, int]] = set()  # (writer, batch) a writer published again
-        self.rewritten: set[str] = set()  # files another engine's rewrite took off a head
-        self.reannounced: set[str] = set()  # files announced again under another writer id
         self.config = self._config()
         self.settings = self._settings()
         self.writers: dict[str, WriterClient] = {}
@@ -1007,7 +1005,7 @@ class CommitPath(World):
         old = self.batches[pick % len(self.batches)]
         # the writer that lost its identity still names the table it wrote for (a file of a
         # dropped table must not land in the one created again under its name)
-        self.announce(self.not_rewritten(dict(old.files)), "r", old.uuids)
+        self.announce(dict(old.files), "r", old.uuids)
 
     @precondition(lambda self: bool(self.server.batches))
     @rule(pick=st.integers(0, 1 << 16))
@@ -1332,22 +1330,8 @@ class CommitPath(World):
         head = table.snapshot_by_name(branch)
         if head is None:
             return
-        data = set(snapshot_files(table, head.snapshot_id)[0])
-        if data & self.reannounced:
-            return  # KNOWN: see not_rewritten
-        self.rewritten |= data
         table.overwrite(table.scan(snapshot_id=head.snapshot_id).to_arrow(), branch=branch)
         EVENTS["foreign rewrite"] += 1
-
-    def not_rewritten(self, files: dict[str, list[DataFileMeta]]) -> dict[str, list[DataFileMeta]]:
-        """KNOWN: files another engine rewrote (an overwrite: a ``delete`` snapshot and an
-        ``append``) are committed again when announced again (xfail: test_compaction.py::
-        test_a_file_another_engine_rewrote_announced_again_is_not_committed_again): a table's
-        files of a batch are announced again only if no rewrite took them off the head, and
-        a rewrite skips heads holding files announced again, whichever comes first."""
-        kept = {n: m for n, m in files.items() if not self.rewritten & {f.path for f in m}}
-        self.reannounced.update(f.path for m in kept.values() for f in m)
-        return kept
 
     @rule(
         what=st.sampled_from(["append", "rewrite", "add_column", "repartition", "recreate"]),
