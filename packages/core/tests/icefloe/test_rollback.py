@@ -422,6 +422,34 @@ def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Pat
     assert_exactly_once(catalog, ROWS, [*source.expected[ROWS], -1, -2])
 
 
+def test_another_engine_rewriting_then_expiring_the_pipelines_snapshot_is_no_rollback(
+    tmp_path: Path,
+) -> None:
+    """Another engine rewrites the table (pyiceberg's overwrite: a ``delete`` of every file,
+    then an ``append``) and expires the pipeline's only snapshot; pyiceberg's expiry clears
+    the ``delete`` snapshot's parent id, and that snapshot holds no file at all, so it looked
+    like a root: the history seemed whole, the pipeline's kept snapshot absent from it, and
+    the committer took it for a rollback to nothing (its replay then committed the rows a
+    second time; found by the 40-step simulation search, seed 61200). A snapshot that removed
+    files had a parent: nothing was rolled back, the next batch commits."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
+    try:
+        wait_pending(coordinator, source.publish(writer, 0).file_count)
+        [mine] = coordinator.commit_now().tables
+        assert mine.snapshot_id is not None
+        table = catalog.load_table(ROWS)
+        table.overwrite(table.scan().to_arrow())
+        catalog.load_table(ROWS).maintenance.expire_snapshots().by_id(mine.snapshot_id).commit()
+        assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None
+        wait_pending(coordinator, source.publish(writer, 1).file_count)
+        failed = coordinator.commit_now().failed
+    finally:
+        pipe.close()
+    assert dict(failed) == {}
+    assert_exactly_once(catalog, ROWS, source.expected[ROWS])
+
+
 def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
     tmp_path: Path,
 ) -> None:
