@@ -303,16 +303,22 @@ class Replaying:
         replayer.close()
         return replayed
 
+    def committed(self, seq: int) -> int:
+        """Batch ``seq`` of ``w1`` published and committed by a cycle of its own: the snapshot
+        that cycle made."""
+        wait_pending(self.coordinator, self.source.publish(self.writer, seq).file_count)
+        [done] = self.coordinator.commit_now().tables
+        assert done.snapshot_id is not None
+        return done.snapshot_id
+
     def two_commits(self) -> tuple[int, Batch]:
         """Batches 0 and 1 of ``w1``, each committed by its own cycle: the first one's
         snapshot (to roll back to) and the second batch (which that rollback loses)."""
-        wait_pending(self.coordinator, self.source.publish(self.writer, 0).file_count)
-        [kept] = self.coordinator.commit_now().tables
+        kept = self.committed(0)
         lost = self.source.publish(self.writer, 1)
         wait_pending(self.coordinator, lost.file_count)
         assert not self.coordinator.commit_now().failed
-        assert kept.snapshot_id is not None
-        return kept.snapshot_id, lost
+        return kept, lost
 
     def announce_again(self, batch: Batch) -> None:
         """``batch``'s very files announced again by a writer with a fresh id (its watermark
@@ -404,15 +410,13 @@ def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Pat
     pipe = Replaying.open(tmp_path)
     catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
     try:
-        wait_pending(coordinator, source.publish(writer, 0).file_count)
-        [mine] = coordinator.commit_now().tables
-        assert mine.snapshot_id is not None
+        mine = pipe.committed(0)
         for i in (-1, -2):  # another engine appends twice
             catalog.load_table(ROWS).append(rows_table([i], "x", 0))
         table = catalog.load_table(ROWS)
         between = [s.snapshot_id for s in table.snapshots()][1]
         with table.manage_snapshots() as refs:
-            refs.create_tag(mine.snapshot_id, "kept")
+            refs.create_tag(mine, "kept")
         catalog.load_table(ROWS).maintenance.expire_snapshots().by_id(between).commit()
         wait_pending(coordinator, source.publish(writer, 1).file_count)
         failed = coordinator.commit_now().failed
@@ -435,12 +439,10 @@ def test_another_engine_rewriting_then_expiring_the_pipelines_snapshot_is_no_rol
     pipe = Replaying.open(tmp_path)
     catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
     try:
-        wait_pending(coordinator, source.publish(writer, 0).file_count)
-        [mine] = coordinator.commit_now().tables
-        assert mine.snapshot_id is not None
+        mine = pipe.committed(0)
         table = catalog.load_table(ROWS)
         table.overwrite(table.scan().to_arrow())
-        catalog.load_table(ROWS).maintenance.expire_snapshots().by_id(mine.snapshot_id).commit()
+        catalog.load_table(ROWS).maintenance.expire_snapshots().by_id(mine).commit()
         assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None
         wait_pending(coordinator, source.publish(writer, 1).file_count)
         failed = coordinator.commit_now().failed
