@@ -403,10 +403,16 @@ def test_a_replay_over_a_quarantined_batch_leaves_each_row_in_one_place(tmp_path
     assert sorted(in_table + quarantined) == sorted(source.expected[ROWS])
 
 
-def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rewritten", [False, True], ids=["appended", "rewritten"])
+def test_another_engine_expiring_a_snapshot_between_is_no_rollback(
+    tmp_path: Path, rewritten: bool
+) -> None:
     """The pipeline's snapshot is kept (a tag names it), another engine's snapshot after it
     was expired (explicitly, or by age with the tag protecting the older one), a newer one of
-    that engine is the head. Nothing was rolled back: the next batch commits."""
+    that engine is the head. Nothing was rolled back: the next batch commits. Also when that
+    engine rewrote the table before (``rewritten``): the head then references none of the
+    files the kept snapshot added, but a snapshot in its history removed them, which only a
+    descendant's history holds."""
     pipe = Replaying.open(tmp_path)
     catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
     try:
@@ -417,6 +423,9 @@ def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Pat
         between = [s.snapshot_id for s in table.snapshots()][1]
         with table.manage_snapshots() as refs:
             refs.create_tag(mine, "kept")
+        if rewritten:
+            table = catalog.load_table(ROWS)
+            table.overwrite(table.scan().to_arrow())
         catalog.load_table(ROWS).maintenance.expire_snapshots().by_id(between).commit()
         wait_pending(coordinator, source.publish(writer, 1).file_count)
         failed = coordinator.commit_now().failed

@@ -620,12 +620,14 @@ class IcebergCommitter:
     def _descends(self, table: Table, head: Snapshot | None, snapshot: Snapshot | None) -> bool:
         """Whether ``head`` descends from ``snapshot`` although the walk down the branch stops
         at an expired snapshot above it: ``head`` still references a data file ``snapshot``
-        added, which no snapshot outside its line of descent does (a rollback below it
-        removed them all). False when that cannot be told (all its files deleted since)."""
+        added, or a retained snapshot in its history removed one (another engine's rewrite or
+        delete), which no snapshot outside its line of descent does (a rollback below it
+        removed them all, and its history holds no such removal). False when that cannot be
+        told (all its files removed by snapshots expired since)."""
         if snapshot is None:
             return False
         added = branches.added_data_files(table, snapshot)
-        return bool(self._live_files.live_paths(table, head, added))
+        return bool(self._live_files.held(table, head, added))
 
     def _for_channel(
         self, table: Table, state: RecordedCommit | None, channel_id: str | None
