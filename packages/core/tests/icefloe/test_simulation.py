@@ -1655,3 +1655,25 @@ def test_another_engine_expiring_the_pipelines_only_snapshot_blocks_no_table() -
         machine.foreign_expire(keyed=True, pick=0)
         machine.drain_and_swap(bounded=False)
         machine.teardown()
+
+
+@pytest.mark.xfail(
+    strict=True, raises=InvariantError, reason="open: docs/reliability.md, rewrite then expiry"
+)
+def test_another_engine_expiring_its_rewrites_delete_is_no_rollback() -> None:
+    """Found by the 40-step search (``--schedules 150 --seed 61200 --steps 40``): a batch, a
+    cycle, another engine's branch on that snapshot, its rewrite of ``main`` (a ``delete``,
+    then an ``append``), then its expiry of the ``delete``. pyiceberg's expiry clears the
+    ``append``'s parent id, and that snapshot holds just the files it added: it looks like a
+    root, the history seems whole, and the pipeline's snapshot (kept by the branch) seems
+    rolled back; the replay commits its rows a second time (I1)."""
+    machine = CommitPath()
+    with inline_executor():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=())
+        machine.batch(Shape(writer=0, rows=2, tasks=1, dead=0, changes={}))
+        machine.commit_cycle(fail_deletes=False, unknown=None)
+        machine.foreign_ref(tag=False)
+        machine.foreign_rewrite(keyed=False)
+        machine.foreign_expire(keyed=False, pick=0)
+        machine.batch(Shape(writer=0, rows=1, tasks=1, dead=0, changes={}))
+        machine.teardown()
