@@ -15,6 +15,7 @@ import threading
 import uuid
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,6 +24,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
+from pyiceberg.table.snapshots import Operation
 from pyiceberg.transforms import BucketTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
@@ -33,7 +35,9 @@ from icefloe.commit.compaction import (
     Compactor,
     Thresholds,
 )
+from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.request import PendingFile, TableCommitRequest
+from icefloe.commit.summary import GROUP_ID_KEY
 from icefloe.records.datafiles import write_data_files, write_key_files
 from icefloe.testing.readers import independent_rows, live_files, local, read_avro
 
@@ -286,12 +290,6 @@ def announce_again(keyed: Keyed, request: TableCommitRequest) -> int | None:
     ).snapshot_id
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the commit-path simulation: the dedupe rule knows files only while the "
-    "branch head holds them (or compaction rewrote them): a file another engine rewrote, "
-    "announced again under another writer id, is committed again",
-)
 def test_a_file_another_engine_rewrote_announced_again_is_not_committed_again(
     catalog: SqlCatalog,
 ) -> None:
@@ -378,6 +376,70 @@ def test_a_row_delta_makes_what_pyiceberg_makes_without_its_transaction(
         ref.check()
     assert "db.ours" not in transactions
     assert "db.ref" in transactions
+
+
+def test_a_file_whose_rows_another_engine_deleted_announced_again_is_not_committed_again(
+    catalog: SqlCatalog,
+) -> None:
+    """Another engine deletes rows of the pipeline's batch (copy-on-write: the batch's file
+    leaves the head). Announced again, the file was committed once: the deleted rows must
+    not come back, nor its upserted values."""
+    catalog.create_table(NAME, schema=SCHEMA)
+    keyed = Keyed(catalog)
+    keyed.cycle({k: "v0" for k in range(20)})
+    first = keyed.cycle({1: "v1", 2: "v1"})
+    keyed.cycle({1: "v2"})
+    catalog.load_table(NAME).delete("id == 2")
+    keyed.model.pop(2)
+    keyed.check()
+    assert announce_again(keyed, first) is None
+    keyed.check()
+
+
+def test_a_removal_is_found_after_the_snapshots_that_added_the_files_expired(
+    catalog: SqlCatalog,
+) -> None:
+    """The pipeline's snapshots that added the files are expired, the other engine's rewrite
+    that took them off the head is kept: it alone tells that they were committed (it is
+    newer than what it removed, so it outlives it)."""
+    catalog.create_table(NAME, schema=SCHEMA)
+    keyed = Keyed(catalog)
+    keyed.cycle({k: "v0" for k in range(20)})
+    first = keyed.cycle({1: "v1", 2: "v1"})
+    table = catalog.load_table(NAME)
+    table.overwrite(table.scan().to_arrow())
+    keyed.cycle({1: "v2"})  # the pipeline's state lives on above the rewrite
+    table = catalog.load_table(NAME)
+    adders = [s.snapshot_id for s in table.snapshots()[:2]]
+    table.maintenance.expire_snapshots().by_ids(adders).commit()
+    assert announce_again(keyed, first) is None
+    keyed.check()
+
+
+def test_only_snapshots_that_may_remove_files_are_read(
+    catalog: SqlCatalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every cycle looks beyond the head for its new files, over the whole history: it reads
+    no snapshot of the pipeline (appends, and row deltas, which Iceberg names overwrites)
+    and no append of another engine, and each removal once per committer."""
+    spy = mock.Mock(side_effect=LiveFiles._decode_removed)
+    monkeypatch.setattr(LiveFiles, "_decode_removed", spy)
+    catalog.create_table(NAME, schema=SCHEMA)
+    keyed = Keyed(catalog)
+    keyed.cycle({k: "v0" for k in range(20)})
+    keyed.cycle({1: "v1"}, deletes=(3,))
+    assert spy.call_count == 0
+    table = catalog.load_table(NAME)
+    table.overwrite(table.scan().to_arrow())  # a delete and an append
+    for n in range(3):
+        keyed.cycle({5: f"v{n}"})
+    table = catalog.load_table(NAME)
+    summaries = [(s.snapshot_id, s.summary) for s in table.snapshots() if s.summary is not None]
+    removals = [i for i, s in summaries if s.operation == Operation.DELETE]
+    assert len(removals) == 1  # the rest: appends, and the pipeline's row deltas (overwrites)
+    assert {s[GROUP_ID_KEY] for _, s in summaries if s.operation == Operation.OVERWRITE} == {GROUP}
+    # read once, by the first cycle after it
+    assert [c.args[1].snapshot_id for c in spy.call_args_list] == removals
 
 
 def test_random_cycles_with_compaction_rounds_equal_the_model(catalog: SqlCatalog) -> None:

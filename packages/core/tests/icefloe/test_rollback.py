@@ -326,16 +326,22 @@ class Replaying:
         replayer.close()
         return replayed
 
+    def committed(self, seq: int) -> int:
+        """Batch ``seq`` of ``w1`` published and committed by a cycle of its own: the snapshot
+        that cycle made."""
+        wait_pending(self.coordinator, self.source.publish(self.writer, seq).file_count)
+        [done] = self.coordinator.commit_now().tables
+        assert done.snapshot_id is not None
+        return done.snapshot_id
+
     def two_commits(self) -> tuple[int, Batch]:
         """Batches 0 and 1 of ``w1``, each committed by its own cycle: the first one's
         snapshot (to roll back to) and the second batch (which that rollback loses)."""
-        wait_pending(self.coordinator, self.source.publish(self.writer, 0).file_count)
-        [kept] = self.coordinator.commit_now().tables
+        kept = self.committed(0)
         lost = self.source.publish(self.writer, 1)
         wait_pending(self.coordinator, lost.file_count)
         assert not self.coordinator.commit_now().failed
-        assert kept.snapshot_id is not None
-        return kept.snapshot_id, lost
+        return kept, lost
 
     def announce_again(self, batch: Batch) -> None:
         """``batch``'s very files announced again by a writer with a fresh id (its watermark
@@ -478,22 +484,29 @@ def test_a_replay_after_a_swap_retires_the_quarantined_batch_by_its_source_offse
     assert_exactly_once(catalog, ROWS, source.expected[ROWS])
 
 
-def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rewritten", [False, True], ids=["appended", "rewritten"])
+def test_another_engine_expiring_a_snapshot_between_is_no_rollback(
+    tmp_path: Path, rewritten: bool
+) -> None:
     """The pipeline's snapshot is kept (a tag names it), another engine's snapshot after it
     was expired (explicitly, or by age with the tag protecting the older one), a newer one of
-    that engine is the head. Nothing was rolled back: the next batch commits."""
+    that engine is the head. Nothing was rolled back: the next batch commits. Also when that
+    engine rewrote the table before (``rewritten``): the head then references none of the
+    files the kept snapshot added, but a snapshot in its history removed them, which only a
+    descendant's history holds."""
     pipe = Replaying.open(tmp_path)
     catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
     try:
-        wait_pending(coordinator, source.publish(writer, 0).file_count)
-        [mine] = coordinator.commit_now().tables
-        assert mine.snapshot_id is not None
+        mine = pipe.committed(0)
         for i in (-1, -2):  # another engine appends twice
             catalog.load_table(ROWS).append(rows_table([i], "x", 0))
         table = catalog.load_table(ROWS)
         between = [s.snapshot_id for s in table.snapshots()][1]
         with table.manage_snapshots() as refs:
-            refs.create_tag(mine.snapshot_id, "kept")
+            refs.create_tag(mine, "kept")
+        if rewritten:
+            table = catalog.load_table(ROWS)
+            table.overwrite(table.scan().to_arrow())
         catalog.load_table(ROWS).maintenance.expire_snapshots().by_id(between).commit()
         wait_pending(coordinator, source.publish(writer, 1).file_count)
         failed = coordinator.commit_now().failed
@@ -501,6 +514,32 @@ def test_another_engine_expiring_a_snapshot_between_is_no_rollback(tmp_path: Pat
         pipe.close()
     assert dict(failed) == {}
     assert_exactly_once(catalog, ROWS, [*source.expected[ROWS], -1, -2])
+
+
+def test_another_engine_rewriting_then_expiring_the_pipelines_snapshot_is_no_rollback(
+    tmp_path: Path,
+) -> None:
+    """Another engine rewrites the table (pyiceberg's overwrite: a ``delete`` of every file,
+    then an ``append``) and expires the pipeline's only snapshot; pyiceberg's expiry clears
+    the ``delete`` snapshot's parent id, and that snapshot holds no file at all, so it looked
+    like a root: the history seemed whole, the pipeline's kept snapshot absent from it, and
+    the committer took it for a rollback to nothing (its replay then committed the rows a
+    second time; found by the 40-step simulation search, seed 61200). A snapshot that removed
+    files had a parent: nothing was rolled back, the next batch commits."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
+    try:
+        mine = pipe.committed(0)
+        table = catalog.load_table(ROWS)
+        table.overwrite(table.scan().to_arrow())
+        catalog.load_table(ROWS).maintenance.expire_snapshots().by_id(mine).commit()
+        assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None
+        wait_pending(coordinator, source.publish(writer, 1).file_count)
+        failed = coordinator.commit_now().failed
+    finally:
+        pipe.close()
+    assert dict(failed) == {}
+    assert_exactly_once(catalog, ROWS, source.expected[ROWS])
 
 
 def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
@@ -564,6 +603,37 @@ def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(
     finally:
         pipe.close()
     assert_exactly_once(pipe.catalog, ROWS, pipe.source.expected_ids_of("w1", 0)[ROWS])
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["no-replay", "replay"])
+def test_files_another_engine_removed_above_a_rollback_stay_out_when_announced_again(
+    tmp_path: Path, replay: bool
+) -> None:
+    """A batch committed, another engine deletes its rows (its file leaves the branch), a
+    later batch committed, then a rollback below the first batch. The rollback takes the
+    delete out of the branch's history, and the file is live neither at the head nor in the
+    pipeline's lost snapshot: announced again under a fresh writer id, it must still be held,
+    or its rows come back (beside the replay's copy of them)."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source, writer, coordinator = pipe.catalog, pipe.source, pipe.writer, pipe.coordinator
+    try:
+        kept, deleted = pipe.two_commits()
+        catalog.load_table(ROWS).delete("batch_seq == 1")
+        wait_pending(coordinator, source.publish(writer, 2).file_count)
+        assert not coordinator.commit_now().failed
+        IcebergCommitter(catalog, "pipe").roll_back(ROWS, kept, replay=replay)
+        if replay:
+            rollback = IcebergCommitter(catalog, "pipe").rollback(ROWS)
+            assert rollback is not None
+            lost = {ROWS: [i for n in (1, 2) for i in source.expected_ids_of("w1", n)[ROWS]]}
+            wait_pending(coordinator, pipe.replay(rollback.writer_id, lost).file_count)
+            assert not coordinator.commit_now().failed
+        pipe.announce_again(deleted)
+    finally:
+        pipe.close()
+    # the replay reads the source again: the rows the other engine deleted come back once
+    expected = source.expected[ROWS] if replay else source.expected_ids_of("w1", 0)[ROWS]
+    assert_exactly_once(catalog, ROWS, expected)
 
 
 @pytest.mark.parametrize("by", ["icefloe rollback", "another tool"])

@@ -16,8 +16,9 @@ the version it loaded or committed last while the catalog still names it:
 3. refuses the request if a remaining file can never be committed (a
    :class:`~icefloe.errors.RefusedFileError`, :mod:`icefloe.commit.screening`;
    :meth:`IcebergCommitter.screen` sorts those out per file beforehand, so this only catches
-   a table changed in between), and drops files the branch head already references as live
-   data files (:mod:`icefloe.commit.livefiles`);
+   a table changed in between), and drops files the branch holds already: live data files
+   of its head, or files a retained snapshot in its history removed (another engine's
+   rewrite or delete, a compaction: :mod:`icefloe.commit.livefiles`);
 4. appends what is left in one fast append on the branch, with the summary properties of
    ``docs/architecture.md``, and raises the table property ``icefloe.fencing-token.<group>``
    in the same transaction (the plain append built by :mod:`icefloe.commit.fastappend`,
@@ -75,7 +76,7 @@ from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe.commit import branches, fastappend, screening
 from icefloe.commit.applied import with_applied_keys, with_rolled_back
-from icefloe.commit.compaction import Compactor, RewrittenFiles, Thresholds, without_retries
+from icefloe.commit.compaction import Compactor, Thresholds, without_retries
 from icefloe.commit.dedupe import APPLIED_KEY, CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.merge import Merge, SmallFileMerger, merged_originals
@@ -173,7 +174,6 @@ class IcebergCommitter:
         self._retry_wait_s = retry_wait_s
         self._max_retry_wait_s = max_retry_wait_s
         self._live_files = LiveFiles()
-        self._rewritten = RewrittenFiles()
         self._side_files = SideFiles()
         self._ownership = Ownership(group_id)
         self._versions = KnownVersions()
@@ -320,11 +320,18 @@ class IcebergCommitter:
         sources: Iterable[Snapshot | None],
         target: Snapshot | None,
     ) -> tuple[CommitBoundary, tuple[str, bytes] | None]:
-        """``boundary`` listing the data files live in ``sources`` but not in ``target``."""
-        live = self._live_files.all_live
-        taken = set().union(*(live(table, s) for s in sources if s is not None))
+        """``boundary`` listing the data files live in ``sources`` but not in ``target``, and
+        those a snapshot in the history of ``sources`` above ``target`` removed (another
+        engine's delete of the pipeline's rows: the rollback takes that removal out of the
+        branch's history, where the dedupe rule found it)."""
+        files = self._live_files
+        base = branches.history(target, table.metadata)
+        taken: set[str] = set()
+        for source in sources:
+            if source is not None:
+                taken |= files.all_live(table, source) | files.removed_above(table, source, base)
         if target is not None:
-            taken -= live(table, target)
+            taken -= files.all_live(table, target)
         return with_rolled_back(table, boundary, taken)
 
     def boundary(self, table: str, channel_id: str | None) -> CommitBoundary:
@@ -374,8 +381,9 @@ class IcebergCommitter:
         them), judged as the commit judges them: through ``channel_id``, the channel the files
         were announced on (after a backend swap the old channel's positions cover nothing, so
         a refused file must not pass here as covered and then fail the whole commit); so do
-        files the branch head holds (announced again under another writer id: a file already
-        in the table is no refused file, and quarantining it would invite adding it twice).
+        files the branch holds (:meth:`~icefloe.commit.livefiles.LiveFiles.held`; announced
+        again under another writer id: a file already in the table, or taken off it, is no
+        refused file, and quarantining it would invite adding it twice).
         Raises TableMissingError, CommitHistoryLostError or ChannelChangedError for the whole
         table."""
         files = tuple(files)
@@ -383,8 +391,8 @@ class IcebergCommitter:
         self._versions.screened(table)  # the commit that follows may use this version
         head, _ = self._branch_head(loaded)
         state = self._for_channel(loaded, self._own_state(loaded, head), channel_id)
-        live = self._live_files.live_paths(loaded, head, {f.meta.path for f in files})
-        return screening.screen(loaded, files, _boundary(state), self._policies(table), live)
+        held = self._live_files.held(loaded, head, {f.meta.path for f in files})
+        return screening.screen(loaded, files, _boundary(state), self._policies(table), held)
 
     def commit(self, request: TableCommitRequest) -> TableCommitResult:
         """Append the request's new files to its table in one snapshot (or none if nothing
@@ -650,11 +658,13 @@ class IcebergCommitter:
     def _descends(self, table: Table, head: Snapshot | None, snapshot: Snapshot) -> bool:
         """Whether ``head`` descends from ``snapshot`` although the walk down the branch stops
         at an expired snapshot above it: ``head`` still references a file (data or delete)
-        ``snapshot`` added, which no snapshot outside its line of descent does (a rollback
-        below it removed them all). False when that cannot be told (all its files deleted
-        since, or it added none)."""
+        ``snapshot`` added, or a retained snapshot in its history removed one of its data files
+        (another engine's rewrite or delete), which no snapshot outside its line of descent
+        does (a rollback below it removed them all, and its history holds no such removal).
+        False when that cannot be told (all its files removed by snapshots expired since, or
+        it added none)."""
         data, deletes = branches.added_files(table, snapshot)
-        if self._live_files.live_paths(table, head, data):
+        if self._live_files.held(table, head, data):
             return True
         return bool(deletes and deletes & branches.live_delete_files(table, head))
 
@@ -730,15 +740,14 @@ class IcebergCommitter:
                 "a newer coordinator has taken over"
             )
         files, skipped = _select(request.files, state, replay)
-        # files the head holds are dropped before any refusal, as screen() accepts them
-        paths = {f.meta.path for f in files}
-        live = self._live_files.live_paths(table, head, paths)
-        # a file a compaction rewrote was committed too, though the head no longer lists it
-        live |= self._rewritten.among(table, head, paths - live)
+        # files the branch holds (the head, or a rewrite or delete took them off it) are
+        # dropped before any refusal, as screen() accepts them
+        live = self._live_files.held(table, head, {f.meta.path for f in files})
         if live:
             logger.warning(
-                "%s: %d announced file(s) are already in the table (announced again, e.g. "
-                "under another writer id); not committing them again: %s",
+                "%s: %d announced file(s) are already in the table, or were until a rewrite or "
+                "delete took them off (announced again, e.g. under another writer id); not "
+                "committing them again: %s",
                 request.table,
                 len(live),
                 sorted(live)[:3],

@@ -23,8 +23,10 @@ Exactly-once next to the pipeline (docs/upsert.md, "Compaction"):
 * Nothing is deleted from storage here. A ``replace`` snapshot only un-references files; the
   originals stay readable through the older snapshots until ``icefloe maintain`` expires them
   and removes the orphans. New files of a round that failed or crashed are orphans too.
-* A data file a rewrite removed was committed: :class:`RewrittenFiles` tells the committer, so
-  the same file announced again (under another writer id) is not committed a second time.
+* A data file a rewrite removed was committed: the committer finds it in the ``replace``
+  snapshot (:meth:`icefloe.commit.livefiles.LiveFiles.held`, as any removal in the branch's
+  history), so the same file announced again (under another writer id) is not committed a
+  second time.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -47,12 +49,11 @@ from pyiceberg.manifest import (
     ManifestFile,
 )
 from pyiceberg.table import FileScanTask, Table, TableProperties
-from pyiceberg.table.snapshots import Operation, Snapshot, Summary, ancestors_of
+from pyiceberg.table.snapshots import Operation, Snapshot, Summary
 from pyiceberg.table.update.snapshot import _OverwriteFiles
 from pyiceberg.typedef import EMPTY_DICT
 
 from icefloe.commit import branches
-from icefloe.commit.caches import SharedCache
 from icefloe.commit.request import table_name
 from icefloe.commit.versions import with_metadata
 from icefloe.config import DEFAULT_TARGET_FILE_SIZE
@@ -64,9 +65,6 @@ if TYPE_CHECKING:  # Arrow and the row-delta writer load when a round rewrites s
     import pyarrow as pa
 
 log = logging.getLogger("icefloe.compaction")
-
-# snapshots whose removed paths are kept (a replace snapshot never changes)
-_REWRITTEN_CACHE_SIZE = 65536
 
 COMPACTED_FILES_KEY = "icefloe.compacted-files"
 """Summary key: how many data files the replace snapshot rewrote."""
@@ -477,43 +475,3 @@ def without_retries(table: Table) -> Table:
     return with_metadata(
         table, metadata.model_copy(update={"properties": properties}), table.metadata_location
     )
-
-
-class RewrittenFiles:
-    """Which paths a rewrite in a branch's history removed (``replace`` snapshots: icefloe's
-    compactions and other engines' ``rewrite_data_files``). Such a file was committed once;
-    announced again (under another writer id) it must not be committed again, though the head
-    no longer lists it. Each snapshot's removals are read once (they never change)."""
-
-    def __init__(self) -> None:
-        self._removed: SharedCache[int, frozenset[str]] = SharedCache(_REWRITTEN_CACHE_SIZE)
-
-    def among(self, table: Table, head: Snapshot | None, paths: Iterable[str]) -> set[str]:
-        wanted = set(paths)
-        if head is None or not wanted:
-            return set()
-        found: set[str] = set()
-        for snapshot in ancestors_of(head, table.metadata):
-            summary = snapshot.summary
-            if summary is None or summary.operation != Operation.REPLACE:
-                continue
-            removed = self._removed.get(snapshot.snapshot_id)
-            if removed is None:
-                removed = _removed_by(table, snapshot)
-                self._removed.put(snapshot.snapshot_id, removed)
-            found |= wanted & removed
-        return found
-
-
-def _removed_by(table: Table, snapshot: Snapshot) -> frozenset[str]:
-    """The data file paths ``snapshot`` removed (its manifests' DELETED entries)."""
-    removed: set[str] = set()
-    for manifest in snapshot.manifests(table.io):
-        if manifest.content != ManifestContent.DATA or not manifest.deleted_files_count:
-            continue
-        if manifest.added_snapshot_id != snapshot.snapshot_id:
-            continue
-        for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=False):
-            if entry.status == ManifestEntryStatus.DELETED:
-                removed.add(entry.data_file.file_path)
-    return frozenset(removed)

@@ -1,22 +1,26 @@
-"""Which announced files a branch head already references as live data files.
+"""Which announced files a branch holds already: those its head references as live data
+files, and those a retained snapshot in its history took off it (:meth:`LiveFiles.held`).
 
 Answering that reads the head's data manifests, which grows with the table; manifests never
 change once written, so their live paths are cached by location and a running committer
 decodes only manifests it has not seen (and not even the ones it wrote itself). Manifest
-lists never change either: a snapshot's list is decoded once, not at every check.
+lists never change either: a snapshot's list is decoded once, not at every check, and so are
+the files a snapshot removed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Iterator
 
-from pyiceberg.manifest import ManifestContent, ManifestFile
+from pyiceberg.manifest import ManifestContent, ManifestEntryStatus, ManifestFile
 from pyiceberg.table import Table
-from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import Operation, Snapshot
 
 from icefloe.commit.caches import SharedCache
 from icefloe.commit.screening import canonical_path
+from icefloe.commit.summary import GROUP_ID_KEY
 
 logger = logging.getLogger("icefloe.committer")
 
@@ -24,6 +28,8 @@ logger = logging.getLogger("icefloe.committer")
 _MANIFEST_CACHE_SIZE = 4096
 # Manifest lists kept decoded (a few per table: the heads just checked and committed).
 _LIST_CACHE_SIZE = 4096
+# Snapshots whose removed data files are kept (mostly empty: removals are rare).
+_REMOVED_CACHE_SIZE = 65536
 
 
 class LiveFiles:
@@ -34,6 +40,8 @@ class LiveFiles:
         # manifest location -> live paths; manifest list -> its manifests
         self._manifest_paths: SharedCache[str, frozenset[str]] = SharedCache(_MANIFEST_CACHE_SIZE)
         self._lists: SharedCache[str, tuple[ManifestFile, ...]] = SharedCache(_LIST_CACHE_SIZE)
+        # a snapshot's manifest list -> the data files it removed
+        self._removed: SharedCache[str, frozenset[str]] = SharedCache(_REMOVED_CACHE_SIZE)
 
     def remember_list(self, location: str, manifests: tuple[ManifestFile, ...]) -> None:
         """Keep the manifests of a manifest list this committer wrote (not to read it back)."""
@@ -65,6 +73,64 @@ class LiveFiles:
             if manifest.content == ManifestContent.DATA:
                 found |= wanted & self._live_of(table, manifest)
         return {named[p] for p in found}
+
+    def held(self, table: Table, head: Snapshot | None, paths: set[str]) -> set[str]:
+        """Which of ``paths`` the branch holds already: live at ``head`` (:meth:`live_paths`),
+        or taken off the branch by a retained snapshot in the history of ``head`` (another
+        engine's overwrite, delete or rewrite, icefloe's compaction). Such a file was
+        committed once, and committing it again, announced under another writer id, would
+        bring back its rows twice or rows someone deleted.
+
+        Only snapshots that may remove a data file are read, each once (:func:`_may_remove`):
+        the pipeline's own appends and row deltas are skipped, so a cycle walks the history in
+        memory and reads only other engines' new removals. A snapshot that removed the file
+        is newer than the one that added it, so it outlives it under expiry; once it is
+        expired too (or the walk stops at an expired snapshot above it), nothing retained
+        tells that the file was committed (docs/architecture.md, invariant 1)."""
+        live = self.live_paths(table, head, paths)
+        named = {canonical_path(p): p for p in paths - live}
+        if head is None or not named:
+            return live
+        found: set[str] = set()
+        for snapshot in _history(head, table.metadata):
+            if _may_remove(snapshot):
+                found |= named.keys() & self._removed_by(table, snapshot)
+        return live | {named[p] for p in found}
+
+    def removed_above(self, table: Table, snapshot: Snapshot, base: Collection[int]) -> set[str]:
+        """Every data file a retained snapshot in the history of ``snapshot`` removed, down to
+        the first snapshot in ``base`` (ids: the history a rollback moves the branch to, which
+        loses those removals: what a rollback from ``snapshot`` takes out besides its live
+        files)."""
+        found: set[str] = set()
+        for s in _history(snapshot, table.metadata):
+            if s.snapshot_id in base:
+                break
+            if _may_remove(s):
+                found |= self._removed_by(table, s)
+        return found
+
+    def _removed_by(self, table: Table, snapshot: Snapshot) -> frozenset[str]:
+        """The data files ``snapshot`` removed, read once per snapshot."""
+        cached = self._removed.get(snapshot.manifest_list)
+        if cached is None:
+            cached = self._decode_removed(table, snapshot)
+            self._removed.put(snapshot.manifest_list, cached)
+        return cached
+
+    @staticmethod
+    def _decode_removed(table: Table, snapshot: Snapshot) -> frozenset[str]:
+        """The DELETED entries of the data manifests ``snapshot`` wrote: the read the cache
+        avoids (its list is read directly, not kept: it is not read again)."""
+        return frozenset(
+            canonical_path(e.data_file.file_path)
+            for m in snapshot.manifests(table.io)
+            if m.content == ManifestContent.DATA
+            and m.deleted_files_count
+            and m.added_snapshot_id == snapshot.snapshot_id
+            for e in m.fetch_manifest_entry(table.io, discard_deleted=False)
+            if e.status == ManifestEntryStatus.DELETED
+        )
 
     def all_live(self, table: Table, snapshot: Snapshot) -> set[str]:
         """Every data file ``snapshot`` references as live (what a rollback from it may take
@@ -149,3 +215,28 @@ class LiveFiles:
 
     def _data_manifests(self, table: Table, snapshot: Snapshot) -> list[ManifestFile]:
         return [m for m in self.manifests(table, snapshot) if m.content == ManifestContent.DATA]
+
+
+def _may_remove(snapshot: Snapshot) -> bool:
+    """Whether ``snapshot`` may have removed data files: not an ``append``, and not a commit
+    of an icefloe pipeline (its appends and row deltas only add files; a row delta is an
+    ``overwrite`` or ``delete`` by Iceberg's naming, one per cycle of an upsert table)."""
+    summary = snapshot.summary
+    if summary is None:
+        return True
+    return summary.operation != Operation.APPEND and summary[GROUP_ID_KEY] is None
+
+
+def _history(head: Snapshot, metadata: TableMetadata) -> Iterator[Snapshot]:
+    """``head`` and its retained ancestors, newest first, up to the first expired parent.
+
+    Why not pyiceberg's ``ancestors_of``: it finds each parent by a linear scan of the
+    table's snapshots, which made a walk over a long history quadratic, every cycle."""
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}
+    snapshot: Snapshot | None = head
+    seen: set[int] = set()
+    while snapshot is not None and snapshot.snapshot_id not in seen:
+        yield snapshot
+        seen.add(snapshot.snapshot_id)
+        parent = snapshot.parent_snapshot_id
+        snapshot = None if parent is None else by_id.get(parent)

@@ -74,8 +74,9 @@ def screen(
     live: Collection[str] = frozenset(),
 ) -> Screening:
     """Sort ``files`` into those ``table`` may take and those it refuses for good. Files
-    ``boundary`` covers, and files the branch head holds (``live``: their paths), count as
-    accepted: the commit drops them, and a file the table holds is no refused file. A keyed
+    ``boundary`` covers, and files the branch holds (``live``: their paths, live at its head
+    or taken off it), count as accepted: the commit drops them, and a file the table holds is
+    no refused file. A keyed
     batch is refused whole when any of its files is (see the module docstring)."""
     rules = _FileRules.of(table)
     verdicts: list[tuple[PendingFile, RefusedFileError | None]] = []

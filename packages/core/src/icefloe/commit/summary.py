@@ -115,16 +115,18 @@ def _cut_short(oldest: Snapshot) -> bool:
     if oldest.parent_snapshot_id is not None:
         return True  # its parent was expired (Iceberg Java keeps the dangling id)
     # pyiceberg's expiry clears the parent id instead; a true root holds only the files it
-    # added, so more files in total means it had a parent
+    # added and removes none, so more files in total, or any removed, mean it had a parent
+    # (a rewrite's `delete` of every file holds none at all, yet had one)
     summary = oldest.summary
     if summary is None:
         return False
     try:
         total = int(summary["total-data-files"] or 0)
         added = int(summary["added-data-files"] or 0)
+        removed = int(summary["deleted-data-files"] or 0)
     except ValueError:
         return False
-    return total > added
+    return total > added or removed > 0
 
 
 def kept_state(snapshot_id: int, sequence_number: int, summary: Mapping[str, Any]) -> str:
