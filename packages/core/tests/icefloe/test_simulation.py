@@ -1240,7 +1240,9 @@ class CommitPath(World):
         after = {int(r[0]) for r in read_ref(self.catalog.load_table(name), branch, ["id"])}
         removed = {i for i in before - after if i > 0}
         if not replay:
-            self.discarded.update(removed)
+            # a rollback without replay below one whose replay is pending cancels that replay:
+            # its rows, after the older snapshot too, are out by the operator's choice
+            self.discarded.update(removed | self.awaiting.pop(name, set()))
         else:
             self.awaiting.setdefault(name, set()).update(removed)
         if name == ROWS and branch == "main":
