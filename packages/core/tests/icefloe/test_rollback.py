@@ -36,7 +36,7 @@ from icefloe.commit.rollback import (
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ConfigError, RollbackNotReplayableError
-from icefloe.ops.drain import drain
+from icefloe.ops.drain import DrainError, drain
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import (
     KEYED_ROWS_SCHEMA,
@@ -588,6 +588,57 @@ def test_under_the_memory_bound_files_waiting_for_a_replay_do_not_keep_it_unread
         pipe.close()
     assert replayed.file_count
     assert_exactly_once(catalog, ROWS, source.expected[ROWS])
+
+
+def test_a_drain_under_the_memory_bound_reads_on_to_the_replay_it_commits_with(
+    tmp_path: Path,
+) -> None:
+    """Found by the commit-path simulation (seed 64000): a rollback, its replay published
+    behind two live batches of the table, the pipeline stopped, ``icefloe drain`` under a
+    bound of 2 pending files. The live files fill the bound, so a cycle runs before the
+    replay is read; the table fails with RollbackPendingError, and the drain gave up on that
+    (DrainError) although the replay it waits for lies further in the channel. It reads on
+    now, and fails only when the channel, read to its end, holds no replay."""
+    pipe = Replaying.open(tmp_path, max_pending_files=2)
+    catalog, source = pipe.catalog, pipe.source
+    try:
+        first, lost = pipe.two_commits()
+        rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, first)
+        assert rollback is not None
+        live = [source.publish(pipe.writer, seq) for seq in (2, 3)]
+        assert sum(b.file_count for b in live) >= 2  # they fill the bound
+        pipe.replay(rollback.writer_id, lost.ids)
+    finally:
+        pipe.close()
+    drainer = _run_on(catalog, pipe.backend.server, 2, lead_it=False)[2]
+    try:
+        drain(drainer, IcebergCommitter(catalog, "pipe"), [ROWS], 60.0, 0.0)
+    finally:
+        drainer.close()
+    assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None
+    assert_exactly_once(catalog, ROWS, source.expected[ROWS])
+
+
+def test_a_drain_fails_when_the_channel_holds_no_replay_of_a_rolled_back_table(
+    tmp_path: Path,
+) -> None:
+    """The other side of the rule above: without the replay in the channel the drain cannot
+    commit the table's files, and says so (the operator starts the pipeline again first)."""
+    pipe = Replaying.open(tmp_path, max_pending_files=2)
+    catalog = pipe.catalog
+    try:
+        first, _ = pipe.two_commits()
+        assert IcebergCommitter(catalog, "pipe").roll_back(ROWS, first) is not None
+        for seq in (2, 3):
+            pipe.source.publish(pipe.writer, seq)
+    finally:
+        pipe.close()
+    drainer = _run_on(catalog, pipe.backend.server, 2, lead_it=False)[2]
+    try:
+        with pytest.raises(DrainError, match="RollbackPendingError"):
+            drain(drainer, IcebergCommitter(catalog, "pipe"), [ROWS], 60.0, 0.0)
+    finally:
+        drainer.close()
 
 
 def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(

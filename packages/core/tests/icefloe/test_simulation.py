@@ -1665,6 +1665,25 @@ def test_files_waiting_for_a_replay_under_the_memory_bound_let_the_replay_be_rea
         machine.teardown()
 
 
+def test_a_drain_under_the_memory_bound_reads_on_to_a_replay_behind_the_bound() -> None:
+    """Found by ``--schedules 300 --seed 64000``: under a bound of 3 pending files, a batch
+    whose cycle has another engine's append in between, a batch with a dead-letter record and
+    a keyed change (3 files), a rollback to the other engine's snapshot (below the pipeline's
+    first: "to None") with replay, a drain. The driver published the replay, behind the 3
+    files; they fill the bound, so the drain ran a cycle before reading it, the append table
+    failed waiting for its replay, and the drain gave up (I4). It now reads on to the replay
+    (``test_rollback.py`` has the same case)."""
+    machine = CommitPath()
+    with inline_executor():
+        machine.configure(branch="main", key_type="long", bounded=True, compact=())
+        shape = Shape(writer=0, rows=1, tasks=1, dead=0, changes={})
+        machine.foreign_commit_between(keyed=False, shape=shape, what="append")
+        machine.batch(Shape(writer=0, rows=1, tasks=1, dead=1, changes={0: False}))
+        machine.operator_rolls_back(dead=False, pick=0, replay=True)
+        machine.drain_and_swap(bounded=False)
+        machine.teardown()
+
+
 def test_another_engine_expiring_the_pipelines_only_snapshot_blocks_no_table() -> None:
     """Found by the long run (seed 50030, 12 steps): a delete-only keyed batch committed,
     another engine appends and then expires the pipeline's snapshot (nothing refers to it),

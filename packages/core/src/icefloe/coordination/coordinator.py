@@ -126,6 +126,11 @@ class Coordinator:
     def pending_bytes(self) -> int:
         return self._reader.pending_bytes()
 
+    def awaiting_replay(self, table: str) -> bool:
+        """Whether ``table``'s files wait for its rollback's replay batch, not read yet (its
+        last attempt failed with RollbackPendingError): a drain reads on to that batch."""
+        return self._cycle.awaiting_replay(table)
+
     def known_writers(self) -> dict[str, int]:
         """Writer ids seen since this coordinator became leader, with their newest epoch."""
         return {w: s.epoch for w, s in self._reader.writers.items()}
