@@ -115,10 +115,15 @@ def icefloe_groups(metadata: TableMetadata) -> set[str]:
 def dedupe_snapshots(metadata: TableMetadata) -> set[int]:
     """Snapshots the committer's dedupe rule reads: on every branch, the chain from the head
     down to the newest snapshot of each pipeline (the committer walks exactly that chain to
-    find what a pipeline already committed; a gap in it looks like lost history)."""
+    find what a pipeline already committed; a gap in it looks like lost history). On a branch
+    rolled back below a pipeline's newest snapshot (its state property names a snapshot the
+    chain does not reach: a rollback waiting for its replay), the whole chain and that
+    snapshot: expiring them would leave a history that begins after the pipeline's snapshot,
+    which the committer must take for another engine's expiry, and the replay would never
+    come (found by the commit-path simulation)."""
     groups = icefloe_groups(metadata)
     keep: set[int] = set()
-    for ref in metadata.refs.values():
+    for name, ref in metadata.refs.items():
         if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
             continue
         chain: list[int] = []
@@ -133,7 +138,27 @@ def dedupe_snapshots(metadata: TableMetadata) -> set[int]:
                 if not missing:
                     break
         keep.update(chain[: last_needed + 1])
+        rolled_back = _kept_snapshots(metadata, name) - set(chain)
+        if rolled_back:
+            keep.update(chain)
+            keep.update(rolled_back)
     return keep
+
+
+def _kept_snapshots(metadata: TableMetadata, branch: str) -> set[int]:
+    """The snapshots the pipelines' state properties for ``branch`` name, where they exist."""
+    found: set[int] = set()
+    suffix = f".{branch}"
+    for key, raw in metadata.properties.items():
+        if not (key.startswith(f"{STATE_KEY}.") and key.endswith(suffix)):
+            continue
+        try:
+            snapshot_id = int(json.loads(raw)["snapshot-id"])
+        except (ValueError, KeyError, TypeError):
+            continue  # the committer refuses an unreadable state loudly; keep going here
+        if metadata.snapshot_by_id(snapshot_id) is not None:
+            found.add(snapshot_id)
+    return found
 
 
 def expire_snapshots(
