@@ -1721,6 +1721,24 @@ def test_maintain_keeps_what_tells_a_rollback_waiting_for_its_replay() -> None:
         machine.teardown()
 
 
+def test_maintain_keeps_the_history_of_a_rollback_whose_snapshot_another_engine_expired() -> None:
+    """As above (the same set), but another engine expires the rolled-back snapshot of the
+    pipeline first: maintain, finding no snapshot of the pipeline anywhere, expired the one
+    rolled back to as well. The property's sequence number tells the branch was rolled back
+    below the pipeline's snapshot (its history reaches an older one): maintain keeps it."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=())
+        machine.batch(Shape(writer=0, rows=1, tasks=1, dead=0, changes={}))
+        shape = Shape(writer=0, rows=0, tasks=1, dead=0, changes={})
+        machine.foreign_commit_between(keyed=False, shape=shape, what="append")
+        machine.operator_rolls_back(dead=False, pick=0, replay=True)
+        machine.foreign_expire(keyed=False, pick=0)
+        machine.foreign_append(keyed=False, rows=1)
+        machine.maintain(expire=True)
+        machine.teardown()
+
+
 def test_another_engine_expiring_the_pipelines_only_snapshot_blocks_no_table() -> None:
     """Found by the long run (seed 50030, 12 steps): a delete-only keyed batch committed,
     another engine appends and then expires the pipeline's snapshot (nothing refers to it),

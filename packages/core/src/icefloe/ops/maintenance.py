@@ -35,7 +35,12 @@ from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.compaction import CompactionResult, Thresholds
 from icefloe.commit.dedupe import APPLIED_KEY, MERGED_KEY, RETIRED_KEY
 from icefloe.commit.quarantine import Quarantine
-from icefloe.commit.summary import FENCING_TOKEN_KEY, GROUP_ID_KEY, STATE_KEY
+from icefloe.commit.summary import (
+    FENCING_TOKEN_KEY,
+    GROUP_ID_KEY,
+    SEQUENCE_NUMBER_KEY,
+    STATE_KEY,
+)
 from icefloe.config import PipelineConfig
 from icefloe.coordination.reading import announced_files
 from icefloe.errors import ConfigError, MaintenanceError
@@ -138,26 +143,37 @@ def dedupe_snapshots(metadata: TableMetadata) -> set[int]:
                 if not missing:
                     break
         keep.update(chain[: last_needed + 1])
-        rolled_back = _kept_snapshots(metadata, name) - set(chain)
-        if rolled_back:
+        rolled_back = _rolled_back(metadata, name, chain)
+        if rolled_back is not None:
             keep.update(chain)
             keep.update(rolled_back)
     return keep
 
 
-def _kept_snapshots(metadata: TableMetadata, branch: str) -> set[int]:
-    """The snapshots the pipelines' state properties for ``branch`` name, where they exist."""
-    found: set[int] = set()
+def _rolled_back(metadata: TableMetadata, branch: str, chain: list[int]) -> set[int] | None:
+    """Whether ``branch`` (whose history is ``chain``) was rolled back below the snapshot a
+    pipeline's state property names: that snapshot is not in the history, and it still exists
+    or the history reaches a snapshot older than it (sequence numbers grow along every line of
+    descent; the property records the number). None if not; else the named snapshots that
+    still exist."""
+    snapshots = (metadata.snapshot_by_id(i) for i in chain)
+    lowest = min((s.sequence_number or 0 for s in snapshots if s is not None), default=None)
+    found: set[int] | None = None
     suffix = f".{branch}"
     for key, raw in metadata.properties.items():
         if not (key.startswith(f"{STATE_KEY}.") and key.endswith(suffix)):
             continue
         try:
-            snapshot_id = int(json.loads(raw)["snapshot-id"])
-        except (ValueError, KeyError, TypeError):
+            kept = json.loads(raw)
+            snapshot_id = int(kept["snapshot-id"])
+            number = int(kept.get(SEQUENCE_NUMBER_KEY) or 0)
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue  # the committer refuses an unreadable state loudly; keep going here
-        if metadata.snapshot_by_id(snapshot_id) is not None:
-            found.add(snapshot_id)
+        if snapshot_id in chain:
+            continue
+        exists = metadata.snapshot_by_id(snapshot_id) is not None
+        if exists or (number and lowest is not None and lowest < number):
+            found = (found or set()) | ({snapshot_id} if exists else set())
     return found
 
 
