@@ -201,22 +201,14 @@ def simulate(session: nox.Session) -> None:
     """The commit-path simulation (not run by default; `.ci/run` runs it): seeded random
     schedules of the real coordinator, committer and writer client over the in-memory channel
     and a SQLite catalog, with crashes, zombies and another engine, checked against invariants
-    I1-I4 (docs/reliability.md). Without arguments CI's fixed sets: 1,000 schedules of 12
-    rules, then 100 of 40 (long enough to reach rollbacks, expiries and swaps in one
-    schedule); e.g. `nox -s simulate -- --schedules 100000 --seed 1 -n 2`, or `-- --replay
-    VERSION:BLOB` as a failure prints it. Arguments go to pytest (`--schedules --seed --steps
-    --replay`, `-n`)."""
+    I1-I4 (docs/reliability.md). Without arguments CI's fixed 1,000 schedules; e.g.
+    `nox -s simulate -- --schedules 100000 --seed 1 -n 2`, `-- --schedules 100 --seed 24000
+    --steps 40` (schedules long enough to reach rollbacks after expiries and swaps), or `--
+    --replay VERSION:BLOB` as a failure prints it. Arguments go to pytest (`--schedules --seed
+    --steps --replay`, `-n`)."""
     _install_cached(session, "./packages/core[test]")
-    runs = (
-        [session.posargs]
-        if session.posargs
-        else [
-            ["--schedules", "1000", "-n", WORKERS],
-            ["--schedules", "100", "--seed", "24000", "--steps", "40", "-k", "commit_path"],
-        ]
-    )
-    for args in runs:
-        session.run("pytest", SIMULATION, "-p", "no:cacheprovider", "-rfE", *args)
+    args = session.posargs or ["--schedules", "1000", "-n", WORKERS]
+    session.run("pytest", SIMULATION, "-p", "no:cacheprovider", "-rfE", *args)
 
 
 @nox.session(default=False, python=False)
