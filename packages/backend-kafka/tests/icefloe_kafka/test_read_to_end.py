@@ -29,12 +29,12 @@ from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.config import config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
-from icefloe.coordination.reading import backlog, short_of
+from icefloe.coordination.reading import announced_files, backlog, short_of
 from icefloe.coordination.resume import Progress, published, start_offsets
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ChannelStalledError
 from icefloe.events import DataComplete, Event, WriterRef, encode_event
-from icefloe.ops.maintenance import announced_files, maintain
+from icefloe.ops.maintenance import maintain
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import (
     assert_exactly_once,

@@ -18,11 +18,11 @@ from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.reading import announced_files
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ConfigError
 from icefloe.ops.maintenance import (
     RECOMMENDED_TABLE_PROPERTIES,
-    announced_files,
     expire_snapshots,
     maintain,
     parse_age,

@@ -13,11 +13,10 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import ChannelPosition, ChannelRecord
-from icefloe.coordination.reading import short_of, stalled
+from icefloe.coordination.reading import announced_files, short_of, stalled
 from icefloe.coordination.resume import Progress, published, start_offsets
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ChannelStalledError
-from icefloe.ops.maintenance import announced_files
 from icefloe.testing.fixtures import make_sqlite_catalog
 from icefloe.testing.harness import RowSource
 from icefloe.testing.memory import MemoryCoordinatorChannel, MemoryServer, MemoryWriterChannel
