@@ -387,6 +387,22 @@ def read_ref(table: Table, ref: str, columns: list[str]) -> list[tuple[Any, ...]
     return out
 
 
+def history_paths(table: Table, ref: str) -> set[str]:
+    """Every file a manifest entry (added, existing or deleted) names in the retained history
+    of ``ref``: its head and the parents reachable from it. What a committer walking that
+    history can know was once in the branch."""
+    metadata = table.metadata
+    head = table.snapshot_by_name(ref)
+    paths: set[str] = set()
+    while head is not None:
+        for manifest in head.manifests(table.io):
+            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=False):
+                paths.add(entry.data_file.file_path)
+        parent = head.parent_snapshot_id
+        head = None if parent is None else metadata.snapshot_by_id(parent)
+    return paths
+
+
 def file_ids(path: str) -> list[int]:
     return [int(i) for i in pq.read_table(local(path), columns=["id"])["id"].to_pylist()]
 
@@ -492,6 +508,10 @@ class World(RuleBasedStateMachine):
         self.between: Callable[[], None] | None = None  # another engine, after screening
         self.dropped: set[int] = set()  # ids of an append table another engine recreated
         self.replayed: set[tuple[str, int]] = set()  # (writer, batch) a writer published again
+        # KNOWN (architecture.md invariant 1's limit): files the pipeline's branch history no
+        # longer names after another engine's expiry, and files announced again under a new id
+        self.untraceable: set[str] = set()
+        self.reannounced: set[str] = set()
         self.config = self._config()
         self.settings = self._settings()
         self.writers: dict[str, WriterClient] = {}
@@ -911,11 +931,21 @@ class World(RuleBasedStateMachine):
             for i in file_ids(e.file_path)
         )
         expected = {i: b.label for b in self.batches for i in b.rows.get(name, ())}
+        # KNOWN (invariant 1's limit, docs/reliability.md): rows of a file announced again
+        # after another engine's expiry left nothing in the branch history that names it are
+        # taken for new: committed again, or quarantined if the table refuses them now
+        twice = {
+            i
+            for p in self.untraceable & self.reannounced
+            if os.path.exists(local(p))
+            for i in file_ids(p)
+        }
         wrong = {
             i: (label, got[i], held[i])
             for i, label in expected.items()
             if got[i] + held[i] != (0 if i in self.discarded else 1)
             and not (i in self.dropped and (got[i], held[i]) == (0, 1))  # see foreign_recreate
+            and not (i in twice and got[i] + held[i] == 2)  # committed or quarantined again
         }
         unknown = sorted(i for i in got if i > 0 and i not in expected)
         doubled = sorted(i for i, n in got.items() if i < 0 and n > 1 and i not in self.rogue)
@@ -1018,6 +1048,7 @@ class CommitPath(World):
         """An earlier batch's very files announced again under a new writer id (a writer that
         lost its identity, or a forged announcement): no record may land twice."""
         old = self.batches[pick % len(self.batches)]
+        self.reannounced.update(m.path for metas in old.files.values() for m in metas)
         # the writer that lost its identity still names the table it wrote for (a file of a
         # dropped table must not land in the one created again under its name)
         self.announce(dict(old.files), "r", old.uuids)
@@ -1209,12 +1240,19 @@ class CommitPath(World):
         """Another engine expires one snapshot that no ref points at, the pipeline's own
         included: any of them, as expiring by id does, or by age with a tag keeping an older
         one (a gap between a kept snapshot of the pipeline and the head is no rollback)."""
-        table = self.catalog.load_table(KEYED if keyed else ROWS)
+        name = KEYED if keyed else ROWS
+        table = self.catalog.load_table(name)
         metadata = table.metadata
         heads = {ref.snapshot_id for ref in metadata.refs.values()}
         old = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in heads]
         if old:
+            branch = self.committer().branch_of(name)
+            before = history_paths(table, branch)
             table.maintenance.expire_snapshots().by_id(old[pick % len(old)]).commit()
+            after = history_paths(self.catalog.load_table(name), branch)
+            # KNOWN: a file committed and taken off the branch whose removal this expiry made
+            # untraceable is committed again if announced again (invariant 1's limit)
+            self.untraceable |= {p for p in before - after if os.path.exists(local(p))}
 
     @rule(pick=st.integers(0, 1 << 16))
     def rogue_announces_foreign_file(self, pick: int) -> None:
@@ -1264,6 +1302,9 @@ class CommitPath(World):
             replay = replay and pending is not None
         after = {int(r[0]) for r in read_ref(self.catalog.load_table(name), branch, ["id"])}
         removed = {i for i in before - after if i > 0}
+        # back to a snapshot that held rows a later one took out (another engine's delete, an
+        # earlier rollback): they are in the table again, whatever that removal had decided
+        self.discarded -= after - before
         if replay and pending is not None and pending.restored_snapshot_id is not None:
             # rows the pipeline's restored snapshot held are not replayed (they were not lost
             # with its snapshots): another engine's snapshot between took them out (the
@@ -1790,4 +1831,43 @@ def test_another_engine_expiring_its_rewrites_delete_is_no_rollback() -> None:
         machine.foreign_rewrite(keyed=False)
         machine.foreign_expire(keyed=False, pick=0)
         machine.batch(Shape(writer=0, rows=1, tasks=1, dead=0, changes={}))
+        machine.teardown()
+
+
+def test_another_engine_expiring_its_rewrites_delete_alone_blocks_nothing() -> None:
+    """Found by the 40-rule set (``--schedules 100 --seed 24100 --steps 40``): an upsert
+    committed to the keyed table, another engine's rewrite of it (a ``delete`` of every file,
+    then an ``append`` of the same rows), and its expiry of that ``delete`` alone (the
+    pipeline's snapshot stays), then a batch deleting the key. Nothing in the table's current
+    metadata links the head to the pipeline's snapshot: pyiceberg's expiry clears the
+    ``append``'s parent, the pipeline's data file was rewritten, and the snapshot still
+    exists, so it could be a rollback onto another line; the committer refused the table for
+    good (``RollbackNotReplayableError``, I4: ``{'db.keyed': 1}`` pending). The metadata
+    files the metadata log names still hold the expired ``delete`` and its parent: the walk
+    goes on there and finds the pipeline's snapshot."""
+    machine = CommitPath()
+    with inline_executor():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=())
+        shape = Shape(writer=0, rows=0, tasks=1, dead=0, changes={0: True})
+        machine.foreign_commit_between(keyed=False, shape=shape, what="append")
+        machine.foreign_rewrite(keyed=True)
+        machine.foreign_expire(keyed=True, pick=1)
+        machine.batch(Shape(writer=0, rows=0, tasks=1, dead=0, changes={0: False}))
+        machine.teardown()
+
+
+def test_a_rollback_back_onto_rows_an_earlier_one_took_out_brings_them_back() -> None:
+    """A defect of the model found by the 40-rule set (``--schedules 100 --seed 24000
+    --steps 40``): a batch committed, another engine's rewrite, a rollback to the rewrite's
+    ``delete`` (above the pipeline's snapshot: nothing to replay, the rows out), then a
+    rollback to the pipeline's snapshot, which holds them: they are in the table again,
+    once. The model had kept them as taken out by the first rollback."""
+    machine = CommitPath()
+    with inline_executor():
+        machine.configure(branch="main", key_type="long", bounded=True, compact=())
+        machine.batch(Shape(writer=0, rows=5, tasks=2, dead=0, changes={0: True, 1: False}))
+        machine.commit_cycle(fail_deletes=False, unknown="before")
+        machine.foreign_rewrite(keyed=False)
+        machine.operator_rolls_back(dead=False, pick=0, replay=True)
+        machine.operator_rolls_back(dead=False, pick=0, replay=True)
         machine.teardown()

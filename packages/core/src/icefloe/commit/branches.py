@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pyiceberg.manifest import ManifestContent, ManifestEntryStatus
+from pyiceberg.serializers import FromInputFile
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
@@ -107,6 +108,40 @@ class Line:
         """Whether the line begins after the target (its oldest snapshot is newer)."""
         number = None if self.oldest is None else self.oldest.sequence_number
         return bool(sequence and number and number > sequence)
+
+
+def told_by_log(
+    table: Table, oldest: Snapshot | None, target: int, sequence: int | None
+) -> bool | None:
+    """Whether the line ending at ``oldest`` (its parent expired, or cleared by pyiceberg's
+    expiry) descends from the snapshot ``target``, told by the table's earlier metadata files
+    (the metadata log, newest first): one written before the expiry still holds the expired
+    snapshots and their parent links. True where the walk there reaches ``target``, False
+    where it reaches a snapshot older than it (``sequence``: its sequence number) without
+    passing it, None where no file tells (deleted, or the log does not reach back).
+
+    Why: an expiry can leave nothing in the current metadata that links a head to the
+    pipeline's snapshot while both exist (another engine's rewrite expired alone), which also
+    is what a rollback onto another line looks like. Read only in that case; each file once."""
+    if oldest is None:
+        return None
+    current = oldest.snapshot_id
+    for entry in reversed(table.metadata.metadata_log):
+        try:
+            earlier = FromInputFile.table_metadata(table.io.new_input(entry.metadata_file))
+        except Exception:  # deleted (write.metadata.delete-after-commit) or unreadable
+            continue
+        start = earlier.snapshot_by_id(current)
+        if start is None:
+            return None  # written before that snapshot: older files do not know it either
+        for snapshot in ancestors_of(start, earlier):
+            if snapshot.snapshot_id == target:
+                return True
+            number = snapshot.sequence_number
+            if sequence and number and number < sequence:
+                return False
+            current = snapshot.snapshot_id
+    return None
 
 
 def line(head: Snapshot | None, metadata: TableMetadata, target: int) -> Line:

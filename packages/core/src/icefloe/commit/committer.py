@@ -639,8 +639,10 @@ class IcebergCommitter:
             return bool(verdict)  # told by the line, or it runs down to a root without it
         snapshot = table.metadata.snapshot_by_id(kept.snapshot_id)
         if snapshot is not None:
-            kept_on = self._descends(table, head, snapshot) or self._holds(table, head, snapshot)
-            return kept_on or None  # None: a rollback whose older history was expired, or not
+            if self._descends(table, head, snapshot) or self._holds(table, head, snapshot):
+                return True
+            # None: a rollback whose older history was expired, or not
+            return branches.told_by_log(table, line.oldest, kept.snapshot_id, sequence)
         # nothing left to compare: taken as expired, as a rollback to a snapshot older than
         # the kept one shows in the line unless that snapshot was expired as well
         key = (table_name(table), kept.snapshot_id)
