@@ -1871,3 +1871,27 @@ def test_a_rollback_back_onto_rows_an_earlier_one_took_out_brings_them_back() ->
         machine.operator_rolls_back(dead=False, pick=0, replay=True)
         machine.operator_rolls_back(dead=False, pick=0, replay=True)
         machine.teardown()
+
+
+def test_a_rollback_onto_a_rewrite_whose_link_an_expiry_cut_replays_nothing_it_holds() -> None:
+    """Found by the 40-rule set (``--schedules 100 --seed 24000 --steps 40``, shrunk by hand):
+    a batch committed, another engine's rewrite of the append table, its expiry of the
+    rewrite's ``delete`` (pyiceberg clears the ``append``'s parent: nothing in the current
+    metadata links it to the pipeline's snapshot), a batch of files announced again and
+    committed by a drain, then a rollback to the rewrite's ``append``. The committer took the
+    restored snapshot for one without any commit of the pipeline and replayed the source from
+    its start: the rows the rewrite holds came twice (I1). The earlier metadata files link the
+    ``append`` to the pipeline's snapshot, whose positions the replay now starts from."""
+    machine = CommitPath()
+    with inline_executor():
+        machine.configure(branch="main", key_type="long", bounded=True, compact=())
+        machine.batch(Shape(writer=0, rows=5, tasks=2, dead=0, changes={0: True, 1: False}))
+        machine.commit_cycle(fail_deletes=False, unknown="before")
+        machine.foreign_rewrite(keyed=False)
+        machine.foreign_expire(keyed=False, pick=1)
+        machine.reannounce(pick=0)
+        machine.drain_and_swap(bounded=True)
+        machine.operator_rolls_back(dead=False, pick=0, replay=True)
+        shape = Shape(writer=2, rows=2, tasks=2, dead=0, changes={0: True, 4: False, 5: False})
+        machine.foreign_commit_between(keyed=False, shape=shape, what="add_column")
+        machine.teardown()

@@ -9,7 +9,9 @@ unreferenced root snapshot (summary ``icefloe.branch-root``) comes first to fork
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 
 from pyiceberg.manifest import ManifestContent, ManifestEntryStatus
 from pyiceberg.serializers import FromInputFile
@@ -110,44 +112,58 @@ class Line:
         return bool(sequence and number and number > sequence)
 
 
-def told_by_log(
-    table: Table, oldest: Snapshot | None, target: int, sequence: int | None
-) -> bool | None:
-    """Whether the line ending at ``oldest`` (its parent expired, or cleared by pyiceberg's
-    expiry) descends from the snapshot ``target``, told by the table's earlier metadata files
-    (the metadata log, newest first): one written before the expiry still holds the expired
-    snapshots and their parent links. True where the walk there reaches ``target``, False
-    where it reaches a snapshot older than it (``sequence``: its sequence number) without
-    passing it, None where no file tells (deleted, or the log does not reach back).
+def ancestors_in_log(table: Table, oldest: Snapshot | None) -> Iterator[Snapshot]:
+    """The ancestors of ``oldest`` (the oldest snapshot a branch's walk reaches) that the
+    current metadata no longer links, newest first, as the table's earlier metadata files
+    (the metadata log, newest first) still hold them: one written before an expiry holds the
+    expired snapshots and their parent links. Ends where no file reaches further back (deleted
+    by ``write.metadata.delete-after-commit``, or the log begins after them).
 
     Why: an expiry can leave nothing in the current metadata that links a head to the
-    pipeline's snapshot while both exist (another engine's rewrite expired alone), which also
-    is what a rollback onto another line looks like. Read only in that case; each file once."""
+    pipeline's snapshot while both exist (another engine's rewrite expired alone; pyiceberg's
+    expiry also clears the parent id), which is what a rollback onto another line looks like
+    too. Read only where the current metadata cannot tell."""
     if oldest is None:
-        return None
+        return
     current = oldest.snapshot_id
     for entry in reversed(table.metadata.metadata_log):
         try:
             earlier = FromInputFile.table_metadata(table.io.new_input(entry.metadata_file))
-        except Exception:  # deleted (write.metadata.delete-after-commit) or unreadable
+        except Exception:  # deleted or unreadable: an older file may still tell
             continue
         start = earlier.snapshot_by_id(current)
         if start is None:
-            return None  # written before that snapshot: older files do not know it either
-        for snapshot in ancestors_of(start, earlier):
-            if snapshot.snapshot_id == target:
-                return True
-            number = snapshot.sequence_number
-            if sequence and number and number < sequence:
-                return False
+            return  # written before that snapshot: older files do not know it either
+        for snapshot in islice(ancestors_of(start, earlier), 1, None):
+            yield snapshot
             current = snapshot.snapshot_id
+
+
+def told_by_log(
+    table: Table, oldest: Snapshot | None, target: int, sequence: int | None
+) -> bool | None:
+    """Whether the line ending at ``oldest`` descends from the snapshot ``target``, told by
+    :func:`ancestors_in_log`: True where the walk there reaches ``target``, False where it
+    reaches a snapshot older than it (``sequence``: its sequence number) without passing it,
+    None where it ends first."""
+    for snapshot in ancestors_in_log(table, oldest):
+        if snapshot.snapshot_id == target:
+            return True
+        number = snapshot.sequence_number
+        if sequence and number and number < sequence:
+            return False
     return None
+
+
+def oldest_of(head: Snapshot | None, metadata: TableMetadata) -> Snapshot | None:
+    """The oldest snapshot the walk down from ``head`` reaches in ``metadata``."""
+    last = deque(ancestors_of(head, metadata), maxlen=1)
+    return last[0] if last else None
 
 
 def line(head: Snapshot | None, metadata: TableMetadata, target: int) -> Line:
     """The :class:`Line` of ``head`` told against the snapshot ``target``."""
-    last = deque(ancestors_of(head, metadata), maxlen=1)
-    return Line(last[0] if last else None, target)
+    return Line(oldest_of(head, metadata), target)
 
 
 def needs_root(table: Table, branch: str) -> bool:

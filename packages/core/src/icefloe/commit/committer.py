@@ -88,6 +88,7 @@ from icefloe.commit.rollback import Rollback, detect, is_replay_writer, lost_cha
 from icefloe.commit.screening import Screening
 from icefloe.commit.summary import (
     FENCING_TOKEN_KEY,
+    GROUP_ID_KEY,
     SEQUENCE_NUMBER_KEY,
     RecordedCommit,
     compact_json,
@@ -593,6 +594,8 @@ class IcebergCommitter:
                     f"<pipeline.toml> {table_name(table)} <snapshot id> --no-replay"
                 )
             else:
+                if state is None:
+                    state = self._recorded_in_log(table, head)
                 rollback = detect(
                     self._group_id, self._branch_for(table), table_name(table), state, kept
                 )
@@ -614,6 +617,19 @@ class IcebergCommitter:
         if state is None:
             return state, rollback
         return replace(state, boundary=self._read_side_files(table, state.boundary)), rollback
+
+    def _recorded_in_log(self, table: Table, head: Snapshot | None) -> RecordedCommit | None:
+        """The group's newest snapshot in the history of ``head`` that only the table's
+        earlier metadata files still link (:func:`icefloe.commit.branches.ancestors_in_log`):
+        what a rollback onto a snapshot whose link to the pipeline's snapshots an expiry cut
+        restored. Without it the replay would start from nothing and bring back rows the
+        restored snapshot holds (another engine's rewrite of them, found by the simulation)."""
+        oldest = branches.oldest_of(head, table.metadata)
+        for snapshot in branches.ancestors_in_log(table, oldest):
+            summary = snapshot.summary
+            if summary is not None and summary.get(GROUP_ID_KEY) == self._group_id:
+                return RecordedCommit.of_snapshot(snapshot)
+        return None
 
     def _read_side_files(self, table: Table, boundary: CommitBoundary) -> CommitBoundary:
         """``boundary`` (parsed from a summary) with the side files it names read."""
