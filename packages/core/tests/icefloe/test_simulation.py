@@ -1856,6 +1856,15 @@ def test_another_engine_expiring_its_rewrites_delete_alone_blocks_nothing() -> N
         machine.teardown()
 
 
+def _committed_then_rewritten(machine: CommitPath) -> None:
+    """The start of the schedules below: a batch of five rows (and keyed changes) committed
+    to the partitioned append table, then another engine's rewrite of it."""
+    machine.configure(branch="main", key_type="long", bounded=True, compact=())
+    machine.batch(Shape(writer=0, rows=5, tasks=2, dead=0, changes={0: True, 1: False}))
+    machine.commit_cycle(fail_deletes=False, unknown="before")
+    machine.foreign_rewrite(keyed=False)
+
+
 def test_a_rollback_back_onto_rows_an_earlier_one_took_out_brings_them_back() -> None:
     """A defect of the model found by the 40-rule set (``--schedules 100 --seed 24000
     --steps 40``): a batch committed, another engine's rewrite, a rollback to the rewrite's
@@ -1864,10 +1873,7 @@ def test_a_rollback_back_onto_rows_an_earlier_one_took_out_brings_them_back() ->
     once. The model had kept them as taken out by the first rollback."""
     machine = CommitPath()
     with inline_executor():
-        machine.configure(branch="main", key_type="long", bounded=True, compact=())
-        machine.batch(Shape(writer=0, rows=5, tasks=2, dead=0, changes={0: True, 1: False}))
-        machine.commit_cycle(fail_deletes=False, unknown="before")
-        machine.foreign_rewrite(keyed=False)
+        _committed_then_rewritten(machine)
         machine.operator_rolls_back(dead=False, pick=0, replay=True)
         machine.operator_rolls_back(dead=False, pick=0, replay=True)
         machine.teardown()
@@ -1884,10 +1890,7 @@ def test_a_rollback_onto_a_rewrite_whose_link_an_expiry_cut_replays_nothing_it_h
     ``append`` to the pipeline's snapshot, whose positions the replay now starts from."""
     machine = CommitPath()
     with inline_executor():
-        machine.configure(branch="main", key_type="long", bounded=True, compact=())
-        machine.batch(Shape(writer=0, rows=5, tasks=2, dead=0, changes={0: True, 1: False}))
-        machine.commit_cycle(fail_deletes=False, unknown="before")
-        machine.foreign_rewrite(keyed=False)
+        _committed_then_rewritten(machine)
         machine.foreign_expire(keyed=False, pick=1)
         machine.reannounce(pick=0)
         machine.drain_and_swap(bounded=True)
