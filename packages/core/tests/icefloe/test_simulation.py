@@ -1898,3 +1898,25 @@ def test_a_rollback_onto_a_rewrite_whose_link_an_expiry_cut_replays_nothing_it_h
         shape = Shape(writer=2, rows=2, tasks=2, dead=0, changes={0: True, 4: False, 5: False})
         machine.foreign_commit_between(keyed=False, shape=shape, what="add_column")
         machine.teardown()
+
+
+def test_a_keyed_batch_whose_key_file_was_applied_is_not_committed_again() -> None:
+    """Found by the 40-rule set (``--schedules 100 --seed 24000 --steps 40``, shrunk by hand):
+    an upsert committed to the keyed table, another engine's rewrite of it, a second upsert,
+    ``icefloe maintain`` (expiring every snapshot it may and deleting the orphans: the first
+    batch's data file and key file among them), then the first batch announced again under
+    another writer id. Its key file was held as applied (the list keeps it until the next
+    commit notices it is gone) and dropped, while its data file, which nothing held any
+    longer and whose existence nothing checks, was committed: a snapshot naming a deleted
+    file (I2). A keyed batch whose key file the table holds as applied is now dropped whole."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=True, compact=())
+        shape = Shape(writer=0, rows=0, tasks=2, dead=0, changes={0: True})
+        machine.foreign_commit_between(keyed=False, shape=shape, what="recreate")
+        machine.batch(Shape(writer=0, rows=0, tasks=1, dead=0, changes={0: True, 1: True, 2: True}))
+        machine.foreign_rewrite(keyed=True)
+        machine.crash_in_compaction(when="during")
+        machine.maintain(expire=True)
+        machine.reannounce(pick=0)
+        machine.teardown()

@@ -949,12 +949,21 @@ def _select(
     the rollback they were made for (``replay``): one of a rollback that was undone, or
     superseded by a deeper one, would add its rows a second time."""
     boundary = _boundary(state)
+    files = tuple(files)
+    # a keyed batch is applied whole: one whose key file the table holds as applied had its
+    # data files committed with it, whatever writer id announces them again now (and they
+    # may be gone from storage since, which nothing checks for data files)
+    applied = {
+        (f.writer_id, f.batch_seq)
+        for f in files
+        if f.is_key_file and boundary.holds(f, f.meta.path)
+    }
     seen: set[str] = set()
     keep: list[PendingFile] = []
     skipped = 0
     for f in files:
         stale = is_replay_writer(f.writer_id) and f.writer_id != replay
-        held = boundary.holds(f, f.meta.path)
+        held = boundary.holds(f, f.meta.path) or (f.writer_id, f.batch_seq) in applied
         name = screening.canonical_path(f.meta.path)  # s3a://b/k is s3://b/k
         if name in seen or f.meta.record_count <= 0 or stale or held:
             skipped += 1
