@@ -178,6 +178,26 @@ class DoomedCoordinator:
     threads): mid-cycle, some tables committed, some in flight, some not started."""
 
 
+@dataclass(frozen=True)
+class KillCommitter:
+    """An ``in_committer`` hook (picklable, for ``commit_processes``): SIGKILL the committer
+    process at ``moment`` (``before_commit``, ``after_commit``) of ``table``'s commit, once:
+    ``marker``, a file created as it strikes, spares the process that replaces it."""
+
+    moment: str
+    table: str
+    marker: str
+
+    def __call__(self, moment: str, table: str) -> None:
+        if (moment, table) != (self.moment, self.table):
+            return
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _sigkill_self(_: object) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
