@@ -8,6 +8,9 @@ files, not through the committer."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import signal
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +28,13 @@ from icefloe.coordination.writer import WriterClient
 from icefloe.errors import NotLeaderError
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import group_snapshots, make_sqlite_catalog, sqlite_catalog_properties
-from icefloe.testing.harness import KillCommitter, RowSource, lead, wait_pending
+from icefloe.testing.harness import (
+    KillCommitter,
+    RowSource,
+    lead,
+    start_committers_then_die,
+    wait_pending,
+)
 from icefloe.testing.memory import MemoryBackend, MemoryServer
 from icefloe.testing.readers import independent_rows
 
@@ -188,6 +197,35 @@ def test_committer_process_killed_leaves_its_tables_committed_once_or_pending(
     wait_pending(coord, pipe.source.publish(w, 1).file_count)
     assert not coord.commit_now().failed
     pipe.assert_rows_once()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_committer_processes_end_when_the_coordinators_process_is_killed(
+    pipe: _Pipeline, tmp_path: Path
+) -> None:
+    """A coordinator killed by SIGKILL leaves no committer process behind (each would wait
+    for tasks forever, holding its catalog connections)."""
+    pids_file = tmp_path / "pids"
+    child = multiprocessing.get_context("spawn").Process(
+        target=start_committers_then_die, args=(pipe.spec, str(pids_file))
+    )
+    child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 60  # a liveness bound, not a speed assertion
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _running(p)], "committer processes outlived the coordinator"
 
 
 def test_deposed_leaders_committer_processes_are_refused_per_table(

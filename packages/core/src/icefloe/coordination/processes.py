@@ -23,7 +23,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.connection
+import os
 import pickle
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -131,11 +134,28 @@ _worker: _Worker | None = None  # the committer of this process, when it is a wo
 
 def _start_worker(spec: WorkerSpec) -> None:
     global _worker
+    _watch_parent()
     _worker = _Worker(spec)
 
 
-def _ready() -> None:
-    """A task that only makes the executor start its process."""
+def _watch_parent() -> None:
+    """End this process when the coordinator's dies (kill -9 included). Why: a spawned worker
+    holds both ends of its task queue, so it never sees EOF and would wait for tasks forever,
+    holding catalog connections, next to the coordinator that replaces the dead one."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="icefloe-committer-parent", daemon=True).start()
+
+
+def _ready() -> int:
+    """A task that only makes the executor start its process; returns the process id."""
+    return os.getpid()
 
 
 def _run_task(task: CommitTask) -> CommitAnswer:
@@ -197,6 +217,11 @@ class CommitterPool:
         wait for interpreters to start and import pyiceberg."""
         for i in range(len(self._executors)):
             self._executor(i).submit(_ready)
+
+    def pids(self) -> list[int]:
+        """The processes' ids, each started if need be (waits for them)."""
+        futures = [self._executor(i).submit(_ready) for i in range(len(self._executors))]
+        return [f.result() for f in futures]
 
     def _executor(self, i: int) -> ProcessPoolExecutor:
         executor = self._executors[i]

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.catalog.sql import SqlCatalog
@@ -27,6 +28,8 @@ from icefloe.coordination.coordinator import (
     CoordinatorSettings,
     CycleResult,
 )
+from icefloe.coordination.processes import pool_for
+from icefloe.coordination.settings import CatalogSpec
 from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.plugins.manager import new_plugins
@@ -196,6 +199,15 @@ class KillCommitter:
         except FileExistsError:
             return
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start_committers_then_die(catalog: CatalogSpec, pids_file: str) -> None:
+    """Child process body: start two committer processes (``commit_processes``), write their
+    ids to ``pids_file``, die by SIGKILL."""
+    pool = pool_for(2, catalog, "committers", "main", None, None)
+    assert pool is not None
+    Path(pids_file).write_text(" ".join(str(p) for p in pool.pids()))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _sigkill_self(_: object) -> None:
