@@ -29,13 +29,16 @@ from icefloe.errors import NotLeaderError
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import group_snapshots, make_sqlite_catalog, sqlite_catalog_properties
 from icefloe.testing.harness import (
+    DoomedCoordinator,
     KillCommitter,
     RowSource,
+    heir_finds_every_commit,
+    kill_doomed_coordinator,
     lead,
     start_committers_then_die,
     wait_pending,
 )
-from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.testing.memory import MemoryBackend, MemoryServer, serve_memory_server
 from icefloe.testing.readers import independent_rows
 
 TABLES = tuple(f"procs.t{i}" for i in range(6))
@@ -267,3 +270,50 @@ def test_deposed_leaders_committer_processes_are_refused_per_table(
         (snap,) = group_snapshots(pipe.catalog, t, pipe.group_id)
         assert snap.summary is not None
         assert snap.summary[FENCING_TOKEN_KEY] == str(heir.lease.token)
+
+
+def test_coordinator_killed_after_its_processes_committed_then_heir_commits_nothing_twice(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of a coordinator process whose committer processes committed every table,
+    before the position store; an heir (on committer processes too) finds each commit by its
+    commit id and makes none again."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    source = RowSource.create(catalog, TABLES)
+    group_id = f"pipe-{uuid.uuid4().hex[:8]}"
+    with serve_memory_server() as (server, address):
+        backend = MemoryBackend(server, group_id, TTL)
+        w = WriterClient(backend.writer("w"), group_id, "w")
+        w.start()
+        try:
+            files = sum(source.publish(w, seq).file_count for seq in range(2))
+            doomed = DoomedCoordinator(
+                address, catalog.name, props, group_id, TTL, files, commit_processes=2
+            )
+            kill_doomed_coordinator(doomed)
+            for t in TABLES:
+                assert len(group_snapshots(catalog, t, group_id)) == 1, t
+            assert server.stored_position(group_id) is None
+            heir = Coordinator(
+                group_id,
+                backend.coordinator("heir"),
+                catalog,
+                CoordinatorSettings(
+                    commit_interval_s=3600.0,
+                    commit_timeout_s=30.0,
+                    commit_processes=2,
+                    catalog=CatalogSpec(catalog.name, props),
+                ),
+                plugins=new_plugins(autoload=False),
+            )
+            try:
+                heir_finds_every_commit(heir, server, group_id)
+            finally:
+                heir.close()
+        finally:
+            w.close()
+    for t in TABLES:
+        assert len(group_snapshots(catalog, t, group_id)) == 1, t
+        got = sorted(r[0] for r in independent_rows(catalog.load_table(t), ["id"]))
+        assert got == sorted(source.expected[t]), t

@@ -34,7 +34,12 @@ from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once, create_rows_table, write_rows
-from icefloe.testing.memory import MemoryBackend, MemoryServerAddress, connect_memory_server
+from icefloe.testing.memory import (
+    MemoryBackend,
+    MemoryServer,
+    MemoryServerAddress,
+    connect_memory_server,
+)
 
 
 class SimulatedCrash(BaseException):
@@ -179,6 +184,8 @@ class DoomedCoordinator:
     die_at_table: int | None = None
     """Die when the cycle starts its ``die_at_table``-th table (counted across the commit
     threads): mid-cycle, some tables committed, some in flight, some not started."""
+    commit_processes: int = 0
+    """Committer processes (``coordination.commit_processes``) that commit the cycle."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +253,8 @@ def run_doomed_coordinator(spec: DoomedCoordinator) -> None:
             commit_timeout_s=30.0,
             policies=spec.policies,
             commit_parallelism=spec.commit_parallelism,
+            commit_processes=spec.commit_processes,
+            catalog=CatalogSpec(spec.catalog_name, spec.catalog_properties),
         ),
         coordinator_id="doomed",
         plugins=new_plugins(autoload=False),
@@ -265,6 +274,16 @@ def kill_doomed_coordinator(spec: DoomedCoordinator, timeout: float = 120.0) -> 
     child.start()
     child.join(timeout)
     assert child.exitcode == -signal.SIGKILL, f"child exit code {child.exitcode}"
+
+
+def heir_finds_every_commit(heir: Coordinator, server: MemoryServer, group_id: str) -> None:
+    """Lead with ``heir`` after a coordinator died past its Iceberg commits and commit: every
+    table's commit is found landed (none is made again), and the position is stored."""
+    lead(heir)
+    result = heir.commit_now()
+    assert not result.failed
+    assert all(r.snapshot_id is None for r in result.tables)
+    assert server.stored_position(group_id) == heir.read_position
 
 
 _IDENTITY_SETTINGS = CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=5.0)
