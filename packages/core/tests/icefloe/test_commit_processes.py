@@ -136,6 +136,7 @@ def test_commit_processes_is_validated_and_needs_the_catalog() -> None:
     s = CoordinatorSettings.for_pipeline(cfg)
     assert s.commit_processes == 3
     assert s.catalog == CatalogSpec("cat", {"uri": "sqlite:///x"})
+    assert "sqlite:///x" not in repr(s), "catalog properties (credentials) in a repr"
     # in-process commits need no catalog configuration: the default path is unchanged
     plain = dict(cfg.model_dump(), coordination={"backend": "memory"})
     assert CoordinatorSettings.for_pipeline(config_from_dict(plain)).catalog is None

@@ -24,7 +24,7 @@ class CatalogSpec:
     to open its own, since a catalog object cannot cross a process boundary."""
 
     name: str
-    properties: Mapping[str, str]
+    properties: Mapping[str, str] = field(repr=False)  # may hold credentials: never logged
 
     def load(self) -> Catalog:
         from pyiceberg.catalog import load_catalog
@@ -145,7 +145,8 @@ class CoordinatorHooks:
     """
 
     before_table_commit: Callable[[str], None] | None = None
-    """Before a table's commit; an ``Exception`` fails that table only."""
+    """Before a table's commit; an ``Exception`` fails that table only. With
+    ``commit_processes``: as the table is handed to its committer process."""
     after_lease_check: Callable[[str], None] | None = None
     """After the lease was renewed right before a catalog commit attempt (a zombie pausing
     here is the race invariant 3 is about)."""
