@@ -73,7 +73,9 @@ class _Pipeline:
         self._open.append(c)
         return c
 
-    def processes(self, name: str = "c1", hook: KillCommitter | None = None) -> Coordinator:
+    def processes(
+        self, name: str = "c1", hook: KillCommitter | None = None, **settings: Any
+    ) -> Coordinator:
         """A coordinator committing on two committer processes."""
         return self.coordinator(
             name,
@@ -81,6 +83,7 @@ class _Pipeline:
             commit_processes=2,
             catalog=self.spec,
             table_retry_base_s=0.01,
+            **settings,
         )
 
     def writer(self, writer_id: str) -> WriterClient:
@@ -171,13 +174,16 @@ def test_committer_process_killed_leaves_its_tables_committed_once_or_pending(
     is missing, every row once."""
     victim = TABLES[2]
     w = pipe.writer("w")
-    coord = pipe.processes(hook=KillCommitter(moment, victim, str(tmp_path / "killed")))
+    coord = pipe.processes(
+        hook=KillCommitter(moment, victim, str(tmp_path / "killed")), quarantine_after_failures=1
+    )
     lead(coord)
     wait_pending(coord, pipe.source.publish(w, 0).file_count)
     first = coord.commit_now()
     assert (tmp_path / "killed").exists(), "the committer process was not killed"
     assert victim in first.failed
-    assert "committer process died" in first.failed[victim]
+    assert "CommitterProcessError: committer process died" in first.failed[victim]
+    assert victim in first.failing, "a death counts as a failure of the table"
     assert not first.deferred
     # the other process's tables committed; the dead one's are pending
     assert {r.table for r in first.tables} | set(first.failed) == set(TABLES)
@@ -185,10 +191,12 @@ def test_committer_process_killed_leaves_its_tables_committed_once_or_pending(
     assert pipe.snapshots(victim) == (1 if moment == "after_commit" else 0)
     stored = pipe.stored()
     assert stored is None or stored["0"] < coord.read_position["0"], "stored past a failure"
-    # the next cycle: no backoff for a dead process, its tables commit (or are found landed)
+    # after the backoff, a new process commits them (or finds them landed)
+    time.sleep(0.05)  # table_retry_base_s
     second = coord.commit_now()
     assert not second.failed
     assert not second.deferred
+    assert not second.failing
     assert sorted(r.table for r in second.tables) == sorted(first.failed)
     landed = {r.table: r.snapshot_id for r in second.tables}
     if moment == "after_commit":

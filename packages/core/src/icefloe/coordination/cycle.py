@@ -47,6 +47,7 @@ from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
 from icefloe.errors import (
     ChannelIdentityError,
+    CommitterProcessError,
     NotLeaderError,
     PermanentTableError,
     RollbackPendingError,
@@ -419,8 +420,9 @@ class CommitCycle:
         """Commit ``tables`` in the committer processes (``commit_processes``): each table
         is screened and committed by its process, while this thread keeps the bookkeeping,
         acts on refused files between a screening and its commit, and renews the lease. A
-        process that dies fails its tables for this cycle only (they stay pending, with no
-        backoff: the table is not at fault) and is replaced. A table whose answer ends the
+        process that dies fails its tables (CommitterProcessError: they stay pending and
+        back off as after any failure, so a table that kills its process every time is
+        reported failing) and is replaced. A table whose answer ends the
         leadership cancels the tables not started; that error is raised once the others
         are done. Outcomes come back in schedule order."""
         reader = self._reader
@@ -462,8 +464,8 @@ class CommitCycle:
                     answer = future.result()
                 except BrokenProcessPool as exc:
                     died.add(pool.worker_of(table))
-                    outcome.error = f"committer process died: {exc}"
-                    log.error("commit %s: %s: %s", job.commit_id, table, outcome.error)
+                    death = CommitterProcessError(f"committer process died: {exc}")
+                    self._failure(job, table, death, outcome)  # a table failure like any
                     continue
                 seconds[table] += answer.seconds
                 try:
