@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
+from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.summary import FENCING_TOKEN_KEY
 from icefloe.config import CoordinationConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
@@ -27,7 +28,12 @@ from icefloe.coordination.settings import CatalogSpec
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import NotLeaderError
 from icefloe.plugins.manager import new_plugins
-from icefloe.testing.fixtures import group_snapshots, make_sqlite_catalog, sqlite_catalog_properties
+from icefloe.testing.fixtures import (
+    group_snapshots,
+    make_sqlite_catalog,
+    sqlite_catalog_properties,
+    write_rows,
+)
 from icefloe.testing.harness import (
     DoomedCoordinator,
     KillCommitter,
@@ -326,3 +332,34 @@ def test_coordinator_killed_after_its_processes_committed_then_heir_commits_noth
         assert len(group_snapshots(catalog, t, group_id)) == 1, t
         got = sorted(r[0] for r in independent_rows(catalog.load_table(t), ["id"]))
         assert got == sorted(source.expected[t]), t
+
+
+def test_a_refused_file_is_quarantined_by_the_coordinator_before_its_process_commits(
+    pipe: _Pipeline,
+) -> None:
+    """A file the table refuses (outside its location): the process screens, commits
+    nothing and answers with the screening; the coordinator quarantines the file, then the
+    same process commits the rest. The position passes the refused file's event."""
+    table, other = TABLES[0], TABLES[1]
+    w = pipe.writer("w")
+    coord = pipe.processes()
+    lead(coord)
+    good = pipe.source.batch("w", 0)
+    stray = write_rows(pipe.catalog.load_table(other), [999_001, 999_002], "w", 0)
+    files = {t: list(fs) for t, fs in good.files.items()}
+    files[table] = files[table] + stray
+    w.publish(0, files, good.positions)
+    for t, ids in good.ids.items():
+        pipe.source.expected.setdefault(t, []).extend(ids)
+    wait_pending(coord, good.file_count + len(stray))
+    result = coord.commit_now()
+    assert result.failed == {}
+    assert result.quarantined == {table: len(stray)}
+    entries = Quarantine(pipe.catalog).list(pipe.group_id)
+    assert [(e.table_name, e.file_path, e.error_type) for e in entries] == [
+        (table, f.path, "FileOutsideTableError") for f in stray
+    ]
+    assert sorted(r.table for r in result.tables) == sorted(TABLES)
+    assert coord.pending_files() == {}
+    assert pipe.stored() == coord.read_position
+    pipe.assert_rows_once()

@@ -471,8 +471,9 @@ class CommitCycle:
                 try:
                     if answer.error is not None:
                         raise answer.error
-                    if answer.screening is not None:
-                        accepted = self._screened(job, table, answer.screening, outcome)
+                    if answer.verdicts is not None:
+                        screening = answer.verdicts.screening(files)
+                        accepted = self._screened(job, table, screening, outcome)
                         if accepted:
                             running[pool.submit(task(table, accepted, False))] = (table, accepted)
                             continue

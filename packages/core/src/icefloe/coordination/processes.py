@@ -32,10 +32,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies
-from icefloe.commit.request import TableCommitRequest, TableCommitResult
+from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
 from icefloe.commit.rollback import is_replay_writer
 from icefloe.commit.screening import Screening
 from icefloe.coordination.settings import CatalogSpec
@@ -49,6 +50,8 @@ from icefloe.errors import (
 )
 
 log = logging.getLogger("icefloe.coordinator")
+
+E = TypeVar("E", bound=Exception)
 
 CommitterHook = Callable[[str, str], None]
 """A picklable test hook run in a committer process with (moment, table): ``before_commit``
@@ -78,12 +81,36 @@ class CommitTask:
 
 
 @dataclass(frozen=True)
+class Verdicts:
+    """A screening in a form that crosses the process boundary: the task's files by index
+    (the coordinator tracks its pending files by identity, which copies do not keep)."""
+
+    accepted: tuple[int, ...]
+    refused: tuple[tuple[int, RefusedFileError], ...]
+
+    @classmethod
+    def of(cls, files: tuple[PendingFile, ...], screening: Screening) -> Verdicts:
+        index = {id(f): i for i, f in enumerate(files)}
+        return cls(
+            tuple(index[id(f)] for f in screening.accepted),
+            tuple((index[id(f)], _portable(e)) for f, e in screening.refused),
+        )
+
+    def screening(self, files: tuple[PendingFile, ...]) -> Screening:
+        """The screening of the coordinator's own ``files`` (those the task was made of)."""
+        return Screening(
+            tuple(files[i] for i in self.accepted),
+            tuple((files[i], e) for i, e in self.refused),
+        )
+
+
+@dataclass(frozen=True)
 class CommitAnswer:
-    """What a worker did with a :class:`CommitTask`. ``screening`` is set when the
+    """What a worker did with a :class:`CommitTask`. ``verdicts`` is set when the
     coordinator must act before a commit (refused files or a replay: nothing was committed);
     else every file was accepted and ``result`` or ``error`` tells the commit's outcome."""
 
-    screening: Screening | None = None
+    verdicts: Verdicts | None = None
     result: TableCommitResult | None = None
     error: Exception | None = None
     seconds: float = 0.0  # the worker's time on the task (icefloe_table_commit_seconds)
@@ -120,7 +147,7 @@ class _Worker:
                 files = request.files
                 screening = self.committer.screen(request.table, files, request.channel_id)
                 if screening.refused or any(is_replay_writer(f.writer_id) for f in files):
-                    return CommitAnswer(screening=screening)
+                    return CommitAnswer(verdicts=Verdicts.of(files, screening))
             result = self.committer.commit(request)
         except Exception as exc:
             return CommitAnswer(error=_portable(exc))
@@ -175,14 +202,14 @@ _KINDS: tuple[type[Exception], ...] = (
 )
 
 
-def _portable(exc: Exception) -> Exception:
+def _portable(exc: E) -> E:
     """``exc``, or a stand-in of the kind the coordinator acts on when it cannot be pickled
     (an unpicklable answer would break the pool, not just fail the table)."""
     try:
         pickle.loads(pickle.dumps(exc))
     except Exception:
         kind = next((k for k in _KINDS if isinstance(exc, k)), RuntimeError)
-        return kind(f"{type(exc).__name__}: {exc}")
+        return cast(E, kind(f"{type(exc).__name__}: {exc}"))
     return exc
 
 
