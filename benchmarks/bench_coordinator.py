@@ -7,6 +7,11 @@
     # the same tables committed by 4 threads (coordination.commit_parallelism)
     python benchmarks/bench_coordinator.py --writers 16 --tables 100 --files 200 --cycles 5 \
         --commit-parallelism 4
+    # ... by 4 committer processes (coordination.commit_processes), the SQL catalog on the
+    # machine's PostgreSQL (a catalog name of its own per run), whose commits of different
+    # tables run at the same time where SQLite's one write lock serialises them
+    python benchmarks/bench_coordinator.py --writers 16 --tables 100 --files 200 --cycles 5 \
+        --commit-processes 4 --catalog postgresql+psycopg://postgres@127.0.0.1:5432/test
 
 A simulation of a pipeline without Spark, on the real code paths:
 
@@ -14,7 +19,8 @@ A simulation of a pipeline without Spark, on the real code paths:
 thread)
   on the chosen backend, spread over ``--processes`` child processes;
 * coordinator: the real :class:`~icefloe.coordination.coordinator.Coordinator` and committer in this
-  process, committing to a real SQLite-catalog table (``--tables T``: T tables, the cycle's
+  process (or ``--commit-processes`` committer processes), committing to a real SQL-catalog
+  table, on SQLite or ``--catalog URI`` (``--tables T``: T tables, the cycle's
   files spread over them round-robin, as a stream fanned out by ``[dynamic_tables]``);
 * files: every published file is a real Parquet file inside the table location. Each writer
   process writes one small Parquet file through pyiceberg's writer and hard-links it under a
@@ -26,7 +32,8 @@ coordinator reads until all are pending, then runs one commit cycle (StartCommit
 writer answers, one Iceberg commit). "cycle" is that whole commit cycle; "commit" is the
 Iceberg commit alone (from the coordinator's ``before_table_commit`` hook to its
 ``after_iceberg_commits`` hook); "coordinator CPU" is this process's CPU time over the
-whole cycle, also divided by the tables committed. Reports p50/p99 of these, the
+whole cycle, also divided by the tables committed (committer processes' CPU not included:
+"committers CPU" adds it, read from /proc). Reports p50/p99 of these, the
 last-10 / first-10 ratio of the commit time (growth with table history), the metadata
 directory's size, and with ``--idle-s`` the CPU the writer processes burn while nothing
 happens. At the end it checks that each table holds exactly its published files, and every
@@ -60,12 +67,13 @@ from icefloe.coordination.coordinator import (
     CoordinatorSettings,
     CycleResult,
 )
+from icefloe.coordination.settings import CatalogSpec
 from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.hookspecs import BackendContext
 from icefloe.ops.maintenance import expire_snapshots, recommended_properties
 from icefloe.plugins.manager import get_plugins
-from icefloe.testing.fixtures import create_rows_table, make_sqlite_catalog, write_rows
+from icefloe.testing.fixtures import create_rows_table, sqlite_catalog_properties, write_rows
 from icefloe.testing.harness import drive, lead
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
@@ -117,7 +125,7 @@ class WorkerSpec:
     backend: str
     options: dict[str, Any]
     group: str
-    catalog_dir: str
+    catalog: CatalogSpec
     writers: list[tuple[int, str]]  # (index, writer id)
     tables: list[str]
 
@@ -151,7 +159,7 @@ class Templates:
 
 def worker_main(spec: WorkerSpec, commands: Any, replies: Any) -> None:
     """One writer process: its writers publish when told to; replies with CPU seconds used."""
-    catalog = make_sqlite_catalog(Path(spec.catalog_dir))
+    catalog = spec.catalog.load()
     templates = {name: Templates(catalog.load_table(name)) for name in spec.tables}
     backend = open_backend(spec.backend, spec.options, spec.group)
     clients = [
@@ -228,6 +236,19 @@ def main(argv: list[str] | None = None) -> int:
         "--retain-last N` next to the pipeline would (untimed; 0: never)",
     )
     parser.add_argument(
+        "--commit-processes",
+        type=int,
+        default=0,
+        help="committer processes (coordination.commit_processes; 0: commit in this process)",
+    )
+    parser.add_argument(
+        "--catalog",
+        default="sqlite",
+        metavar="URI",
+        help="the SQL catalog: sqlite (a file in the work directory) or an SQLAlchemy URI, "
+        "e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test (a catalog name per run)",
+    )
+    parser.add_argument(
         "--commit-parallelism",
         type=int,
         default=1,
@@ -236,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="bench-coordinator-"))
-    catalog = make_sqlite_catalog(work / "iceberg")
+    catalog_spec = catalog_of(args.catalog, work / "iceberg")
+    catalog = catalog_spec.load()
     tables = table_names(args.tables)
     for name in tables:
         table = create_rows_table(catalog, name)
@@ -256,9 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     for p in range(args.processes):
         commands = ctx.Queue()
         spec = WorkerSpec(
-            args.backend, options, group, str(work / "iceberg"), ids[p :: args.processes], tables
+            args.backend, options, group, catalog_spec, ids[p :: args.processes], tables
         )
-        proc = ctx.Process(target=worker_main, args=(spec, commands, replies), daemon=True)
+        proc = ctx.Process(
+            target=worker_main,
+            args=(spec, commands, replies),
+            daemon=True,
+            name=f"bench-writer-{p}",
+        )
         proc.start()
         workers.append((proc, commands, spec))
 
@@ -289,12 +316,15 @@ def main(argv: list[str] | None = None) -> int:
             commit_timeout_s=60,
             writer_timeout_s=3600,
             commit_parallelism=args.commit_parallelism,
+            commit_processes=args.commit_processes,
+            catalog=catalog_spec,
         ),
         hooks=CoordinatorHooks(before_table_commit=before, after_iceberg_commits=after),
     )
     profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU, not waits
     cycle_times: list[float] = []
     cycle_cpu: list[float] = []
+    committers_cpu: list[float] = []  # this process and its committer processes
     publish_times: list[float] = []
     idle_cores: float | None = None
     try:
@@ -318,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             publish_times.append(time.perf_counter() - started)
             started, cpu_started = time.perf_counter(), time.process_time()
+            all_started = committers_cpu_s(cpu_started)
             if profiler is not None:
                 profiler.enable()
             result = coordinator.commit_now()
@@ -325,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                 profiler.disable()
             cycle_times.append(time.perf_counter() - started)
             cycle_cpu.append(time.process_time() - cpu_started)
+            committers_cpu.append(committers_cpu_s(time.process_time()) - all_started)
             if not result.complete or result.failed:
                 print(f"cycle {cycle}: complete={result.complete} failed={result.failed}")
             print(
@@ -357,12 +389,39 @@ def main(argv: list[str] | None = None) -> int:
         backend.close()
         if broker is not None:
             broker.stop()
-    report(args, cycle_times, cycle_cpu, commit_times, commit_cpu, work, idle_cores)
+    report(args, cycle_times, cycle_cpu, committers_cpu, commit_times, commit_cpu, work, idle_cores)
     if not args.keep:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def catalog_of(uri: str, path: Path) -> CatalogSpec:
+    """The run's catalog: SQLite in ``path``, or the SQL database at ``uri`` under a catalog
+    name of its own (its rows apart from every other run's), its warehouse in ``path``."""
+    if uri == "sqlite":
+        return CatalogSpec("icefloe_test", sqlite_catalog_properties(path))
+    path.mkdir(parents=True, exist_ok=True)
+    props = {"type": "sql", "uri": uri, "warehouse": f"file://{path / 'warehouse'}"}
+    return CatalogSpec(f"bench_{uuid.uuid4().hex[:10]}", props)
+
+
+def committers_cpu_s(own: float) -> float:
+    """CPU seconds of this process (``own``) and of its live child processes that are not
+    writers (the committer processes), read from /proc (0 for them elsewhere)."""
+    total = own
+    tick = os.sysconf("SC_CLK_TCK")
+    for child in mp.active_children():
+        if child.name.startswith("bench-writer"):
+            continue
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return total
 
 
 def measure_idle(workers: list[Any], replies: Any, seconds: float) -> float:
@@ -399,6 +458,7 @@ def report(
     args: argparse.Namespace,
     cycles: list[float],
     cycles_cpu: list[float],
+    committers_cpu: list[float],
     commits: list[float],
     cpu: list[float],
     work: Path,
@@ -423,6 +483,7 @@ def report(
     print(
         f"backend={args.backend} writers={args.writers} files/cycle={args.files} "
         f"tables={args.tables} commit_parallelism={args.commit_parallelism} "
+        f"commit_processes={args.commit_processes} catalog={args.catalog.split('://')[0]} "
         f"cycles={args.cycles} processes={args.processes} plain_table={args.plain_table} "
         f"retain_last={args.retain_last} "
         f"cpus={os.cpu_count()} python={platform.python_version()} load(1m)={load:.1f}"
@@ -436,6 +497,12 @@ def report(
         f"coordinator CPU per cycle p50 {ms(cpu50)}, p99 {ms(percentile(cycles_cpu, 0.99))}; "
         f"per table {cpu50 / args.tables * 1000:.1f} ms"
     )
+    if args.commit_processes:
+        all50 = percentile(committers_cpu, 0.5)
+        print(
+            f"committers CPU per cycle (coordinator + {args.commit_processes} committer "
+            f"processes) p50 {ms(all50)}; per table {all50 / args.tables * 1000:.1f} ms"
+        )
     print(f"commit p50 {ms(percentile(commits, 0.5))}, p99 {ms(percentile(commits, 0.99))}")
     print(f"commit CPU p50 {ms(percentile(cpu, 0.5))}, p99 {ms(percentile(cpu, 0.99))}")
     print(

@@ -27,7 +27,7 @@ def main() -> None:
     me: str = args["coordinator_id"]
     control = Path(args["control_dir"])
 
-    def pause(_: object) -> None:
+    def pause(*_: object) -> None:  # fits every hook's signature
         (control / f"{me}.paused").write_text("")
         while not (control / f"{me}.go").exists():
             time.sleep(0.02)

@@ -328,6 +328,9 @@ class CoordinationConfig(BaseModel):
     compaction_budget_s: float = Field(default=30.0, gt=0)
     # threads committing a cycle's tables at once (the coordinator still decides the cycle)
     commit_parallelism: int = Field(default=1, ge=1)
+    # committer processes on the coordinator's machine, each with its own catalog (0: the
+    # coordinator's process commits); see icefloe.coordination.processes
+    commit_processes: int = Field(default=0, ge=0)
 
     def backend_options(self) -> dict[str, Any]:
         """The raw section of the selected backend (empty when absent)."""

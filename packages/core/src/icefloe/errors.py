@@ -148,6 +148,12 @@ class StaleFencingTokenError(CommitError):
     """The table records a newer coordinator's fencing token: this coordinator is a zombie."""
 
 
+class CommitterProcessError(CommitError):
+    """A committer process (``coordination.commit_processes``) died while it held the table's
+    commit (killed, out of memory). The table stays pending; its next attempt, in a new
+    process, finds a commit that landed before the death by its commit id."""
+
+
 class RefusedFileError(CommitError):
     """One announced file can never be committed to its table. The coordinator quarantines
     that file and commits the rest, instead of failing the whole table every cycle."""

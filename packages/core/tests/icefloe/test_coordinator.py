@@ -63,6 +63,7 @@ from icefloe.testing.harness import (
     DoomedCoordinator,
     RowSource,
     drive,
+    heir_finds_every_commit,
     kill_doomed_coordinator,
     lead,
     wait_pending,
@@ -390,11 +391,7 @@ def test_coordinator_process_killed_after_iceberg_commit_loses_and_duplicates_no
 
             heir = heir_of(backend, catalog)
             try:
-                lead(heir)
-                result = heir.commit_now()
-                assert not result.failed
-                assert all(r.snapshot_id is None for r in result.tables)
-                assert server.stored_position(group_id) == heir.read_position
+                heir_finds_every_commit(heir, server, group_id)
                 wait_pending(heir, sum(source.publish(w, 2).file_count for w in writers))
                 assert not heir.commit_now().failed
             finally:

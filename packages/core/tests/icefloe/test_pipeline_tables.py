@@ -194,15 +194,23 @@ def test_status_and_maintain_cover_dead_letter_and_dynamic_tables(stopped: Stopp
     assert sorted({line.split(":")[0] for line in lines}) == sorted(set(ALL) - {FRESH})
 
 
-def test_status_names_the_leaders_committers(stopped: Stopped) -> None:
-    """The committers are the leader's threads: as many as ``commit_parallelism`` says."""
+@pytest.mark.parametrize(
+    ("key", "line"),
+    [
+        ("commit_parallelism", "  committers 3 (threads of the leader)"),
+        ("commit_processes", "  committers 3 (processes on the leader's machine)"),
+    ],
+)
+def test_status_names_the_leaders_committers(stopped: Stopped, key: str, line: str) -> None:
+    """The committers are the leader's threads (as many as ``commit_parallelism`` says) or,
+    with ``commit_processes``, processes on its machine."""
     config = load_config(stopped.path)
     config = config.model_copy(
-        update={"coordination": config.coordination.model_copy(update={"commit_parallelism": 3})}
+        update={"coordination": config.coordination.model_copy(update={key: 3})}
     )
     status = collect(config)
-    assert status.committers == 3
-    assert "  committers 3 (threads of the leader)" in render_lines(status)
+    assert (status.committers, status.committer_processes)[key == "commit_processes"] == 3
+    assert line in render_lines(status)
 
 
 def test_committed_tables_are_found_by_the_groups_property_in_nested_namespaces(

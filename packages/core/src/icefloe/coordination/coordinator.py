@@ -38,6 +38,7 @@ from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import Quarantine
 from icefloe.coordination.cycle import CommitCycle
 from icefloe.coordination.leadership import Leadership
+from icefloe.coordination.processes import pool_for
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import (
     POLL_S,
@@ -85,6 +86,10 @@ class Coordinator:
             policies=self.settings.policies,
         )
         quarantine = Quarantine(catalog, self.settings.quarantine_table)
+        s = self.settings
+        self._pool = pool_for(
+            s.commit_processes, s.catalog, group_id, s.branch, s.policies, hooks.in_committer
+        )
         self._reader = EventReader(group_id, channel, committer, self.settings, quarantine)
         self._stall = StallWatch(self.settings.stall_after_s)
         self._failing_gauged: set[str] = set()  # tables icefloe_table_failing reports
@@ -102,6 +107,7 @@ class Coordinator:
             hooks,
             plugins,
             quarantine,
+            self._pool,
         )
 
     # ------------------------------------------------------------------ views
@@ -279,9 +285,14 @@ class Coordinator:
         metrics.PENDING_BYTES.set(self._reader.pending_bytes())
 
     def close(self) -> None:
-        """Release the lease (another coordinator takes over at once) and the channel."""
-        self._release()
-        self._channel.close()
+        """Release the lease (another coordinator takes over at once), the channel and the
+        committer processes."""
+        try:
+            self._release()
+            self._channel.close()
+        finally:
+            if self._pool is not None:
+                self._pool.close()
 
     # ------------------------------------------------------------------ leadership
 
@@ -303,6 +314,8 @@ class Coordinator:
             self._drop_leadership()
             return False
         self._cycle.restart_clock()
+        if self._pool is not None:
+            self._pool.start()
         log.info(
             "%s: recovered from %s: %d events, %d pending files, %d writers",
             self.coordinator_id,

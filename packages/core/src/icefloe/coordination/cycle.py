@@ -30,7 +30,8 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from icefloe import metrics
@@ -41,10 +42,12 @@ from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitR
 from icefloe.commit.rollback import is_replay_writer, replays
 from icefloe.commit.screening import Screening
 from icefloe.coordination.leadership import Leadership
+from icefloe.coordination.processes import CommitAnswer, CommitTask, CommitterPool
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
 from icefloe.errors import (
     ChannelIdentityError,
+    CommitterProcessError,
     NotLeaderError,
     PermanentTableError,
     RollbackPendingError,
@@ -107,8 +110,10 @@ class CommitCycle:
         hooks: CoordinatorHooks,
         plugins: Plugins | None,
         quarantine: Quarantine,
+        pool: CommitterPool | None = None,
     ) -> None:
         self._group_id = group_id
+        self._pool = pool  # committer processes (commit_processes), None: commit here
         self._coordinator_id = coordinator_id
         self._channel = channel
         self._committer = committer
@@ -297,6 +302,8 @@ class CommitCycle:
         store's latency per commit, which threads overlap. The outcomes come back in schedule
         order. A worker that finds this coordinator deposed (or the channel replaced) stops the
         tables not yet started; that error is raised once every started table is done."""
+        if self._pool is not None and tables:
+            return self._run_in_processes(self._pool, job, tables)
         n = self._settings.commit_parallelism
         if n <= 1 or len(tables) <= 1:
             return [self._commit_table(job, table) for table in tables]
@@ -334,46 +341,159 @@ class CommitCycle:
             if self._hooks.before_table_commit is not None:
                 self._hooks.before_table_commit(table)
             screening = self._committer.screen(table, files, reader.channel_id)
-            if screening.refused:
-                with self._shared:
-                    self._replays_refused(table, screening)
-                    outcome.quarantined = self._isolate(job.commit_id, table, screening.refused)
-            accepted = screening.accepted
+            accepted = self._screened(job, table, screening, outcome)
             if accepted:
-                with self._shared:
-                    self._retire_replayed(table, accepted)
-                outcome.result = self._committer.commit(
-                    TableCommitRequest(
-                        table=table,
-                        commit_id=job.commit_id,
-                        files=accepted,
-                        positions=job.position,
-                        source_offsets=job.sources,
-                        fencing_token=self._leadership.token(),
-                        valid_through_ms=job.vtts,
-                        channel_id=reader.channel_id,
-                        live_writers=job.writers,
-                    )
-                )
-                with self._shared:
-                    reader.committed(table, accepted, job.position)
-        except (NotLeaderError, StaleFencingTokenError) as exc:
-            # a newer leader exists: stop here, it re-reads and finishes our work
-            raise NotLeaderError(f"{self._coordinator_id}: {exc}") from exc
-        except ChannelIdentityError:
-            raise  # no retry can help: stop and let the operator act on the message
-        except Exception as exc:  # tables commit independently; this one stays pending
-            outcome.error = f"{type(exc).__name__}: {exc}"
-            with self._shared:
-                n = self._failed(job.commit_id, table, exc)
-            if n:
-                outcome.quarantined = (outcome.quarantined or 0) + n
+                request = self._request(job, table, accepted, self._leadership.token())
+                outcome.result = self._committer.commit(request)
+        except Exception as exc:
+            self._failure(job, table, exc, outcome)
             return outcome
+        self._settled(job, table, accepted, outcome, time.monotonic() - started)
+        return outcome
+
+    def _request(
+        self, job: _CycleJob, table: str, files: tuple[PendingFile, ...], token: int
+    ) -> TableCommitRequest:
+        """The commit of ``files`` to ``table`` in the cycle ``job``, fenced by ``token``."""
+        return TableCommitRequest(
+            table=table,
+            commit_id=job.commit_id,
+            files=files,
+            positions=job.position,
+            source_offsets=job.sources,
+            fencing_token=token,
+            valid_through_ms=job.vtts,
+            channel_id=self._reader.channel_id,
+            live_writers=job.writers,
+        )
+
+    def _screened(
+        self, job: _CycleJob, table: str, screening: Screening, outcome: _TableOutcome
+    ) -> tuple[PendingFile, ...]:
+        """Act on a table's screening before its commit: quarantine the refused files (and
+        accept a rollback whose replay is refused whole), retire what a replay writes again.
+        Returns the files to commit."""
+        if screening.refused:
+            with self._shared:
+                self._replays_refused(table, screening)
+                outcome.quarantined = self._isolate(job.commit_id, table, screening.refused)
+        accepted = screening.accepted
+        if accepted:
+            with self._shared:
+                self._retire_replayed(table, accepted)
+        return accepted
+
+    def _settled(
+        self,
+        job: _CycleJob,
+        table: str,
+        committed: tuple[PendingFile, ...],
+        outcome: _TableOutcome,
+        seconds: float,
+    ) -> None:
+        """A table's part of the cycle is done: forget its committed files and failures."""
         with self._shared:
+            if committed:
+                self._reader.committed(table, committed, job.position)
             self._committing(table)
         if outcome.result is not None:
-            metrics.TABLE_COMMIT_SECONDS.observe(time.monotonic() - started)
-        return outcome
+            metrics.TABLE_COMMIT_SECONDS.observe(seconds)
+
+    def _failure(self, job: _CycleJob, table: str, exc: Exception, outcome: _TableOutcome) -> None:
+        """A table's commit raised ``exc``: it stays pending and backs off, unless the error
+        ends this leadership (raised as NotLeaderError) or no retry can help (raised)."""
+        if isinstance(exc, (NotLeaderError, StaleFencingTokenError)):
+            # a newer leader exists: stop here, it re-reads and finishes our work
+            raise NotLeaderError(f"{self._coordinator_id}: {exc}") from exc
+        if isinstance(exc, ChannelIdentityError):
+            raise exc  # no retry can help: stop and let the operator act on the message
+        # tables commit independently; this one stays pending
+        outcome.error = f"{type(exc).__name__}: {exc}"
+        with self._shared:
+            n = self._failed(job.commit_id, table, exc)
+        if n:
+            outcome.quarantined = (outcome.quarantined or 0) + n
+
+    def _run_in_processes(
+        self, pool: CommitterPool, job: _CycleJob, tables: list[str]
+    ) -> list[_TableOutcome]:
+        """Commit ``tables`` in the committer processes (``commit_processes``): each table
+        is screened and committed by its process, while this thread keeps the bookkeeping,
+        acts on refused files between a screening and its commit, and renews the lease. A
+        process that dies fails its tables (CommitterProcessError: they stay pending and
+        back off as after any failure, so a table that kills its process every time is
+        reported failing) and is replaced. A table whose answer ends the
+        leadership cancels the tables not started; that error is raised once the others
+        are done. Outcomes come back in schedule order."""
+        reader = self._reader
+        self._leadership.before_commit()  # prove we lead before handing the cycle out
+        token = self._leadership.token()
+
+        def task(table: str, files: tuple[PendingFile, ...], screen: bool) -> CommitTask:
+            return CommitTask(self._request(job, table, files, token), screen)
+
+        outcomes = {t: _TableOutcome(t) for t in tables}
+        seconds = dict.fromkeys(tables, 0.0)
+        running: dict[Future[CommitAnswer], tuple[str, tuple[PendingFile, ...]]] = {}
+        for table in tables:
+            files = tuple(reader.pending[table])
+            try:
+                if self._hooks.before_table_commit is not None:
+                    self._hooks.before_table_commit(table)
+            except Exception as exc:
+                self._failure(job, table, exc, outcomes[table])
+                continue
+            running[pool.submit(task(table, files, True))] = (table, files)
+        dropped: set[str] = set()  # cancelled: not started, left pending
+        died: set[int] = set()
+        fatal: BaseException | None = None
+        while running:
+            done, _ = wait(running, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            if fatal is None:
+                try:
+                    self._leadership.renew_if_due()
+                except NotLeaderError as exc:
+                    fatal = exc
+            for future in done:
+                table, files = running.pop(future)
+                outcome = outcomes[table]
+                if future.cancelled():
+                    dropped.add(table)
+                    continue
+                try:
+                    answer = future.result()
+                except BrokenProcessPool as exc:
+                    died.add(pool.worker_of(table))
+                    death = CommitterProcessError(f"committer process died: {exc}")
+                    self._failure(job, table, death, outcome)  # a table failure like any
+                    continue
+                seconds[table] += answer.seconds
+                try:
+                    if answer.error is not None:
+                        raise answer.error
+                    if answer.verdicts is not None:
+                        screening = answer.verdicts.screening(files)
+                        accepted = self._screened(job, table, screening, outcome)
+                        if accepted:
+                            running[pool.submit(task(table, accepted, False))] = (table, accepted)
+                            continue
+                        files = accepted
+                    outcome.result = answer.result
+                    self._settled(job, table, files, outcome, seconds[table])
+                except Exception as exc:
+                    try:
+                        self._failure(job, table, exc, outcome)
+                    except Exception as stop:
+                        log.warning("commit %s: %s: %s", job.commit_id, table, stop)
+                        fatal = fatal or stop
+            if fatal is not None:
+                for future in running:
+                    future.cancel()  # not started yet: stays pending for the next leader
+        for i in sorted(died):
+            pool.replace(i)
+        if fatal is not None:
+            raise fatal
+        return [outcomes[t] for t in tables if t not in dropped]
 
     def _compact(self, results: Sequence[TableCommitResult]) -> None:
         """A compaction round right after the cycle, for the tables it committed to whose

@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from icefloe.commit.policy import TablePolicies
 from icefloe.commit.quarantine import DEFAULT_QUARANTINE_TABLE
 from icefloe.commit.request import TableCommitResult
 from icefloe.config import CoordinationConfig, PipelineConfig
 
+if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
+
 POLL_S = 0.2  # longest single wait inside a cycle, so lease renewal keeps its pace
+
+
+@dataclass(frozen=True)
+class CatalogSpec:
+    """How to build the pipeline's catalog (``[catalog]``): what a committer process needs
+    to open its own, since a catalog object cannot cross a process boundary."""
+
+    name: str
+    properties: Mapping[str, str] = field(repr=False)  # may hold credentials: never logged
+
+    def load(self) -> Catalog:
+        from pyiceberg.catalog import load_catalog
+
+        return load_catalog(self.name, **self.properties)
 
 
 @dataclass(frozen=True)
@@ -47,6 +66,12 @@ class CoordinatorSettings:
     commit_parallelism: int = 1
     """Threads committing a cycle's tables at once (1: one table after another). A cycle's
     wall time is mostly catalog and storage latency per table, which threads overlap."""
+    commit_processes: int = 0
+    """Committer processes on this machine (:mod:`icefloe.coordination.processes`) that
+    commit a cycle's tables, each with its own catalog; 0: the coordinator's process commits
+    (on ``commit_parallelism`` threads). Takes the place of ``commit_parallelism``."""
+    catalog: CatalogSpec | None = None
+    """The catalog's configuration, for committer processes to open their own."""
 
     def __post_init__(self) -> None:
         if self.commit_parallelism < 1:
@@ -54,11 +79,21 @@ class CoordinatorSettings:
                 "coordination.commit_parallelism must be at least 1 "
                 f"(got {self.commit_parallelism})"
             )
+        if self.commit_processes < 0:
+            raise ValueError(
+                "coordination.commit_processes must be 0 (commit in the coordinator's "
+                f"process) or more (got {self.commit_processes})"
+            )
 
     @classmethod
     def for_pipeline(cls, config: PipelineConfig) -> CoordinatorSettings:
-        """The settings of a pipeline: its ``[coordination]`` keys and per-table policies."""
-        return cls.from_config(config.coordination, TablePolicies.from_config(config))
+        """The settings of a pipeline: its ``[coordination]`` keys, per-table policies and
+        (for committer processes) its catalog."""
+        settings = cls.from_config(config.coordination, TablePolicies.from_config(config))
+        if not settings.commit_processes:
+            return settings
+        spec = CatalogSpec(config.catalog.name, dict(config.catalog.properties))
+        return dataclasses.replace(settings, catalog=spec)
 
     @classmethod
     def from_config(
@@ -81,6 +116,7 @@ class CoordinatorSettings:
             stall_after_s=c.stall_after_s,
             compaction_budget_s=c.compaction_budget_s,
             commit_parallelism=c.commit_parallelism,
+            commit_processes=c.commit_processes,
         )
 
 
@@ -109,7 +145,8 @@ class CoordinatorHooks:
     """
 
     before_table_commit: Callable[[str], None] | None = None
-    """Before a table's commit; an ``Exception`` fails that table only."""
+    """Before a table's commit; an ``Exception`` fails that table only. With
+    ``commit_processes``: as the table is handed to its committer process."""
     after_lease_check: Callable[[str], None] | None = None
     """After the lease was renewed right before a catalog commit attempt (a zombie pausing
     here is the race invariant 3 is about)."""
@@ -120,3 +157,8 @@ class CoordinatorHooks:
     snapshot is not committed yet."""
     after_compaction: Callable[[str], None] | None = None
     """After a table's compaction snapshot landed, before the next cycle."""
+    in_committer: Callable[[str, str], None] | None = None
+    """With ``commit_processes``: runs in a committer process with (moment, table), at
+    ``before_commit`` (right before each catalog commit attempt) and ``after_commit`` (the
+    commit landed, the answer not sent). Must be picklable (a module-level function or an
+    instance of a module-level class)."""

@@ -69,6 +69,7 @@ class PipelineStatus:
     dead_lettered: int | None = None  # rows in the dead-letter table
     channel_stall: str | None = None  # why a reader of the channel cannot reach its end
     committers: int = 1  # threads of the leader committing a cycle's tables at once
+    committer_processes: int = 0  # or: committer processes on the leader's machine
 
     @property
     def stuck(self) -> bool:
@@ -319,6 +320,7 @@ def collect(config: PipelineConfig) -> PipelineStatus:
         _dead_lettered(catalog, config),
         channel_stall,
         config.coordination.commit_parallelism,
+        config.coordination.commit_processes,
     )
 
 
@@ -341,8 +343,13 @@ def render_lines(status: PipelineStatus) -> list[str]:
         writers = "?" if b.writers is None else f"{len(b.writers)} ({', '.join(b.writers)})"
         out.append(f"  writers {writers}")
         # who commits: the leader decides each cycle and commits its tables on this many
-        # threads (coordination.commit_parallelism); icefloe_table_commit_seconds times them
-        out.append(f"  committers {status.committers} (threads of the leader)")
+        # threads (coordination.commit_parallelism) or processes on its machine
+        # (coordination.commit_processes); icefloe_table_commit_seconds times them
+        if status.committer_processes:
+            n = status.committer_processes
+            out.append(f"  committers {n} (processes on the leader's machine)")
+        else:
+            out.append(f"  committers {status.committers} (threads of the leader)")
     if status.dead_lettered is not None:
         out.append(f"  dead-lettered records {status.dead_lettered}")
     if status.channel_stall is not None:

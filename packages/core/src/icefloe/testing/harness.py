@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.catalog.sql import SqlCatalog
@@ -27,11 +28,18 @@ from icefloe.coordination.coordinator import (
     CoordinatorSettings,
     CycleResult,
 )
+from icefloe.coordination.processes import pool_for
+from icefloe.coordination.settings import CatalogSpec
 from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once, create_rows_table, write_rows
-from icefloe.testing.memory import MemoryBackend, MemoryServerAddress, connect_memory_server
+from icefloe.testing.memory import (
+    MemoryBackend,
+    MemoryServer,
+    MemoryServerAddress,
+    connect_memory_server,
+)
 
 
 class SimulatedCrash(BaseException):
@@ -176,6 +184,37 @@ class DoomedCoordinator:
     die_at_table: int | None = None
     """Die when the cycle starts its ``die_at_table``-th table (counted across the commit
     threads): mid-cycle, some tables committed, some in flight, some not started."""
+    commit_processes: int = 0
+    """Committer processes (``coordination.commit_processes``) that commit the cycle."""
+
+
+@dataclass(frozen=True)
+class KillCommitter:
+    """An ``in_committer`` hook (picklable, for ``commit_processes``): SIGKILL the committer
+    process at ``moment`` (``before_commit``, ``after_commit``) of ``table``'s commit, once:
+    ``marker``, a file created as it strikes, spares the process that replaces it."""
+
+    moment: str
+    table: str
+    marker: str
+
+    def __call__(self, moment: str, table: str) -> None:
+        if (moment, table) != (self.moment, self.table):
+            return
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start_committers_then_die(catalog: CatalogSpec, pids_file: str) -> None:
+    """Child process body: start two committer processes (``commit_processes``), write their
+    ids to ``pids_file``, die by SIGKILL."""
+    pool = pool_for(2, catalog, "committers", "main", None, None)
+    assert pool is not None
+    Path(pids_file).write_text(" ".join(str(p) for p in pool.pids()))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _sigkill_self(_: object) -> None:
@@ -214,6 +253,8 @@ def run_doomed_coordinator(spec: DoomedCoordinator) -> None:
             commit_timeout_s=30.0,
             policies=spec.policies,
             commit_parallelism=spec.commit_parallelism,
+            commit_processes=spec.commit_processes,
+            catalog=CatalogSpec(spec.catalog_name, spec.catalog_properties),
         ),
         coordinator_id="doomed",
         plugins=new_plugins(autoload=False),
@@ -233,6 +274,16 @@ def kill_doomed_coordinator(spec: DoomedCoordinator, timeout: float = 120.0) -> 
     child.start()
     child.join(timeout)
     assert child.exitcode == -signal.SIGKILL, f"child exit code {child.exitcode}"
+
+
+def heir_finds_every_commit(heir: Coordinator, server: MemoryServer, group_id: str) -> None:
+    """Lead with ``heir`` after a coordinator died past its Iceberg commits and commit: every
+    table's commit is found landed (none is made again), and the position is stored."""
+    lead(heir)
+    result = heir.commit_now()
+    assert not result.failed
+    assert all(r.snapshot_id is None for r in result.tables)
+    assert server.stored_position(group_id) == heir.read_position
 
 
 _IDENTITY_SETTINGS = CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=5.0)

@@ -1,0 +1,365 @@
+"""Committer processes (``coordination.commit_processes``): a cycle's tables committed by
+worker processes with their own catalog, on a real SQLite catalog with real Parquet files and
+the reference channel. A committer process killed by SIGKILL before or after its Iceberg
+commit leaves its tables committed once or pending, never twice; a deposed leader's processes
+are refused by each table's fencing token. Rows are counted with pyarrow over the tables'
+files, not through the committer."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+
+from icefloe.commit.quarantine import Quarantine
+from icefloe.commit.summary import FENCING_TOKEN_KEY
+from icefloe.config import CoordinationConfig, config_from_dict
+from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.coordination.processes import pool_for
+from icefloe.coordination.settings import CatalogSpec
+from icefloe.coordination.writer import WriterClient
+from icefloe.errors import NotLeaderError
+from icefloe.plugins.manager import new_plugins
+from icefloe.testing.fixtures import (
+    group_snapshots,
+    make_sqlite_catalog,
+    sqlite_catalog_properties,
+    write_rows,
+)
+from icefloe.testing.harness import (
+    DoomedCoordinator,
+    KillCommitter,
+    RowSource,
+    heir_finds_every_commit,
+    kill_doomed_coordinator,
+    lead,
+    start_committers_then_die,
+    wait_pending,
+)
+from icefloe.testing.memory import MemoryBackend, MemoryServer, serve_memory_server
+from icefloe.testing.readers import independent_rows
+
+TABLES = tuple(f"procs.t{i}" for i in range(6))
+TTL = 1.0
+
+
+class _Pipeline:
+    """One pipeline's catalog (also as properties, for the committer processes), channel,
+    writers and coordinators, closed at teardown."""
+
+    def __init__(self, tmp_path: Path, server: MemoryServer) -> None:
+        self.group_id = f"pipe-{uuid.uuid4().hex[:8]}"
+        props = sqlite_catalog_properties(tmp_path / "iceberg")
+        self.catalog: SqlCatalog = make_sqlite_catalog(tmp_path / "iceberg")
+        self.spec = CatalogSpec(self.catalog.name, props)
+        self.backend = MemoryBackend(server, self.group_id, TTL)
+        self.source = RowSource.create(self.catalog, TABLES)
+        self._open: list[Coordinator | WriterClient] = []
+
+    def coordinator(
+        self, name: str, hooks: CoordinatorHooks | None = None, **settings: Any
+    ) -> Coordinator:
+        c = Coordinator(
+            self.group_id,
+            self.backend.coordinator(name),
+            self.catalog,
+            CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0, **settings),
+            coordinator_id=name,
+            plugins=new_plugins(autoload=False),
+            hooks=hooks,
+        )
+        self._open.append(c)
+        return c
+
+    def processes(
+        self, name: str = "c1", hook: KillCommitter | None = None, **settings: Any
+    ) -> Coordinator:
+        """A coordinator committing on two committer processes."""
+        return self.coordinator(
+            name,
+            CoordinatorHooks(in_committer=hook),
+            commit_processes=2,
+            catalog=self.spec,
+            table_retry_base_s=0.01,
+            **settings,
+        )
+
+    def writer(self, writer_id: str) -> WriterClient:
+        w = WriterClient(self.backend.writer(writer_id), self.group_id, writer_id)
+        w.start()
+        self._open.append(w)
+        return w
+
+    def stored(self) -> dict[str, int] | None:
+        return self.backend.server.stored_position(self.group_id)
+
+    def assert_rows_once(self) -> None:
+        """Each table's live files, read with pyarrow, hold every published row once."""
+        for t in TABLES:
+            got = sorted(r[0] for r in independent_rows(self.catalog.load_table(t), ["id"]))
+            assert got == sorted(self.source.expected[t]), t
+
+    def snapshots(self, table: str) -> int:
+        return len(group_snapshots(self.catalog, table, self.group_id))
+
+    def close(self) -> None:
+        for x in reversed(self._open):
+            x.close()
+
+
+@pytest.fixture
+def pipe(tmp_path: Path, memory_server: MemoryServer) -> Iterator[_Pipeline]:
+    p = _Pipeline(tmp_path, memory_server)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_commit_processes_is_validated_and_needs_the_catalog() -> None:
+    with pytest.raises(ValueError, match="commit_processes"):
+        CoordinationConfig(commit_processes=-1)
+    with pytest.raises(ValueError, match=r"coordination\.commit_processes"):
+        CoordinatorSettings(commit_processes=-1)
+    assert CoordinatorSettings.from_config(CoordinationConfig()).commit_processes == 0
+    with pytest.raises(ValueError, match="catalog"):
+        pool_for(2, None, "g", "main", None, None)
+    assert pool_for(0, None, "g", "main", None, None) is None
+    cfg = config_from_dict(
+        {
+            "name": "p",
+            "source": {"topics": ["t"]},
+            "catalog": {"name": "cat", "properties": {"uri": "sqlite:///x"}},
+            "tables": [{"name": "db.t"}],
+            "coordination": {"backend": "memory", "commit_processes": 3},
+        }
+    )
+    s = CoordinatorSettings.for_pipeline(cfg)
+    assert s.commit_processes == 3
+    assert s.catalog == CatalogSpec("cat", {"uri": "sqlite:///x"})
+    assert "sqlite:///x" not in repr(s), "catalog properties (credentials) in a repr"
+    # in-process commits need no catalog configuration: the default path is unchanged
+    plain = dict(cfg.model_dump(), coordination={"backend": "memory"})
+    assert CoordinatorSettings.for_pipeline(config_from_dict(plain)).catalog is None
+
+
+def test_processes_commit_each_table_once_per_cycle(pipe: _Pipeline) -> None:
+    a, b = pipe.writer("a"), pipe.writer("b")
+    coord = pipe.processes()
+    lead(coord)
+    wait_pending(coord, sum(pipe.source.publish(w, 0).file_count for w in (a, b)))
+    first = coord.commit_now()
+    assert first.complete
+    assert not first.failed
+    assert not first.deferred
+    assert sorted(r.table for r in first.tables) == sorted(TABLES)
+    assert pipe.stored() == coord.read_position
+    wait_pending(coord, pipe.source.publish(a, 1).file_count)
+    assert not coord.commit_now().failed
+    pipe.assert_rows_once()
+    for t in TABLES:
+        assert pipe.snapshots(t) == 2, t
+    assert pipe.stored() == coord.read_position
+
+
+@pytest.mark.parametrize("moment", ["before_commit", "after_commit"])
+def test_committer_process_killed_leaves_its_tables_committed_once_or_pending(
+    pipe: _Pipeline, tmp_path: Path, moment: str
+) -> None:
+    """SIGKILL of the process committing ``victim``, right before its catalog commit or
+    right after it landed (before the answer): its tables of the cycle fail this cycle only,
+    the position stays below them, and the next cycle (on a replaced process) commits what
+    is missing, every row once."""
+    victim = TABLES[2]
+    w = pipe.writer("w")
+    coord = pipe.processes(
+        hook=KillCommitter(moment, victim, str(tmp_path / "killed")), quarantine_after_failures=1
+    )
+    lead(coord)
+    wait_pending(coord, pipe.source.publish(w, 0).file_count)
+    first = coord.commit_now()
+    assert (tmp_path / "killed").exists(), "the committer process was not killed"
+    assert victim in first.failed
+    assert "CommitterProcessError: committer process died" in first.failed[victim]
+    assert victim in first.failing, "a death counts as a failure of the table"
+    assert not first.deferred
+    # the other process's tables committed; the dead one's are pending
+    assert {r.table for r in first.tables} | set(first.failed) == set(TABLES)
+    assert set(coord.pending_files()) == set(first.failed)
+    assert pipe.snapshots(victim) == (1 if moment == "after_commit" else 0)
+    stored = pipe.stored()
+    assert stored is None or stored["0"] < coord.read_position["0"], "stored past a failure"
+    # after the backoff, a new process commits them (or finds them landed)
+    time.sleep(0.05)  # table_retry_base_s
+    second = coord.commit_now()
+    assert not second.failed
+    assert not second.deferred
+    assert not second.failing
+    assert sorted(r.table for r in second.tables) == sorted(first.failed)
+    landed = {r.table: r.snapshot_id for r in second.tables}
+    if moment == "after_commit":
+        assert landed[victim] is None, "the landed commit was made again"
+    assert pipe.stored() == coord.read_position
+    pipe.assert_rows_once()
+    for t in TABLES:
+        assert pipe.snapshots(t) == 1, t
+    # the replaced process keeps committing
+    wait_pending(coord, pipe.source.publish(w, 1).file_count)
+    assert not coord.commit_now().failed
+    pipe.assert_rows_once()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_committer_processes_end_when_the_coordinators_process_is_killed(
+    pipe: _Pipeline, tmp_path: Path
+) -> None:
+    """A coordinator killed by SIGKILL leaves no committer process behind (each would wait
+    for tasks forever, holding its catalog connections)."""
+    pids_file = tmp_path / "pids"
+    child = multiprocessing.get_context("spawn").Process(
+        target=start_committers_then_die, args=(pipe.spec, str(pids_file))
+    )
+    child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL
+    pids = [int(p) for p in pids_file.read_text().split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 60  # a liveness bound, not a speed assertion
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _running(p)], "committer processes outlived the coordinator"
+
+
+def test_deposed_leaders_committer_processes_are_refused_per_table(
+    pipe: _Pipeline, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The leader proves its lease, then pauses before handing the cycle to its processes; a
+    new leader takes over and commits. Resumed, each of the old leader's processes is refused
+    by its table's fencing token, and the old leader steps down."""
+    w = pipe.writer("w")
+    heirs: list[Coordinator] = []
+
+    def pause_and_let_a_successor_commit(_: str) -> None:
+        if heirs:
+            return
+        heir = pipe.coordinator("heir")
+        lead(heir)  # waits for the paused zombie's lease to expire
+        wait_pending(heir, sum(zombie.pending_files().values()))
+        assert not heir.commit_now().failed
+        heirs.append(heir)
+
+    zombie = pipe.coordinator(
+        "zombie",
+        CoordinatorHooks(after_lease_check=pause_and_let_a_successor_commit),
+        commit_processes=2,
+        catalog=pipe.spec,
+    )
+    lead(zombie)
+    wait_pending(zombie, pipe.source.publish(w, 0).file_count)
+    # the lease renewal while the processes work, or a refused table, says so
+    with caplog.at_level(logging.WARNING, "icefloe.coordinator"), pytest.raises(NotLeaderError):
+        zombie.commit_now()
+    assert not zombie.is_leader
+    refused = [r.getMessage() for r in caplog.records if "a newer coordinator" in r.getMessage()]
+    assert refused, "no committer process of the deposed leader was refused"
+    (heir,) = heirs
+    assert heir.lease is not None
+    pipe.assert_rows_once()
+    for t in TABLES:
+        (snap,) = group_snapshots(pipe.catalog, t, pipe.group_id)
+        assert snap.summary is not None
+        assert snap.summary[FENCING_TOKEN_KEY] == str(heir.lease.token)
+
+
+def test_coordinator_killed_after_its_processes_committed_then_heir_commits_nothing_twice(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of a coordinator process whose committer processes committed every table,
+    before the position store; an heir (on committer processes too) finds each commit by its
+    commit id and makes none again."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    source = RowSource.create(catalog, TABLES)
+    group_id = f"pipe-{uuid.uuid4().hex[:8]}"
+    with serve_memory_server() as (server, address):
+        backend = MemoryBackend(server, group_id, TTL)
+        w = WriterClient(backend.writer("w"), group_id, "w")
+        w.start()
+        try:
+            files = sum(source.publish(w, seq).file_count for seq in range(2))
+            doomed = DoomedCoordinator(
+                address, catalog.name, props, group_id, TTL, files, commit_processes=2
+            )
+            kill_doomed_coordinator(doomed)
+            for t in TABLES:
+                assert len(group_snapshots(catalog, t, group_id)) == 1, t
+            assert server.stored_position(group_id) is None
+            heir = Coordinator(
+                group_id,
+                backend.coordinator("heir"),
+                catalog,
+                CoordinatorSettings(
+                    commit_interval_s=3600.0,
+                    commit_timeout_s=30.0,
+                    commit_processes=2,
+                    catalog=CatalogSpec(catalog.name, props),
+                ),
+                plugins=new_plugins(autoload=False),
+            )
+            try:
+                heir_finds_every_commit(heir, server, group_id)
+            finally:
+                heir.close()
+        finally:
+            w.close()
+    for t in TABLES:
+        assert len(group_snapshots(catalog, t, group_id)) == 1, t
+        got = sorted(r[0] for r in independent_rows(catalog.load_table(t), ["id"]))
+        assert got == sorted(source.expected[t]), t
+
+
+def test_a_refused_file_is_quarantined_by_the_coordinator_before_its_process_commits(
+    pipe: _Pipeline,
+) -> None:
+    """A file the table refuses (outside its location): the process screens, commits
+    nothing and answers with the screening; the coordinator quarantines the file, then the
+    same process commits the rest. The position passes the refused file's event."""
+    table, other = TABLES[0], TABLES[1]
+    w = pipe.writer("w")
+    coord = pipe.processes()
+    lead(coord)
+    good = pipe.source.batch("w", 0)
+    stray = write_rows(pipe.catalog.load_table(other), [999_001, 999_002], "w", 0)
+    files = {t: list(fs) for t, fs in good.files.items()}
+    files[table] = files[table] + stray
+    w.publish(0, files, good.positions)
+    for t, ids in good.ids.items():
+        pipe.source.expected.setdefault(t, []).extend(ids)
+    wait_pending(coord, good.file_count + len(stray))
+    result = coord.commit_now()
+    assert result.failed == {}
+    assert result.quarantined == {table: len(stray)}
+    entries = Quarantine(pipe.catalog).list(pipe.group_id)
+    assert [(e.table_name, e.file_path, e.error_type) for e in entries] == [
+        (table, f.path, "FileOutsideTableError") for f in stray
+    ]
+    assert sorted(r.table for r in result.tables) == sorted(TABLES)
+    assert coord.pending_files() == {}
+    assert pipe.stored() == coord.read_position
+    pipe.assert_rows_once()
