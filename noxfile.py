@@ -167,6 +167,10 @@ BENCH_SMOKE = {
     "bench_upsert.py": "--rows 2000 --files 2 --updates 100",
     "tansu_stuck_transactions.py": "--producers 2 --rounds 1 --threads 2",
 }
+# other modes of a script, run after the loads above
+BENCH_SMOKE_MODES = [
+    ("bench_e2e.py", "--cdc --records 2000 --warmup 200 --keys 500 --partitions 2"),
+]
 
 
 @nox.session(name="bench-smoke", default=False)
@@ -181,6 +185,8 @@ def bench_smoke(session: nox.Session) -> None:
         session.error(f"no smoke load for {unlisted}: add one to BENCH_SMOKE in noxfile.py")
     for script in scripts:
         session.run("python", f"benchmarks/{script}", *BENCH_SMOKE[script].split())
+    for script, load in BENCH_SMOKE_MODES:
+        session.run("python", f"benchmarks/{script}", *load.split())
 
 
 @nox.session(default=False)

@@ -30,6 +30,15 @@
    runs. Timed from the start of that production until the table's committed snapshot holds
    every row.
 
+With ``--cdc`` (issue 28) there are no ceilings: the events are Debezium change events
+(docs/upsert.md) over ``--keys`` ids, a share ``--deletes`` of them deletes, keyed by id;
+the same events go through the pipeline twice, each copy on its own topic, in append mode
+(the envelope as columns) and into a keyed table in ``cdc`` mode (``--compact``: with
+``compact = true``). Each is warmed up and timed as above, done when the table's snapshot
+records the topic's end offsets; the keyed table is then checked against the final state the
+events imply with two readers that are not the committer (fastavro and pyarrow over its files
+minus their position deletes, and pyiceberg's scan), and the ratio of the two rates printed.
+
 The ceilings read exactly the N events the pipeline was timed on, after the pipeline has
 stopped and its processes have gone quiet, so they never compete with it for the CPU.
 
@@ -53,6 +62,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -66,6 +76,7 @@ from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.io import load_file_io
 from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.schema import Schema
+from pyiceberg.table.snapshots import ancestors_of
 from pyiceberg.types import (
     BooleanType,
     DoubleType,
@@ -73,14 +84,17 @@ from pyiceberg.types import (
     LongType,
     NestedField,
     StringType,
+    StructType,
     TimestamptzType,
 )
 
+from icefloe.commit.summary import SOURCE_OFFSETS_KEY
 from icefloe.config import PipelineConfig, SourceConfig, SparkConfig, TableConfig, config_from_dict
 from icefloe.records.converter import RecordConverter, TargetTable
 from icefloe.records.datafiles import write_data_files
 from icefloe.testing.fixtures import postgres_catalog_database
 from icefloe.testing.objectstore import running_s3_store
+from icefloe.testing.readers import independent_rows, live_files
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
 from icefloe_spark.kafka.admin import create_topic, end_offsets, produce
 from icefloe_spark.kafka.reading import to_record_batch
@@ -113,25 +127,100 @@ SCHEMA = Schema(
 )
 
 
+BASE_TS = datetime(2025, 1, 1, tzinfo=UTC).timestamp()
+ACTIONS = ("view", "click", "cart", "buy", "search")
+COUNTRIES = ("DE", "FR", "US", "JP", "BR", "IN", "NG", "SE")
+
+
+def event_row(rng: random.Random, key: int, i: int) -> dict[str, Any]:
+    """One event of the 10 fields (~250 bytes as JSON): row ``key``, at the ``i``-th ms."""
+    return {
+        "id": key,
+        "user_id": rng.randrange(1_000_000),
+        "session": f"{rng.getrandbits(64):016x}",
+        "action": rng.choice(ACTIONS),
+        "page": f"/products/{rng.randrange(10_000)}/details",
+        "amount": round(rng.uniform(0, 500), 2),
+        "quantity": rng.randrange(1, 10),
+        "country": rng.choice(COUNTRIES),
+        "mobile": rng.random() < 0.6,
+        "ts": datetime.fromtimestamp(BASE_TS + i / 1000, UTC).isoformat(),
+    }
+
+
 def events(first: int, n: int) -> Iterator[tuple[bytes | None, bytes]]:
     rng = random.Random(first)
-    base = datetime(2025, 1, 1, tzinfo=UTC).timestamp()
-    actions = ("view", "click", "cart", "buy", "search")
-    countries = ("DE", "FR", "US", "JP", "BR", "IN", "NG", "SE")
     for i in range(first, first + n):
-        value = {
-            "id": i,
-            "user_id": rng.randrange(1_000_000),
-            "session": f"{rng.getrandbits(64):016x}",
-            "action": rng.choice(actions),
-            "page": f"/products/{rng.randrange(10_000)}/details",
-            "amount": round(rng.uniform(0, 500), 2),
-            "quantity": rng.randrange(1, 10),
-            "country": rng.choice(countries),
-            "mobile": rng.random() < 0.6,
-            "ts": datetime.fromtimestamp(base + i / 1000, UTC).isoformat(),
-        }
-        yield None, json.dumps(value).encode()
+        yield None, json.dumps(event_row(rng, i, i)).encode()
+
+
+# --cdc: the keyed table holds the events' rows by id; the append table takes the change
+# events as they come (Debezium's envelope: op, before with the key, after with the row)
+KEYED_SCHEMA = Schema(
+    *(
+        NestedField(f.field_id, f.name, f.field_type, required=f.name == "id")
+        for f in SCHEMA.fields
+    ),
+    identifier_field_ids=[1],
+)
+CHANGE_SCHEMA = Schema(
+    NestedField(1, "op", StringType(), required=False),
+    NestedField(2, "before", StructType(NestedField(3, "id", LongType(), required=False))),
+    NestedField(
+        4,
+        "after",
+        StructType(*(NestedField(f.field_id + 4, f.name, f.field_type) for f in SCHEMA.fields)),
+        required=False,
+    ),
+)
+
+
+def change_events(n: int, keys: int, deletes: float) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``n`` Debezium change events (docs/upsert.md) over ids ``0..keys-1``, as (id, event):
+    a share ``deletes`` deletes a random live id (``before`` holds only the key, as with
+    PostgreSQL's default replica identity); the others write a new image of a random id,
+    ``c`` when it is not live, ``u`` when it is. Deterministic."""
+    rng = random.Random(7)
+    live: list[int] = []  # live ids, and where each is in the list: O(1) random removal
+    where: dict[int, int] = {}
+    for i in range(n):
+        if live and rng.random() < deletes:
+            j = rng.randrange(len(live))
+            key, last = live[j], live.pop()
+            if last != key:
+                live[j], where[last] = last, j
+            del where[key]
+            yield key, {"op": "d", "before": {"id": key}, "after": None}
+            continue
+        key = rng.randrange(keys)
+        op = "u" if key in where else "c"
+        if op == "c":
+            where[key] = len(live)
+            live.append(key)
+        yield key, {"op": op, "before": None, "after": event_row(rng, key, i)}
+
+
+def final_state(warm: int, feed: Feed) -> dict[int, tuple[str, int]]:
+    """id -> (session, user_id) of every live row after the warm-up inserts (ids from
+    ``feed.keys`` on) and the feed's changes: ``session`` is random per event, so a stale
+    image shows."""
+    state = {}
+    for _, change in warm_changes(warm, feed.keys):
+        state[change["after"]["id"]] = (change["after"]["session"], change["after"]["user_id"])
+    for key, change in change_events(feed.n, feed.keys, feed.deletes):
+        if change["op"] == "d":
+            del state[key]
+        else:
+            state[key] = (change["after"]["session"], change["after"]["user_id"])
+    return state
+
+
+def warm_changes(n: int, first_key: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The warm-up: inserts of ids the timed changes never touch."""
+    rng = random.Random(first_key)
+    for i in range(n):
+        row = event_row(rng, first_key + i, -n + i)
+        yield row["id"], {"op": "c", "before": None, "after": row}
 
 
 def make_table(catalog: Catalog, name: str) -> None:
@@ -291,13 +380,34 @@ def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     return {k: round(v - before.get(k, 0.0), 1) for k, v in after.items()}
 
 
-def produce_when_told(bootstrap: str, first: int, n: int, ready: Any, go: Any) -> None:
+@dataclass(frozen=True)
+class Feed:
+    """The timed records of a run, as the producer process makes them again (picklable: the
+    child is spawned): ``n`` events from ``first`` on, or (``keys`` > 0) the first ``n``
+    change events of :func:`change_events` over ``keys`` keys."""
+
+    topic: str
+    first: int
+    n: int
+    keys: int = 0
+    deletes: float = 0.0
+
+    def records(self) -> Iterator[tuple[bytes | None, bytes]]:
+        if not self.keys:
+            return events(self.first, self.n)
+        return (
+            (str(key).encode(), json.dumps(change).encode())
+            for key, change in change_events(self.n, self.keys, self.deletes)
+        )
+
+
+def produce_when_told(bootstrap: str, feed: Feed, ready: Any, go: Any) -> None:
     """In a child process: make the events, say so, produce them on ``go``. The producer's
     CPU then stays out of the pipeline's account."""
-    made = list(events(first, n))
+    made = list(feed.records())
     ready.set()
     go.wait()
-    produce(bootstrap, TOPIC, made)
+    produce(bootstrap, feed.topic, made)
 
 
 def committed_rows(catalog: Catalog, names: Sequence[str]) -> int:
@@ -332,32 +442,52 @@ def target_tables(n: int) -> list[dict[str, Any]]:
     ]
 
 
+def committed_offsets(catalog: Catalog, name: str) -> int:
+    """How many source records the table's newest pipeline snapshot says were committed: the
+    sum of its ``icefloe.source-offsets`` (next offset per partition; the topics are produced
+    without transactions, so offsets are dense from 0). A keyed table's row count says nothing
+    of how many change events it took in; compaction snapshots carry no offsets."""
+    table = catalog.load_table(name)
+    for snap in ancestors_of(table.current_snapshot(), table.metadata):
+        offsets = None if snap.summary is None else snap.summary[SOURCE_OFFSETS_KEY]
+        if offsets is not None:
+            return sum(sum(parts.values()) for parts in json.loads(offsets).values())
+    return 0
+
+
 def end_to_end(
     bootstrap: str,
     config: PipelineConfig,
     catalog: Catalog,
     table_names: Sequence[str],
     warmup: int,
-    records: int,
+    feed: Feed,
     timeout_s: float,
     broker_pid: int,
     cpu_detail: bool = False,
     daemons: frozenset[int] = frozenset(),
+    by_offsets: bool = False,
 ) -> tuple[float, float, int, int]:
-    """Warm the pipeline up on ``warmup`` records, then time ``records`` more;
+    """Warm the pipeline up on ``warmup`` records, then time the ``feed`` records;
     (seconds, CPU seconds of the pipeline's processes, Spark batches, snapshots) of the timed
     part. ``daemons``: a standalone cluster's master and workers, whose CPU is reported but
-    not counted as the pipeline's."""
+    not counted as the pipeline's. Done when the tables' committed rows (``by_offsets``: the
+    one table's committed source offsets) reach the records produced."""
     spark = build_session(config)
     spark.sparkContext.setLogLevel("ERROR")
     pipeline = Pipeline(config, spark=spark)
     pipeline.start()
 
+    def committed() -> int:
+        if by_offsets:
+            return sum(committed_offsets(catalog, name) for name in table_names)
+        return committed_rows(catalog, table_names)
+
     def wait_for(rows: int) -> None:
         deadline = time.monotonic() + timeout_s
-        while committed_rows(catalog, table_names) < rows:
+        while committed() < rows:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{committed_rows(catalog, table_names)} of {rows} rows")
+                raise TimeoutError(f"{committed()} of {rows} records")
             if pipeline.query is not None and not pipeline.query.isActive:
                 raise RuntimeError(f"query failed: {pipeline.query.exception()}")
             time.sleep(0.05)
@@ -370,15 +500,13 @@ def end_to_end(
         # the harness's work (about 8 s of one core per million events), not the pipeline's
         spawn = multiprocessing.get_context("spawn")
         ready, go = spawn.Event(), spawn.Event()
-        producer = spawn.Process(
-            target=produce_when_told, args=(bootstrap, warmup, records, ready, go)
-        )
+        producer = spawn.Process(target=produce_when_told, args=(bootstrap, feed, ready, go))
         producer.start()
         ready.wait()
         skip = {broker_pid, producer.pid or -1}
         cpu0, t0 = cpu_seconds(skip, cpu_detail, daemons), time.perf_counter()
         go.set()
-        wait_for(warmup + records)
+        wait_for(warmup + feed.n)
         seconds = time.perf_counter() - t0
         by_kind = cpu_used(cpu0, cpu_seconds(skip, cpu_detail, daemons))
         cpu = sum(v for k, v in by_kind.items() if not k.startswith(DAEMONS))
@@ -416,6 +544,123 @@ def report_batches(progress: Sequence[Any]) -> None:
     )
 
 
+def run_cdc(
+    args: argparse.Namespace,
+    root: Path,
+    props: dict[str, str],
+    bootstrap: str,
+    catalog: Catalog,
+    broker_pid: int,
+) -> None:
+    """``--cdc``: the same change events, each copy on its own topic, through the pipeline
+    in append mode and through the keyed one (``mode = "cdc"``), one after the other, each
+    warmed up and timed as :func:`end_to_end` does; ``--rounds`` times, every other round in
+    the other order (``--first`` says which opens), since a pipeline inherits the driver's
+    JVM, JIT-compiled, from the one before. Then each keyed table is checked against the
+    final state with readers that are not the committer, and both rates (records over the
+    rounds' summed seconds) and their ratio are reported.
+
+    Why append is the yardstick: the same events, source and Spark; append mode writes every
+    event (its envelope as columns), cdc mode the last image per key and batch, plus the
+    coordinator's key resolution and position deletes."""
+    catalog.create_namespace("bench")
+    modes = ["append", "cdc"] if args.first == "append" else ["cdc", "append"]
+    seconds: dict[str, float] = dict.fromkeys(modes, 0.0)
+    cpus: dict[str, float] = dict.fromkeys(modes, 0.0)
+    keyed_tables: list[str] = []
+    for r in range(args.rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            name = f"bench.{mode}_{r}"
+            if mode == "cdc":
+                keyed_tables.append(name)
+                catalog.create_table(name, schema=KEYED_SCHEMA, properties={"format-version": "2"})
+                target = {
+                    "name": name,
+                    "mode": "cdc",
+                    "id_columns": ["id"],
+                    "compact": args.compact,
+                }
+            else:
+                catalog.create_table(name, schema=CHANGE_SCHEMA)
+                target = {"name": name}
+            topic = f"bench-{mode}-{r}"
+            create_topic(bootstrap, topic, args.partitions)
+            warm = warm_changes(args.warmup, args.keys)
+            produce(bootstrap, topic, ((str(k).encode(), json.dumps(c).encode()) for k, c in warm))
+            feed = Feed(topic, args.warmup, args.records, args.keys, args.deletes)
+            waited = settle({broker_pid})  # the previous pipeline's processes wind down first
+            work = root / f"{mode}-{r}"
+            with spark_for(args, work) as spark:
+                config = pipeline_config(args, bootstrap, props, spark, topic, [target], work)
+                s, cpu, batches, snaps = end_to_end(
+                    bootstrap,
+                    config,
+                    catalog,
+                    [name],
+                    args.warmup,
+                    feed,
+                    args.timeout,
+                    broker_pid,
+                    args.cpu_detail,
+                    spark.daemons,
+                    by_offsets=True,
+                )
+            seconds[mode] += s
+            cpus[mode] += cpu
+            print(
+                f"round {r + 1}, {mode:6}: {args.records:,} change events in {s:.1f}s = "
+                f"{args.records / s:,.0f} events/s ({batches} Spark batches, {snaps} snapshots), "
+                f"{cpu:.1f} CPU s (after waiting {waited:.1f} s for quiet)",
+                flush=True,
+            )
+            if mode == "append":
+                appended = committed_rows(catalog, [name])
+                if appended != args.warmup + args.records:
+                    raise SystemExit(f"{name}: {appended} rows, not {args.warmup + args.records}")
+    want = final_state(args.warmup, Feed("", 0, args.records, args.keys, args.deletes))
+    files = [check_keyed(catalog, name, want) for name in keyed_tables]
+    a_rate, c_rate = (args.rounds * args.records / seconds[m] for m in ("append", "cdc"))
+    ratio = c_rate / a_rate
+    cpu_ratio = cpus["cdc"] / cpus["append"]
+    left = ", ".join(f"{d} / {x}" for d, x in files)
+    print(
+        f"cdc/append over {args.rounds} round(s): {ratio:.2f} of the append rate, "
+        f"{cpu_ratio:.2f}x its CPU; keyed tables checked: {len(want):,} live rows each, in "
+        f"{left} data / delete files"
+    )
+    load = os.getloadavg()[0]
+    cmd = "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
+    print("\nMarkdown row for docs/benchmarks.md:")
+    print(
+        f"| {datetime.now(UTC):%Y-%m-%d} | `{cmd.strip()}` | {args.records:,} | {args.keys:,} | "
+        f"{args.deletes:.0%} | {args.partitions} | {a_rate:,.0f} | {c_rate:,.0f} | "
+        f"**{ratio:.2f}** | {cpu_ratio:.2f} | {len(want):,} rows in {left} files | "
+        f"{os.cpu_count()} cores, load {load:.1f}, {platform.python_version()} |"
+    )
+
+
+def check_keyed(catalog: Catalog, name: str, want: dict[int, tuple[str, int]]) -> tuple[int, int]:
+    """The keyed table must hold exactly ``want`` (id -> (session, user_id)), read twice:
+    fastavro and pyarrow over its files minus their position deletes, and pyiceberg's scan;
+    its live data and delete files."""
+    columns = ("id", "session", "user_id")
+    table = catalog.load_table(name)
+    by_hand = independent_rows(table, columns)
+    scanned = table.scan(selected_fields=columns).to_arrow().to_pylist()
+    for reader, got in (("files minus deletes", by_hand), ("pyiceberg scan", scanned)):
+        rows = [tuple(r[c] for c in columns) if isinstance(r, dict) else r for r in got]
+        state = {r[0]: (r[1], r[2]) for r in rows}
+        if len(state) != len(rows) or state != want:
+            missing, extra = want.keys() - state.keys(), state.keys() - want.keys()
+            stale = sum(1 for k in want.keys() & state.keys() if want[k] != state[k])
+            raise SystemExit(
+                f"{name} ({reader}): {len(rows) - len(state)} duplicate, {len(missing)} "
+                f"missing, {len(extra)} extra, {stale} stale rows"
+            )
+    data, deletes = live_files(table)
+    return len(data), len(deletes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--records", type=int, default=500_000)
@@ -443,6 +688,24 @@ def main() -> None:
         "benchmarks/bench_startup.py --backlog measures it)",
     )
     ap.add_argument("--write", type=int, default=100_000, help="records per ceiling write")
+    ap.add_argument(
+        "--cdc",
+        action="store_true",
+        help="Debezium change events (--keys ids, --deletes of them deletes) through the "
+        "pipeline in append mode and in cdc mode, one after the other; no ceilings",
+    )
+    ap.add_argument("--keys", type=int, default=100_000, help="--cdc: distinct ids")
+    ap.add_argument("--deletes", type=float, default=0.3, help="--cdc: share of deletes")
+    ap.add_argument("--compact", action="store_true", help="--cdc: compact = true on the table")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="--cdc: rounds of both runs, order alternating"
+    )
+    ap.add_argument(
+        "--first",
+        default="append",
+        choices=("append", "cdc"),
+        help="--cdc: the pipeline run first (a run reuses the driver's JVM warmed by the last)",
+    )
     ap.add_argument("--backend", default="kafka")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--master", default="local[2]")
@@ -493,83 +756,114 @@ def main() -> None:
         run(args, root, props)
 
 
+@dataclass(frozen=True)
+class Spark:
+    """Where the pipelines' Spark runs: its master, the conf a standalone cluster needs, and
+    the cluster daemons' process ids (their CPU is not the pipeline's)."""
+
+    master: str
+    conf: dict[str, str]
+    daemons: frozenset[int]
+
+
+@contextlib.contextmanager
+def spark_for(args: argparse.Namespace, root: Path) -> Iterator[Spark]:
+    """``--master``, or a standalone cluster of ``--cluster`` workers living as long as the
+    context (the ceilings run after it is gone)."""
+    if not args.cluster:
+        yield Spark(args.master, {}, frozenset())
+        return
+    with standalone_cluster(
+        root / "spark-cluster", workers=args.cluster, cores=1, memory=WORKER_MEMORY
+    ) as cluster:
+        yield Spark(
+            cluster.master_url,
+            {
+                "spark.driver.host": "127.0.0.1",
+                "spark.executor.cores": "1",
+                "spark.executor.memory": EXECUTOR_MEMORY,
+                "spark.cores.max": str(args.cluster),
+                # schedule once every executor joined, so all of them take tasks
+                "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+            },
+            frozenset(cluster.pids),
+        )
+
+
+def pipeline_config(
+    args: argparse.Namespace,
+    bootstrap: str,
+    props: dict[str, str],
+    spark: Spark,
+    topic: str,
+    targets: list[dict[str, Any]],
+    work: Path,
+) -> PipelineConfig:
+    """The pipeline's configuration: ``topic`` into ``targets``, its Spark checkpoint in
+    ``work``, everything else from the command line."""
+    backend_section: dict[str, Any] = {}
+    if args.backend == "kafka":
+        backend_section = {"bootstrap_servers": bootstrap}
+    elif args.backend == "postgres":  # the machine's server, as the tests use it
+        dsn = "host=127.0.0.1 port=5432 user=postgres dbname=test"
+        backend_section = {"dsn": os.environ.get("ICEFLOE_POSTGRES_DSN", dsn)}
+    return config_from_dict(
+        {
+            "name": f"bench-{work.name}-{int(time.time())}",
+            "source": {
+                "bootstrap_servers": bootstrap,
+                "topics": [topic],
+                "max_records_per_batch": args.batch,
+                "first_batch_records": args.first_batch,
+            },
+            "tables": targets,
+            "catalog": {"name": "bench", "properties": props},
+            "coordination": {
+                "backend": args.backend,
+                "commit_interval_s": args.commit_interval,
+                args.backend: backend_section,
+            },
+            "spark": {
+                "master": spark.master,
+                "checkpoint_location": str(work / "checkpoint"),
+                "trigger_interval_s": 0,
+                "data_path": args.data_path,
+                "max_records_per_task": args.task_records,
+                "conf": {"spark.ui.enabled": "false", **spark.conf},
+            },
+        }
+    )
+
+
 def run(args: argparse.Namespace, root: Path, props: dict[str, str]) -> None:
     """The broker, the pipeline and the ceiling on the warehouse of ``props``."""
     with EmbeddedKafkaBroker(log_path=root / "broker.log") as broker:
         bootstrap = broker.bootstrap_servers
+        assert broker.proc is not None
+        catalog = load_catalog("bench", **props)
+        if args.cdc:
+            run_cdc(args, root, props, bootstrap, catalog, broker.proc.pid)
+            return
         create_topic(bootstrap, TOPIC, args.partitions)
         produce(bootstrap, TOPIC, events(0, args.warmup))
         warm_ends = end_offsets(bootstrap, TOPIC)
-        catalog = load_catalog("bench", **props)
         make_table(catalog, "bench.ceiling")
         targets = target_tables(args.tables)
         for target in targets:
             make_table(catalog, target["name"])
-        backend_section: dict[str, Any] = {}
-        if args.backend == "kafka":
-            backend_section = {"bootstrap_servers": bootstrap}
-        elif args.backend == "postgres":  # the machine's server, as the tests use it
-            dsn = "host=127.0.0.1 port=5432 user=postgres dbname=test"
-            backend_section = {"dsn": os.environ.get("ICEFLOE_POSTGRES_DSN", dsn)}
-        master, cluster_conf, daemons = args.master, {}, frozenset[int]()
-        # the cluster (if any) lives as long as the pipeline: gone before the ceiling runs
-        with contextlib.ExitStack() as stack:
-            if args.cluster:
-                cluster = stack.enter_context(
-                    standalone_cluster(
-                        root / "spark-cluster",
-                        workers=args.cluster,
-                        cores=1,
-                        memory=WORKER_MEMORY,
-                    )
-                )
-                master, daemons = cluster.master_url, frozenset(cluster.pids)
-                cluster_conf = {
-                    "spark.driver.host": "127.0.0.1",
-                    "spark.executor.cores": "1",
-                    "spark.executor.memory": EXECUTOR_MEMORY,
-                    "spark.cores.max": str(args.cluster),
-                    # schedule once every executor joined, so all of them take tasks
-                    "spark.scheduler.minRegisteredResourcesRatio": "1.0",
-                }
-            config = config_from_dict(
-                {
-                    "name": f"bench-{int(time.time())}",
-                    "source": {
-                        "bootstrap_servers": bootstrap,
-                        "topics": [TOPIC],
-                        "max_records_per_batch": args.batch,
-                        "first_batch_records": args.first_batch,
-                    },
-                    "tables": targets,
-                    "catalog": {"name": "bench", "properties": props},
-                    "coordination": {
-                        "backend": args.backend,
-                        "commit_interval_s": args.commit_interval,
-                        args.backend: backend_section,
-                    },
-                    "spark": {
-                        "master": master,
-                        "checkpoint_location": str(root / "checkpoint"),
-                        "trigger_interval_s": 0,
-                        "data_path": args.data_path,
-                        "max_records_per_task": args.task_records,
-                        "conf": {"spark.ui.enabled": "false", **cluster_conf},
-                    },
-                }
-            )
-            assert broker.proc is not None
+        with spark_for(args, root) as spark:
+            config = pipeline_config(args, bootstrap, props, spark, TOPIC, targets, root)
             e_s, e_cpu, batches, snaps = end_to_end(
                 bootstrap,
                 config,
                 catalog,
                 [t["name"] for t in targets],
                 args.warmup,
-                args.records,
+                Feed(TOPIC, args.warmup, args.records),
                 args.timeout,
                 broker.proc.pid,
                 args.cpu_detail,
-                daemons,
+                spark.daemons,
             )
         e_rate = args.records / e_s
         print(

@@ -457,6 +457,35 @@ def test_random_cycles_with_compaction_rounds_equal_the_model(catalog: SqlCatalo
     assert len(deletes) <= 4 * 2
 
 
+def test_a_round_writes_files_of_at_most_max_file_rows_rows(catalog: SqlCatalog) -> None:
+    """pyiceberg applies a file's position deletes per batch against all of that file's
+    deleted positions, so a big compacted file makes the next cycle's deletes slow to read:
+    a round writes files of at most ``max_file_rows`` rows (key ranges, in key order), and
+    such a file is not small, so the next round leaves them alone."""
+    catalog.create_table(NAME, schema=SCHEMA)
+    keyed = Keyed(catalog)
+    rng = random.Random(5)
+    keyed.cycle({k: "v0" for k in range(450)})
+    keyed.random_cycle(rng, 450, 40)
+    capped = Thresholds(delete_ratio=0.01, delete_files=2, small_files=2, max_file_rows=100)
+
+    result = compactor(catalog).compact(NAME, capped)
+
+    assert result.snapshot_id is not None
+    data, deletes = live_files(catalog.load_table(NAME))
+    assert deletes == []
+    ids = [pq.read_table(local(p), columns=["id"])["id"].to_pylist() for p in data]
+    assert sorted(len(i) for i in ids) == sorted(
+        [100] * (len(keyed.model) // 100) + [len(keyed.model) % 100]
+    )
+    assert sorted(k for i in ids for k in i) == sorted(keyed.model)
+    for i in ids:
+        assert i == sorted(i)
+    keyed.check()
+    again = compactor(catalog).compact(NAME, capped)
+    assert again.snapshot_id is None  # one remainder file is small, the full ones are not
+
+
 def _file(path: str, size: int, content: Any = None, bounds: tuple[str, str] | None = None) -> Any:
     from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
     from pyiceberg.typedef import Record
@@ -504,6 +533,6 @@ def test_a_delete_file_goes_only_with_every_file_it_may_target(
         [FileScanTask(_file(p, big)) for p in ("s3://b/a.parquet", "s3://b/b.parquet")],
         {delete.file_path: delete},
     )
-    chosen, drop = plan_rewrite(part, 128 * 1024 * 1024)
+    chosen, drop = plan_rewrite(part, Thresholds(target_file_size_bytes=128 * 1024 * 1024))
     assert [t.file.file_path for t in chosen] == rewritten
     assert drop == [delete]

@@ -553,3 +553,27 @@ def test_row_delta_on_a_new_branch_leaves_main_alone(
     assert audit.parent_snapshot_id == main_head.snapshot_id
     rows = loaded.scan(snapshot_id=audit.snapshot_id).to_arrow().to_pylist()
     assert sorted(tuple(r.values()) for r in rows) == [(1, "b"), (2, "v0")]
+
+
+@pytest.mark.parametrize(("file_rows", "keys"), [(1_000, 50), (1_000, 5_000)])
+def test_matching_builds_no_set_larger_than_the_file_or_the_keys(file_rows: int, keys: int) -> None:
+    """A candidate file is matched against a batch's keys once per file: the hash set
+    ``is_in`` builds of its value set must not be all the batch's keys when they outnumber the
+    file's rows (1M keys against 100 files built a 1M-entry set 100 times), and the positions
+    found are exactly those whose id is a key, in order."""
+    import random
+    from unittest import mock
+
+    import pyarrow.compute as pc
+
+    rng = random.Random(file_rows + keys)
+    ids = [rng.randrange(20_000) for _ in range(file_rows)]
+    wanted = rng.sample(range(20_000), keys)
+    rows = pa.table({"id": pa.array(ids, pa.int64())})
+    key_table = pa.table({"id": pa.array(wanted, pa.int64())})
+    with mock.patch.object(pc, "is_in", wraps=pc.is_in) as spy:
+        hits = rowdelta._matching_positions(rows, key_table, ["id"])
+    assert hits.tolist() == [i for i, v in enumerate(ids) if v in set(wanted)]
+    assert hits.dtype == "int64"
+    for call in spy.call_args_list:
+        assert len(call.kwargs["value_set"]) <= min(file_rows, keys)

@@ -79,6 +79,14 @@ COMPACTED_BY_KEY = "icefloe.compacted-by"
 # a data file below this fraction of the target size counts as small (Iceberg's
 # rewrite_data_files uses 75% too)
 SMALL_FRACTION = 0.75
+MAX_FILE_ROWS = 1_000_000
+"""Rows a file written by a round holds at most. Why: pyiceberg 0.12's scan applies a data
+file's position deletes batch by batch, each time matching the batch's positions against all
+the positions deleted in that file (``is_in`` over them), so a file with deletes costs its
+batches times its deleted rows: quadratic in its size once a cycle's random upserts land on
+it. Before this cap a 10M-row table compacted into two 5M-row files scanned 5.8x slower with
+the next cycle's 1M deletes than before any upsert (docs/benchmarks.md, "Upsert compaction");
+files of 1M rows keep that matching small next to reading the batch."""
 
 PartitionKey = tuple[int, tuple[Any, ...]]  # spec id, partition values
 
@@ -92,6 +100,9 @@ class Thresholds:
     delete_files: int = 8
     small_files: int = 16
     target_file_size_bytes: int = DEFAULT_TARGET_FILE_SIZE
+    max_file_rows: int = MAX_FILE_ROWS
+    """Rows per new file at most (:data:`MAX_FILE_ROWS`); a file of at least
+    :data:`SMALL_FRACTION` of them is not small, whatever its size."""
 
 
 @dataclass
@@ -111,8 +122,12 @@ class PartitionState:
     def deleted_rows(self) -> int:
         return sum(d.record_count for d in self.delete_files.values())
 
-    def small(self, target: int) -> list[FileScanTask]:
-        return [t for t in self.tasks if t.file.file_size_in_bytes < target * SMALL_FRACTION]
+    def small(self, thresholds: Thresholds) -> list[FileScanTask]:
+        size = thresholds.target_file_size_bytes * SMALL_FRACTION
+        rows = thresholds.max_file_rows * SMALL_FRACTION
+        return [
+            t for t in self.tasks if t.file.file_size_in_bytes < size and t.file.record_count < rows
+        ]
 
 
 @dataclass(frozen=True)
@@ -173,7 +188,7 @@ def needs(part: PartitionState, thresholds: Thresholds) -> bool:
     return (
         part.deleted_rows / live >= thresholds.delete_ratio
         or len(part.delete_files) >= thresholds.delete_files
-        or len(part.small(thresholds.target_file_size_bytes)) >= thresholds.small_files
+        or len(part.small(thresholds)) >= thresholds.small_files
     )
 
 
@@ -208,10 +223,12 @@ class _Rewrite:
     deleted_rows: int
 
 
-def plan_rewrite(part: PartitionState, target: int) -> tuple[list[FileScanTask], list[DataFile]]:
+def plan_rewrite(
+    part: PartitionState, thresholds: Thresholds
+) -> tuple[list[FileScanTask], list[DataFile]]:
     """The data files to rewrite (those a delete file may target, and small ones) and the
     delete files that then target none of the data files left."""
-    small = {t.file.file_path for t in part.small(target)}
+    small = {t.file.file_path for t in part.small(thresholds)}
     deletes = list(part.delete_files.values())
     chosen = [
         t
@@ -253,11 +270,16 @@ def _sorted_by_keys(table: Table, rows: pa.Table) -> pa.Table:
 
 
 def rewrite_partition(
-    table: Table, part: PartitionState, target: int, write_uuid: uuid.UUID
+    table: Table,
+    part: PartitionState,
+    thresholds: Thresholds,
+    write_uuid: Callable[[], uuid.UUID],
 ) -> _Rewrite | None:
     """Write the partition's live rows of the files :func:`plan_rewrite` picks as new files
-    (nothing committed). None when there is nothing to do."""
-    chosen, dropped = plan_rewrite(part, target)
+    of about the target size and at most ``thresholds.max_file_rows`` rows, each run of them
+    named after a fresh ``write_uuid()`` (nothing committed). None when there is nothing to
+    do."""
+    chosen, dropped = plan_rewrite(part, thresholds)
     if not chosen and not dropped:
         return None
     added: list[DataFile] = []
@@ -271,8 +293,12 @@ def rewrite_partition(
         live_rows = rows.num_rows
         if rows.num_rows:
             build = DataFileBuilder(table.metadata).build
-            written = write_data_files(table, _sorted_by_keys(table, rows), write_uuid, target)
-            added = [build(m) for m in written]
+            rows = _sorted_by_keys(table, rows)
+            target, most = thresholds.target_file_size_bytes, thresholds.max_file_rows
+            for start in range(0, rows.num_rows, most):
+                # pyiceberg numbers the files of one call from 0: a fresh name per call
+                chunk = rows.slice(start, most)
+                added += [build(m) for m in write_data_files(table, chunk, write_uuid(), target)]
     return _Rewrite(
         removed=tuple(t.file for t in chosen),
         dropped=tuple(dropped),
@@ -404,10 +430,11 @@ class Compactor:
             if rewrites and budget_s is not None and self._clock() - start >= budget_s:
                 skipped += 1
                 continue
-            # a fresh name per partition (pyiceberg numbers files per call), tagged as the
+            # fresh names per write (pyiceberg numbers files per call), tagged as the
             # pipeline's (icefloe.records.datafiles.written_for)
-            write_uuid = group_write_uuid(self._group_id)
-            rewrite = rewrite_partition(table, part, thresholds.target_file_size_bytes, write_uuid)
+            rewrite = rewrite_partition(
+                table, part, thresholds, lambda: group_write_uuid(self._group_id)
+            )
             if rewrite is not None:
                 rewrites.append(rewrite)
         if not rewrites:
@@ -461,7 +488,7 @@ class Compactor:
 
 def _worth(part: PartitionState, thresholds: Thresholds) -> bool:
     """Whether a forced rewrite of the partition changes anything."""
-    return bool(part.delete_files) or len(part.small(thresholds.target_file_size_bytes)) > 1
+    return bool(part.delete_files) or len(part.small(thresholds)) > 1
 
 
 def without_retries(table: Table) -> Table:

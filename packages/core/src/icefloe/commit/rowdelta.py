@@ -422,7 +422,14 @@ def _matching_positions(
 ) -> np.ndarray[Any, np.dtype[np.int64]]:
     """Sorted row positions of ``rows`` whose key is in ``keys`` (vectorised)."""
     if len(names) == 1:
-        mask = pc.is_in(rows.column(0), value_set=keys.column(0).combine_chunks())
+        ids, wanted = rows.column(0), keys.column(0)
+        if len(wanted) > len(ids):
+            # is_in builds a hash set of its value set on every call, and this runs once per
+            # candidate file: a set of the file's ids picks the keys it may hold, instead of
+            # a set of all the batch's keys built again for every file
+            # (docs/benchmarks.md, "Upsert compaction": 1M keys against 100 files)
+            wanted = wanted.filter(pc.is_in(wanted, value_set=ids.combine_chunks()))
+        mask = pc.is_in(ids, value_set=wanted.combine_chunks())
         hits = np.flatnonzero(mask.to_numpy(zero_copy_only=False))
         return hits.astype(np.int64)
     numbered = rows.append_column("__icefloe_pos", pa.array(np.arange(rows.num_rows)))
