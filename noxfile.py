@@ -200,6 +200,12 @@ def faults(session: nox.Session) -> None:
 
 
 SIMULATION = "packages/core/tests/icefloe/test_simulation.py"
+# CI's fixed sets: 1,000 schedules of up to 12 rules, and 100 of up to 40 (long enough to
+# reach rollbacks after expiries and swaps)
+CI_SIMULATIONS = [
+    ["--schedules", "1000", "-n", WORKERS],
+    ["--schedules", "100", "--seed", "24000", "--steps", "40"],
+]
 
 
 @nox.session(default=False)
@@ -207,14 +213,15 @@ def simulate(session: nox.Session) -> None:
     """The commit-path simulation (not run by default; `.ci/run` runs it): seeded random
     schedules of the real coordinator, committer and writer client over the in-memory channel
     and a SQLite catalog, with crashes, zombies and another engine, checked against invariants
-    I1-I4 (docs/reliability.md). Without arguments CI's fixed 1,000 schedules; e.g.
+    I1-I4 (docs/reliability.md). Without arguments CI's fixed sets (`CI_SIMULATIONS`); e.g.
     `nox -s simulate -- --schedules 100000 --seed 1 -n 2`, `-- --schedules 100 --seed 24000
     --steps 40` (schedules long enough to reach rollbacks after expiries and swaps), or `--
     --replay VERSION:BLOB` as a failure prints it. Arguments go to pytest (`--schedules --seed
     --steps --replay`, `-n`)."""
     _install_cached(session, "./packages/core[test]")
-    args = session.posargs or ["--schedules", "1000", "-n", WORKERS]
-    session.run("pytest", SIMULATION, "-p", "no:cacheprovider", "-rfE", *args)
+    runs = [session.posargs] if session.posargs else CI_SIMULATIONS
+    for args in runs:
+        session.run("pytest", SIMULATION, "-p", "no:cacheprovider", "-rfE", *args)
 
 
 @nox.session(default=False, python=False)
