@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaException
 from pyiceberg.catalog import Catalog
 from rich.console import Group
 from rich.table import Table as RichTable
@@ -25,7 +24,7 @@ from icefloe import metrics
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.summary import RowCounts, describe_rows
 from icefloe.config import PipelineConfig
-from icefloe_spark.kafka.admin import end_offsets
+from icefloe_spark.kafka.admin import Watermarks, source_consumer, watermarks
 from icefloe_spark.sink.publish import PublishStats
 
 log = logging.getLogger("icefloe_spark.progress")
@@ -106,40 +105,20 @@ class Monitor:
         self.committer = IcebergCommitter.for_pipeline(catalog, config)
         self._consumer: Consumer | None = None
 
-    def _watermarks(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]] | None:
-        src = self.config.source
+    def _watermarks(self) -> Watermarks | None:
         try:
             if self._consumer is None:
-                self._consumer = Consumer(
-                    {
-                        **src.kafka,
-                        "bootstrap.servers": src.bootstrap_servers,
-                        "group.id": f"icefloe-monitor-{uuid.uuid4().hex[:8]}",
-                        "enable.auto.commit": False,
-                    }
-                )
-            high: dict[tuple[str, int], int] = {}
-            low: dict[tuple[str, int], int] = {}
-            listed = self._consumer.list_topics(timeout=2.0).topics  # all: never auto-creates
-            for topic in src.subscribed(listed):
-                meta = listed[topic]
-                if meta.error is not None:
-                    continue
-                for p in meta.partitions:
-                    lo, hi = self._consumer.get_watermark_offsets(
-                        TopicPartition(topic, p), timeout=2.0, cached=False
-                    )
-                    low[(topic, p)], high[(topic, p)] = lo, hi
-                if self.probe_end:
-                    ends = end_offsets(src.bootstrap_servers, topic, timeout_s=5.0)
-                    high.update({(topic, p): o for p, o in ends.items()})
-            return high, low
+                self._consumer = source_consumer(self.config.source)
+            return watermarks(self._consumer, self.config.source, self.probe_end)
         except (KafkaException, TimeoutError):
             log.debug("watermarks unavailable", exc_info=True)
             return None
 
     def tables(self) -> list[TableProgress]:
-        marks = self._watermarks()
+        return self.tables_at(self._watermarks())
+
+    def tables_at(self, marks: Watermarks | None) -> list[TableProgress]:
+        """The tables' state, their lag against ``marks`` (None: lag unknown)."""
         out = []
         for t in self.config.tables:
             try:
