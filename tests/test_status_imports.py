@@ -3,10 +3,11 @@ no `pyarrow.dataset`, no Arrow or numpy at all (issue 24, item 8: status under 1
 loading a table made pyiceberg pick `PyArrowFileIO`, whose module imports `pyarrow.dataset`
 and with it pandas, and icefloe's committer imported its row-delta writer (numpy, Arrow),
 about 0.5 s of CPU per run; then pyiceberg's `FsspecFileIO` imported fsspec, `requests` and
-pyiceberg's REST catalog module (~0.08 s) to open local files. A real pipeline: SQLite
-catalog, Redis backend, the Kafka source on the session's broker, two committed batches and
-one published but not committed. Not a timed test: the modules are the regression; the
-seconds are in docs/benchmarks.md.
+pyiceberg's REST catalog module (~0.08 s) to open local files, and every command imported
+prometheus-client and rich (~0.05 s; status serves no metrics and prints plain lines). A
+real pipeline: SQLite catalog, Redis backend, the Kafka source on the session's broker, two
+committed batches and one published but not committed. Not a timed test: the modules are
+the regression; the seconds are in docs/benchmarks.md.
 
 Status asks the servers on threads while its main thread imports pyiceberg; what those
 threads run must import no pyiceberg (two threads importing pyiceberg's modules at once can
@@ -42,7 +43,8 @@ from icefloe_spark.kafka.admin import create_topic
 TABLE = "db.t"
 #: What status must not import: pandas and Arrow's dataset reader (PyArrowFileIO's module),
 #: Arrow itself and numpy (the writers' side: row deltas, compaction, data files)
-#: and fsspec with requests and pyiceberg's REST catalog (pyiceberg's FsspecFileIO's module)
+#: and fsspec with requests and pyiceberg's REST catalog (pyiceberg's FsspecFileIO's module),
+#: prometheus-client and rich (metrics and the live view of other commands)
 HEAVY = (
     "pandas",
     "pyarrow.dataset",
@@ -53,6 +55,8 @@ HEAVY = (
     "fsspec",
     "requests",
     "pyiceberg.catalog.rest",
+    "prometheus_client",
+    "rich",
 )
 
 

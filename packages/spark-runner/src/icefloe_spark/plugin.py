@@ -35,12 +35,12 @@ def icefloe_source_lag(config: PipelineConfig) -> dict[str, int | None]:
         from pyiceberg.catalog import load_catalog
 
         from icefloe.ops.fileio import status_properties
-        from icefloe_spark.cli.progress import Monitor
+        from icefloe_spark.cli.monitor import Monitor
 
         # status's own FileIO: reading table state here needs no pyarrow.dataset either
         properties = status_properties(config.catalog.properties)
         catalog = load_catalog(config.catalog.name, **properties)
-        monitor = Monitor(config, catalog)
+        monitor = Monitor(config, catalog, export_lag=False)  # status serves no metrics
         try:
             return {t.name: t.lag for t in monitor.tables_at(marks.result())}
         finally:
