@@ -186,11 +186,12 @@ class _BackendRead:
 
 def _read_backend(backend: Backend, group_id: str) -> _BackendRead:
     """Ask the backend's server, on a thread of its own: nothing here imports pyiceberg, which
-    the main thread imports meanwhile (the backends import none; :mod:`icefloe.coordination.
-    backlog` neither). The channel is read by a coordinator end that never asks for the lease,
-    as ``icefloe maintain`` reads it; when the read does not reach the channel's end within
-    :data:`STATUS_READ_S`, the records are those read so far, and ``stall`` says why. (The
-    coordinator's own check, over time, is :class:`icefloe.coordination.stall.StallWatch`.)"""
+    the main thread imports meanwhile (the backends import none, nor does
+    :mod:`icefloe.coordination.backlog`). The channel is read by a coordinator end that never
+    asks for the lease, as ``icefloe maintain`` reads it; when the read does not reach the
+    channel's end within :data:`STATUS_READ_S`, the records are those read so far, and
+    ``stall`` says why. (The coordinator's own check, over time, is
+    :class:`icefloe.coordination.stall.StallWatch`.)"""
     from icefloe.coordination.backlog import backlog
     from icefloe.errors import ChannelStalledError
     from icefloe.ops.doctor import cause_of
