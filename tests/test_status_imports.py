@@ -11,7 +11,7 @@ the regression; the seconds are in docs/benchmarks.md.
 
 Status asks the servers on threads while its main thread imports pyiceberg; what those
 threads run must import no pyiceberg (two threads importing pyiceberg's modules at once can
-deadlock on Python's import locks), which the last test checks in a fresh interpreter."""
+fail on Python's import locks), which the last test checks in a fresh interpreter."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ maintain`` and ``icefloe status`` read.
 
 A module of its own, importing no pyiceberg (unlike :mod:`.reading`): ``icefloe status``
 reads the channel on a thread while its main thread imports pyiceberg, and a thread that
-imported pyiceberg's modules at the same time could deadlock on Python's import locks.
+imported pyiceberg's modules at the same time could fail on Python's import locks (a
+deadlock error, or a partly initialised module, where modules import each other).
 """
 
 from __future__ import annotations
