@@ -9,14 +9,18 @@ a healthy pipeline per backend (two batches committed to the table and one publi
 committed: status reads the table's state and the channel), then one server down at a time (a
 closed port): the source's brokers, the backend's server. Reports the median wall time, the
 median CPU time (user + system: what the command itself costs, less sensitive to a loaded
-machine than wall time) and the exit status per command; figures go to docs/benchmarks.md by
-hand. ``--healthy``: only the healthy cases.
+machine than wall time), the median wall time less the time the command's main thread was
+runnable but waited for a core (Linux's schedstat ``run_delay``, read as the command exits:
+what other processes on a loaded machine add, so this is close to the wall time on an idle
+machine; "-" where there is no schedstat) and the exit status per command; figures go to
+docs/benchmarks.md by hand. ``--healthy``: only the healthy cases.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -61,24 +65,55 @@ def commit_and_publish(config: dict[str, Any], source: RowSource) -> None:
         backend.close()
 
 
-def timed(*args: str, repeats: int) -> tuple[float, float, int]:
-    """Median wall and CPU seconds of ``icefloe ARGS`` over ``repeats`` fresh processes, exit
-    status. Python may write its bytecode caches, as an installed icefloe has them."""
+#: ``python -m icefloe ARGS`` that writes its main thread's run-queue wait (nanoseconds) to
+#: stderr as it exits
+RUN_ICEFLOE = """
+import atexit, runpy, sys
+
+def run_delay():
+    try:
+        with open("/proc/self/schedstat") as f:
+            sys.stderr.write(f"\\nrun-delay-ns {f.read().split()[1]}\\n")
+    except OSError:
+        pass
+
+atexit.register(run_delay)
+sys.argv = ["icefloe", *sys.argv[1:]]
+runpy.run_module("icefloe", run_name="__main__", alter_sys=True)
+"""
+
+
+def timed(*args: str, repeats: int) -> tuple[float, float, float | None, int]:
+    """Median wall and CPU seconds of ``icefloe ARGS`` over ``repeats`` fresh processes, the
+    median wall less the main thread's run-queue wait (None without schedstat), exit status.
+    Python may write its bytecode caches, as an installed icefloe has them."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    times, cpus, code = [], [], 0
+    times, cpus, unqueued, code = [], [], [], 0
     for _ in range(repeats):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-m", "icefloe", *args], capture_output=True, env=env, check=False
+            [sys.executable, "-c", RUN_ICEFLOE, *args], capture_output=True, env=env, check=False
         )
         times.append(time.perf_counter() - start)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+        delays = re.findall(rb"^run-delay-ns (\d+)$", done.stderr, re.MULTILINE)
+        if delays:
+            unqueued.append(times[-1] - int(delays[-1]) / 1e9)
         code = done.returncode
         if SHOW:
             print(done.stdout.decode(), done.stderr.decode()[-3000:], file=sys.stderr)
-    return statistics.median(times), statistics.median(cpus), code
+    quiet = statistics.median(unqueued) if len(unqueued) == repeats else None
+    return statistics.median(times), statistics.median(cpus), quiet, code
+
+
+def cell(result: tuple[float, float, float | None, int]) -> str:
+    """``wall s, CPU s, wall less run-queue wait s (exit)``."""
+    wall, cpu, quiet, code = result
+    return (
+        f"{wall:.2f} s, {cpu:.2f} s, " + ("-" if quiet is None else f"{quiet:.2f} s") + f" ({code})"
+    )
 
 
 def main() -> None:
@@ -111,7 +146,10 @@ def main() -> None:
             ]
             cases += [("kafka", "source and backend down", True, closed)]
             timed("--help", repeats=1)  # writes the bytecode caches of the CLI's modules
-            print("| backend | case | status: wall, CPU (exit) | doctor: wall, CPU (exit) |")
+            print(
+                "| backend | case | status: wall, CPU, wall less run-queue wait (exit) "
+                "| doctor: the same |"
+            )
             print("|---|---|---|---|")
             for i, (backend, case, down, servers) in enumerate(cases):
                 if (args.only and backend != args.only) or (args.healthy and case != "healthy"):
@@ -132,11 +170,7 @@ def main() -> None:
                 path.write_text(tomli_w.dumps(config))
                 status = timed("status", "--config", str(path), repeats=args.repeats)
                 doctor = timed("doctor", "--config", str(path), repeats=args.repeats)
-                print(
-                    f"| {backend} | {case} | {status[0]:.2f} s, {status[1]:.2f} s ({status[2]}) "
-                    f"| {doctor[0]:.2f} s, {doctor[1]:.2f} s ({doctor[2]}) |",
-                    flush=True,
-                )
+                print(f"| {backend} | {case} | {cell(status)} | {cell(doctor)} |", flush=True)
         finally:
             broker.stop()
 

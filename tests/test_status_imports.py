@@ -2,14 +2,23 @@
 no `pyarrow.dataset`, no Arrow or numpy at all (issue 24, item 8: status under 1 s). Before,
 loading a table made pyiceberg pick `PyArrowFileIO`, whose module imports `pyarrow.dataset`
 and with it pandas, and icefloe's committer imported its row-delta writer (numpy, Arrow),
-about 0.5 s of CPU per run. A real pipeline: SQLite catalog, Redis backend, the Kafka source
-on the session's broker, two committed batches and one published but not committed. Not a
-timed test: the modules are the regression; the seconds are in docs/benchmarks.md."""
+about 0.5 s of CPU per run; then pyiceberg's `FsspecFileIO` imported fsspec, `requests` and
+pyiceberg's REST catalog module (~0.08 s) to open local files, and every command imported
+prometheus-client and rich (~0.05 s; status serves no metrics and prints plain lines). A
+real pipeline: SQLite catalog, Redis backend, the Kafka source on the session's broker, two
+committed batches and one published but not committed. Not a timed test: the modules are
+the regression; the seconds are in docs/benchmarks.md.
+
+Status asks the servers on threads while its main thread imports pyiceberg; what those
+threads run must import no pyiceberg (two threads importing pyiceberg's modules at once can
+fail on Python's import locks), which the last test checks in a fresh interpreter."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -34,7 +43,21 @@ from icefloe_spark.kafka.admin import create_topic
 TABLE = "db.t"
 #: What status must not import: pandas and Arrow's dataset reader (PyArrowFileIO's module),
 #: Arrow itself and numpy (the writers' side: row deltas, compaction, data files)
-HEAVY = ("pandas", "pyarrow.dataset", "pyiceberg.io.pyarrow", "pyarrow", "numpy")
+#: and fsspec with requests and pyiceberg's REST catalog (pyiceberg's FsspecFileIO's module),
+#: prometheus-client and rich (metrics and the live view of other commands)
+HEAVY = (
+    "pandas",
+    "pyarrow.dataset",
+    "pyiceberg.io.pyarrow",
+    "pyarrow",
+    "numpy",
+    "pyiceberg.io.fsspec",
+    "fsspec",
+    "requests",
+    "pyiceberg.catalog.rest",
+    "prometheus_client",
+    "rich",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +120,33 @@ def test_status_counts_quarantined_files_through_its_own_file_io(healthy: Health
     assert t.quarantined_files == 1
     assert (t.rows, t.pending_files) == (10, 1)
     assert "quarantined files 1" in "\n".join(render_lines(status))
+
+
+#: In a fresh interpreter: what status runs on its threads (the backend's answers, the
+#: source's watermarks), after importing what the main thread imports before starting them
+THREADS_ONLY = """
+import sys, tomllib
+from icefloe.config import config_from_dict
+from icefloe.ops.status import _read_backend
+from icefloe.plugins.backends import open_backend
+from icefloe_spark.kafka.admin import source_watermarks
+config = config_from_dict(tomllib.load(open(sys.argv[1], "rb")))
+backend = open_backend(config)
+read = _read_backend(backend, config.name)
+backend.close()
+marks = source_watermarks(config.source, True)
+assert read.error is None and read.records and marks is not None, (read, marks)
+print(" ".join(sorted(m for m in sys.modules if m.startswith("pyiceberg"))))
+"""
+
+
+def test_what_status_runs_on_its_threads_imports_no_pyiceberg(healthy: Healthy) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", THREADS_ONLY, str(healthy.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == []

@@ -229,11 +229,20 @@ class KafkaClients:
             raise ChannelError(f"sending to {self.control_topic}[{partition}] failed: {why}")
 
     def consumer(
-        self, group_id: str, role: str, *, eof: bool = False, committed: bool = True
+        self,
+        group_id: str,
+        role: str,
+        *,
+        eof: bool = False,
+        committed: bool = True,
+        fetch_wait_ms: int | None = None,
     ) -> Consumer:
         """An assign-mode consumer (never joins its group) reading committed records only
-        (``committed=False``: every record; only for looking up the log's high watermark)."""
-        conf: dict[str, Any] = {"fetch.wait.max.ms": self.config.fetch_wait_max_ms}
+        (``committed=False``: every record; only for looking up the log's high watermark).
+        ``fetch_wait_ms``: instead of ``fetch_wait_max_ms``, for a reader that reads to the
+        end once (it sees the end only when a fetch there returns empty, after this wait)."""
+        wait = self.config.fetch_wait_max_ms if fetch_wait_ms is None else fetch_wait_ms
+        conf: dict[str, Any] = {"fetch.wait.max.ms": wait}
         conf.update(self._base(role))
         conf.update(
             {

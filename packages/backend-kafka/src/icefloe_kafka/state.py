@@ -116,12 +116,19 @@ class StateReader:
     turns true once every partition reached its end (last stable offset) at least once.
     """
 
-    def __init__(self, clients: KafkaClients, role: str) -> None:
+    def __init__(self, clients: KafkaClients, role: str, fetch_wait_ms: int | None = None) -> None:
         self._clients = clients
         self._consumer: Consumer = clients.consumer(
-            clients.consumer_group("state-reader"), role, eof=True
+            clients.consumer_group("state-reader"), role, eof=True, fetch_wait_ms=fetch_wait_ms
         )
         parts = clients.partitions(clients.state_topic)
+        # the partitions' leader known to this consumer before they are assigned: otherwise
+        # librdkafka may look up the start offset before it has the leader and retry only
+        # 500 ms later (half a second of every `icefloe status`, at random)
+        try:
+            self._consumer.list_topics(clients.state_topic, timeout=clients.timeout)
+        except KafkaException as exc:
+            raise ChannelError(f"cannot read metadata of the state topic: {exc}") from exc
         self._pending_eof = set(parts)
         #: the broker/producer timestamp (ms) of the record ``on_record`` is being handed
         self.timestamp_ms: int | None = None
@@ -232,6 +239,11 @@ def highest_record(clients: KafkaClients, key: bytes, role: str) -> StateValue |
     return top
 
 
+#: The fetch wait of a reader that reads the state topic to its end once (``icefloe
+#: status``): its end shows only when a fetch there returns empty, after this wait
+_READ_ONCE_FETCH_WAIT_MS = 10
+
+
 def pipeline_state(
     clients: KafkaClients, lease_ttl_s: float, probe_timeout_s: float | None = None
 ) -> BackendStatus:
@@ -246,7 +258,7 @@ def pipeline_state(
     newest: tuple[StateValue, int | None] | None = None
     acquired_ms: dict[int, int] = {}  # token -> timestamp of its acquire record
     writers: set[str] = set()
-    reader = StateReader(clients, "status")
+    reader = StateReader(clients, "status", fetch_wait_ms=_READ_ONCE_FETCH_WAIT_MS)
 
     def seen(k: bytes | None, v: StateValue | None, _offset: int) -> None:
         nonlocal newest

@@ -4,6 +4,10 @@ real broker."""
 from __future__ import annotations
 
 import uuid
+from typing import Any, cast
+
+import pytest
+from confluent_kafka import Consumer
 
 from .conftest import LEASE_TTL_S, BackendMaker
 
@@ -47,3 +51,48 @@ def test_describe_reports_the_leader_token_age_and_writers(make_backend: Backend
     after = make_backend(group).describe()
     assert after.leader is None  # released
     assert after.writers == ("w-1",)
+
+
+class _Recording:
+    """A real consumer that records the calls made on it, in order."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self._consumer = consumer
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._consumer, name)
+        if callable(attr):
+            self.calls.append(name)
+        return attr
+
+
+def test_describe_reads_the_state_topic_with_its_leader_known_and_a_short_fetch_wait(
+    make_backend: BackendMaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state reader asks its own consumer for the topic's metadata before it assigns the
+    partitions: assigned first, librdkafka could look up the start offset before it knew the
+    leader and retry only 500 ms later (half a second of `icefloe status`, at random). And
+    status's read-once reader waits 10 ms, not ``fetch_wait_max_ms``, for the empty fetch that
+    shows it the end."""
+    group = f"describe-{uuid.uuid4().hex[:8]}"
+    writer = make_backend(group).writer("w-1")
+    writer.open()
+    backend = make_backend(group)
+    made: list[tuple[_Recording, dict[str, Any]]] = []
+    real = backend.clients.consumer
+
+    def recording(*args: Any, **kwargs: Any) -> Consumer:
+        consumer = _Recording(real(*args, **kwargs))
+        made.append((consumer, kwargs))
+        return cast(Consumer, consumer)
+
+    monkeypatch.setattr(backend.clients, "consumer", recording)
+    try:
+        assert backend.describe().writers == ("w-1",)
+    finally:
+        writer.close()
+    [(reader, kwargs)] = made
+    assert kwargs["fetch_wait_ms"] == 10
+    assert "list_topics" in reader.calls
+    assert reader.calls.index("list_topics") < reader.calls.index("assign"), reader.calls

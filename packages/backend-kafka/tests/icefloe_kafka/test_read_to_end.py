@@ -28,8 +28,9 @@ from confluent_kafka import Producer
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.config import config_from_dict
+from icefloe.coordination.backlog import backlog, short_of
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
-from icefloe.coordination.reading import announced_files, backlog, short_of
+from icefloe.coordination.reading import announced_files
 from icefloe.coordination.resume import Progress, published, start_offsets
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ChannelStalledError

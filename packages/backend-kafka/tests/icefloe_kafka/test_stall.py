@@ -16,7 +16,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataComplete, Event, WriterRef, encode_event
-from icefloe.ops.status import _announced
+from icefloe.ops.status import _read_backend
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import assert_exactly_once, make_sqlite_catalog
 from icefloe.testing.harness import RowSource, lead, wait_pending
@@ -87,7 +87,7 @@ def test_an_open_foreign_transaction_is_reported_as_a_stall_and_nothing_is_lost(
         assert coordinator.pending_files() == {TABLE: first.file_count}  # the read stands
         assert _stalled_metric() >= 1.0
         assert any("control channel stalled" in r.getMessage() for r in caplog.records)
-        _, _, why = _announced(backend, group_id)  # what `icefloe status` shows
+        why = _read_backend(backend, group_id).stall  # what `icefloe status` shows
         assert why is not None
         assert "holds events no reader gets" in why
 

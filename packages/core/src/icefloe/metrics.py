@@ -8,23 +8,12 @@ The names are listed in docs/operations.md.
 from __future__ import annotations
 
 import logging
-from typing import Annotated
 
-import typer
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-log = logging.getLogger(__name__)
+from icefloe.options import MetricsPortOption as MetricsPortOption  # where it was
 
-MetricsPortOption = Annotated[
-    int | None,
-    typer.Option(
-        "--metrics-port",
-        min=0,
-        max=65535,
-        help="Serve Prometheus metrics on this port (all interfaces; 0: pick a free one).",
-        show_default=False,
-    ),
-]
+log = logging.getLogger(__name__)
 
 RECORDS_READ = Counter(
     "icefloe_records_read", "Source records read by the streaming query's published batches."

@@ -21,7 +21,7 @@ from icefloe.config import config_from_dict
 from icefloe.coordination.coordinator import CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataFileMeta
-from icefloe.ops.fileio import LocalFsspecFileIO, status_properties
+from icefloe.ops.fileio import StatusFileIO, status_properties
 from icefloe.ops.maintenance import expire_snapshots, remove_orphan_files
 from icefloe.ops.status import table_status
 from icefloe.testing.fixtures import (
@@ -267,7 +267,7 @@ def test_a_store_error_names_the_catalog_property_to_check(
 def test_status_reads_tables_and_quarantine_on_the_store(
     pipe: Pipe, catalog: Catalog, s3_catalog_properties: Mapping[str, str]
 ) -> None:
-    """``icefloe status``'s FileIO (fsspec for local paths) leaves ``s3://`` to the FileIO
+    """``icefloe status``'s FileIO (plain files for local paths) leaves ``s3://`` to the FileIO
     pyiceberg chooses (PyArrowFileIO): metadata and the quarantine table's rows are read from
     the bucket with the catalog's S3 properties."""
     coordinator = pipe.coordinator("c1")
@@ -294,5 +294,5 @@ def test_status_reads_tables_and_quarantine_on_the_store(
 
     assert (status.exists, status.rows, status.quarantined_files) == (True, 10, 1)
     io = reading.load_table(PLAIN).io
-    assert isinstance(io, LocalFsspecFileIO)
+    assert isinstance(io, StatusFileIO)
     assert isinstance(io._io(location), PyArrowFileIO)

@@ -13,7 +13,8 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import ChannelPosition, ChannelRecord
-from icefloe.coordination.reading import announced_files, short_of, stalled
+from icefloe.coordination.backlog import short_of, stalled
+from icefloe.coordination.reading import announced_files
 from icefloe.coordination.resume import Progress, published, start_offsets
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ChannelStalledError

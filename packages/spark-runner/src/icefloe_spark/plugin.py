@@ -21,21 +21,30 @@ def icefloe_cli(app: Any) -> None:
 
 @hookimpl
 def icefloe_source_lag(config: PipelineConfig) -> dict[str, int | None]:
-    """`icefloe status`: Kafka partition ends against each table's committed source offsets."""
-    from pyiceberg.catalog import load_catalog
+    """`icefloe status`: Kafka partition ends against each table's committed source offsets.
+    The brokers are asked on a thread started before pyiceberg is imported, so their answers
+    come while this thread imports it (the thread imports nothing but confluent_kafka)."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    from icefloe.ops.fileio import status_properties
-    from icefloe_spark.cli.progress import Monitor
+    from icefloe_spark.kafka.admin import source_watermarks
     from icefloe_spark.kafka.options import probe_mode, source_options
 
-    # status's own FileIO: reading table state here needs no pyarrow.dataset either
-    catalog = load_catalog(config.catalog.name, **status_properties(config.catalog.properties))
     probe = probe_mode(source_options(config)) != "false"
-    monitor = Monitor(config, catalog, probe_end=probe)
-    try:
-        return {t.name: t.lag for t in monitor.tables()}
-    finally:
-        monitor.close()
+    with ThreadPoolExecutor(1, "icefloe-source-lag") as pool:
+        marks = pool.submit(source_watermarks, config.source, probe)
+        from pyiceberg.catalog import load_catalog
+
+        from icefloe.ops.fileio import status_properties
+        from icefloe_spark.cli.monitor import Monitor
+
+        # status's own FileIO: reading table state here needs no pyarrow.dataset either
+        properties = status_properties(config.catalog.properties)
+        catalog = load_catalog(config.catalog.name, **properties)
+        monitor = Monitor(config, catalog, export_lag=False)  # status serves no metrics
+        try:
+            return {t.name: t.lag for t in monitor.tables_at(marks.result())}
+        finally:
+            monitor.close()
 
 
 @hookimpl

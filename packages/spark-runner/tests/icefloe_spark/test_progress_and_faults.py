@@ -213,3 +213,27 @@ def test_progress_counts_live_rows_of_a_cdc_table(
     console.print(render("p", QueryProgress(), PublishStats(), tables, "leader"))
     (row,) = [line for line in console.export_text().splitlines() if "db.cdc" in line]
     assert row.split()[1:3] == ["10", "(3"], row
+
+
+def test_the_live_view_exports_the_lag_per_partition_and_status_does_not(tmp_path: Path) -> None:
+    """``icefloe run`` sets the ``icefloe_source_lag`` gauge from the watermarks it read;
+    status's monitor (``export_lag=False``) leaves it, and prometheus-client, alone."""
+    from icefloe import metrics
+
+    catalog = make_sqlite_catalog(tmp_path)
+    catalog.create_namespace("db")
+    catalog.create_table("db.lag", KEYED_ROWS_SCHEMA)
+    config = config_from_dict(
+        {"name": "p", "source": {"topics": ["t"]}, "tables": [{"name": "db.lag"}]}
+    )
+    commit_changes(catalog, "p", "db.lag", upserts=range(4))
+    marks = ({("t", 0): 9, ("t", 1): 3}, {("t", 0): 0, ("t", 1): 0})
+
+    quiet = Monitor(config, catalog, export_lag=False)
+    [status] = quiet.tables_at(marks)
+    assert metrics.SOURCE_LAG.labels("db.lag", "t", "0")._value.get() == 0.0
+    [live] = Monitor(config, catalog).tables_at(marks)
+
+    assert status.lag == live.lag == 12  # no source offsets recorded: counted from the low marks
+    assert metrics.SOURCE_LAG.labels("db.lag", "t", "0")._value.get() == 9.0
+    assert metrics.SOURCE_LAG.labels("db.lag", "t", "1")._value.get() == 3.0

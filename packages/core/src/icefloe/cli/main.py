@@ -3,16 +3,15 @@ plugins (the Spark runner) add theirs through the ``icefloe_cli`` hook."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, cast, get_args
+from typing import TYPE_CHECKING, Annotated, Any, cast, get_args
 
 import tomli_w
 import typer
 import typer.main
-from rich.console import Console
-from rich.text import Text
 
 from icefloe import __version__
 from icefloe.cli.logs import LogFormatOption, LogLevelOption, VerboseOption, resolve_level
@@ -21,9 +20,12 @@ from icefloe.cli.new_backend import new_backend_command
 from icefloe.cli.quarantine import app as quarantine_app
 from icefloe.config import load_config, redact, redacted_dict, show_references
 from icefloe.errors import ConfigError, IcefloeError
-from icefloe.metrics import MetricsPortOption, start_metrics
+from icefloe.options import MetricsPortOption
 from icefloe.plugins.backends import backend_config, installed_backends, open_backend
 from icefloe.plugins.manager import get_plugins
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 app = typer.Typer(
     name="icefloe",
@@ -32,12 +34,22 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(quarantine_app)
-console = Console(stderr=True)
+
+
+@functools.cache
+def _console() -> Console:
+    """stderr's rich console, made on first use: commands that print nothing through it
+    (``icefloe status``) do not import rich."""
+    from rich.console import Console
+
+    return Console(stderr=True)
 
 
 def _say(label: str, style: str, message: str) -> None:
     """One unwrapped stderr line; plain text, so brackets in messages are not markup."""
-    console.print(Text.assemble((label, style), message), soft_wrap=True)
+    from rich.text import Text
+
+    _console().print(Text.assemble((label, style), message), soft_wrap=True)
 
 
 ConfigOption = Annotated[Path, typer.Option("--config", "-c", help="Pipeline TOML file.")]
@@ -235,6 +247,7 @@ def coordinator_command(
     from pyiceberg.catalog import load_catalog
 
     from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+    from icefloe.metrics import start_metrics
 
     configure_logging(resolve_level(log_level, verbose, quiet), log_format)
     cfg = load_config(config)

@@ -36,9 +36,10 @@ from icefloe.commit.dedupe import CommitBoundary
 from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile
 from icefloe.commit.rollback import is_replay_writer
+from icefloe.coordination.backlog import READ_TO_END_S, backlog, short_of
 from icefloe.coordination.settings import POLL_S, CoordinatorSettings
 from icefloe.coordination.writer import merge_positions
-from icefloe.errors import ChannelIdentityError, ChannelResetError, ChannelStalledError
+from icefloe.errors import ChannelIdentityError, ChannelResetError
 from icefloe.events import DataComplete, DataWritten, SourcePosition
 
 log = logging.getLogger("icefloe.coordinator")
@@ -77,66 +78,6 @@ def now_ms() -> float:
     return time.time() * 1000.0
 
 
-#: How long a read-only read of the backlog may take to reach the channel's end: longer than
-#: Kafka's default transaction timeout (60 s), after which the broker aborts a transaction its
-#: producer left open, so a read held back by a dead writer's transaction still finishes.
-READ_TO_END_S = 120.0
-_BACKLOG_POLL_S = 0.5
-
-
-def short_of(
-    read: Mapping[str, int], through: Mapping[str, int] | None, end: Mapping[str, int]
-) -> dict[str, tuple[int, int]]:
-    """Where a reader stands short of ``end`` (an earlier ``end_position()``): per partition,
-    (how far it got, the end). How far it got is the position after the records it was given
-    (``read``) or, if further, where its channel says it read through (``through``, from
-    ``read_through()``: past log entries that are not events). Empty once it reached the end."""
-    reached = dict(read)
-    for partition, offset in (through or {}).items():
-        reached[partition] = max(reached.get(partition, 0), offset)
-    return {p: (reached.get(p, 0), o) for p, o in end.items() if reached.get(p, 0) < o}
-
-
-def backlog(
-    channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
-) -> Iterator[ChannelRecord]:
-    """Every event of ``group_id`` the channel holds from its stored position up to its end as
-    measured before the read (read only: no lease, nothing stored). What the resume rules,
-    ``icefloe maintain`` and ``icefloe status`` read: where a new leader would resume.
-
-    Why to a measured end, never "until a poll finds nothing": an empty poll may only be a
-    slow fetch, and a Kafka read_committed reader stands still at a transaction left open while
-    committed batches wait behind it. A read cut short misses batches: a writer after a lost
-    checkpoint would start below them (their records committed twice), and maintain would
-    delete their files. Raises :class:`~icefloe.errors.ChannelStalledError` when the end is
-    not reached within ``timeout_s``."""
-    end = dict(channel.end_position())
-    stored = channel.stored_position()
-    read = dict(stored or {})
-    channel.seek(stored)
-    deadline = time.monotonic() + timeout_s
-    while short := short_of(read, channel.read_through(), end):
-        if time.monotonic() >= deadline:
-            raise ChannelStalledError(stalled(short, timeout_s))
-        for rec in channel.poll(_BACKLOG_POLL_S):
-            read[rec.partition] = max(read.get(rec.partition, 0), rec.offset + 1)
-            if rec.event.group_id == group_id:
-                yield rec
-
-
-def stalled(short: Mapping[str, tuple[int, int]], waited_s: float) -> str:
-    """Why a read stands ``short`` (see :func:`short_of`) of the channel's end after
-    ``waited_s``."""
-    where = ", ".join(f"partition {p}: read to {r}, end {e}" for p, (r, e) in sorted(short.items()))
-    return (
-        f"the channel holds events no reader gets within {waited_s:.0f}s ({where}): a "
-        "transaction left open by another producer (Kafka read_committed; the broker aborts it "
-        "after its transaction timeout), or a slow or failing server, holds readers back; the "
-        "coordinator cannot commit them either. Nothing was decided from the part read: try "
-        "again once the channel reads again"
-    )
-
-
 def announced(
     channel: CoordinatorChannel, group_id: str, timeout_s: float = READ_TO_END_S
 ) -> Iterator[tuple[str, PendingFile]]:
@@ -145,7 +86,13 @@ def announced(
     ``icefloe maintain`` (keep these files) and ``icefloe status`` (count the uncommitted).
     Raises :class:`~icefloe.errors.ChannelStalledError` when the end is not reached within
     ``timeout_s``: a shorter read would leave files of published batches unprotected."""
-    for rec in backlog(channel, group_id, timeout_s):
+    yield from announced_in(backlog(channel, group_id, timeout_s))
+
+
+def announced_in(records: Iterable[ChannelRecord]) -> Iterator[tuple[str, PendingFile]]:
+    """``(table, file)`` for every file the DataWritten events among ``records`` announce
+    (``icefloe status`` reads the records on a thread of its own, see :mod:`.backlog`)."""
+    for rec in records:
         event, payload = rec.event, rec.event.payload
         if not isinstance(payload, DataWritten):
             continue

@@ -39,7 +39,7 @@ from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.dedupe import max_merge
 from icefloe.commit.policy import TablePolicies
-from icefloe.coordination.reading import READ_TO_END_S, backlog
+from icefloe.coordination.backlog import READ_TO_END_S, backlog
 from icefloe.errors import WriterRegressionError
 from icefloe.events import DataComplete, DataWritten
 

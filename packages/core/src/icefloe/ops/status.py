@@ -21,15 +21,19 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pyiceberg.catalog import Catalog
-
-from icefloe.channel import Backend, BackendStatus
+from icefloe.channel import Backend, BackendStatus, ChannelRecord
 from icefloe.config import PipelineConfig
 
-if TYPE_CHECKING:  # the committer (and pyiceberg's writer side) loads only when needed
+if TYPE_CHECKING:  # pyiceberg loads in collect(), once the servers were asked (see there)
+    from collections.abc import Callable
+    from concurrent.futures import Executor
+
+    from pyiceberg.catalog import Catalog
+
     from icefloe.commit.committer import IcebergCommitter
     from icefloe.commit.quarantine import FailingTable
     from icefloe.commit.request import PendingFile
+    from icefloe.plugins.manager import Plugins
 
 log = logging.getLogger("icefloe.status")
 
@@ -169,29 +173,61 @@ def _rollback_note(committer: IcebergCommitter, name: str) -> str:
 STATUS_READ_S = 10.0
 
 
-def _announced(
-    backend: Backend, group_id: str
-) -> tuple[str, dict[str, list[PendingFile]], str | None]:
-    """The channel's identity, per table the files announced since the stored position (read
-    by a coordinator end that never asks for the lease, as ``icefloe maintain`` does), and
-    why that read did not reach the channel's end within :data:`STATUS_READ_S`, if it did
-    not (the files counted are then those read so far). (The coordinator's own check, over
-    time, is :class:`icefloe.coordination.stall.StallWatch`.)"""
-    from icefloe.coordination.reading import announced
-    from icefloe.errors import ChannelStalledError
+@dataclass
+class _BackendRead:
+    """What the backend's server answered: its status, the channel's identity and the
+    records of the pipeline from the stored position towards the channel's end."""
 
-    channel = backend.coordinator(f"status-{uuid.uuid4().hex[:8]}")
+    status: BackendStatus | None = None
+    error: str | None = None
+    channel_id: str | None = None
+    records: list[ChannelRecord] | None = None  # None: the channel was not read
+    stall: str | None = None  # why the read did not reach the channel's end, if it did not
+
+
+def _read_backend(backend: Backend, group_id: str) -> _BackendRead:
+    """Ask the backend's server, on a thread of its own: nothing here imports pyiceberg, which
+    the main thread imports meanwhile (the backends import none, nor does
+    :mod:`icefloe.coordination.backlog`). The channel is read by a coordinator end that never
+    asks for the lease, as ``icefloe maintain`` reads it; when the read does not reach the
+    channel's end within :data:`STATUS_READ_S`, the records are those read so far, and
+    ``stall`` says why. (The coordinator's own check, over time, is
+    :class:`icefloe.coordination.stall.StallWatch`.)"""
+    from icefloe.coordination.backlog import backlog
+    from icefloe.errors import ChannelStalledError
+    from icefloe.ops.doctor import cause_of
+
+    out = _BackendRead()
     try:
-        by_table: dict[str, list[PendingFile]] = {}
-        stall: str | None = None
+        out.status = backend.describe()
+        # no writer ever registered: nothing can be pending, and not opening the channel
+        # keeps status from creating it (Kafka creates topics on first use)
+        if out.status.writers == ():
+            out.records = []
+            return out
+        channel = backend.coordinator(f"status-{uuid.uuid4().hex[:8]}")
         try:
-            for table, f in announced(channel, group_id, STATUS_READ_S):
-                by_table.setdefault(table, []).append(f)
-        except ChannelStalledError as exc:
-            stall = str(exc)
-        return channel.channel_id(), by_table, stall
-    finally:
-        channel.close()
+            records: list[ChannelRecord] = []
+            try:
+                records.extend(backlog(channel, group_id, STATUS_READ_S))
+            except ChannelStalledError as exc:
+                out.stall = str(exc)
+            out.channel_id, out.records = channel.channel_id(), records
+        finally:
+            channel.close()
+    except Exception as exc:
+        out.error = cause_of(exc)
+    return out
+
+
+def _announced(read: _BackendRead) -> dict[str, list[PendingFile]]:
+    """Per table the files the channel's records announce."""
+    from icefloe.coordination.reading import announced_in
+
+    by_table: dict[str, list[PendingFile]] = {}
+    for table, f in announced_in(read.records or ()):
+        by_table.setdefault(table, []).append(f)
+    return by_table
 
 
 def _with_pending(
@@ -268,38 +304,70 @@ def _dead_lettered(catalog: Catalog, config: PipelineConfig) -> int | None:
 
 
 def collect(config: PipelineConfig) -> PipelineStatus:
-    """Read everything ``icefloe status`` shows."""
-    from pyiceberg.catalog import load_catalog
+    """Read everything ``icefloe status`` shows.
 
-    from icefloe.ops.doctor import cause_of, quiet_clients
-    from icefloe.ops.fileio import status_properties
-    from icefloe.ops.tables import pipeline_tables
-    from icefloe.plugins.backends import open_backend
+    Why a thread: most of a status run is importing pyiceberg (its SQL catalog, its table
+    models), CPU work, and the rest is waiting for servers (the backend's, the source's
+    brokers). The backend is asked on a thread started before pyiceberg is imported, and the
+    source-lag hook asks the source's brokers likewise (see ``icefloe_spark.plugin``), so a
+    run takes about the longer of the two, not their sum (docs/benchmarks.md)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from icefloe.ops.doctor import quiet_clients
     from icefloe.plugins.manager import get_plugins
 
     plugins = get_plugins()
-    with quiet_clients(verbose=False):
-        backend_status: BackendStatus | None = None
-        backend_error: str | None = None
-        announced: tuple[str | None, dict[str, list[PendingFile]]] | None = None
-        channel_stall: str | None = None
+    with quiet_clients(verbose=False), ThreadPoolExecutor(1, "icefloe-status") as pool:
+        answer = _ask_backend(config, plugins, pool)
         try:
-            backend = open_backend(config, plugins)
-            try:
-                backend_status = backend.describe()
-                # no writer ever registered: nothing can be pending, and not opening the
-                # channel keeps status from creating it (Kafka creates topics on first use)
-                if backend_status.writers == ():
-                    announced = (None, {})
-                else:
-                    channel_id, by_table, channel_stall = _announced(backend, config.name)
-                    announced = (channel_id, by_table)
-            finally:
-                backend.close()
-        except Exception as exc:
-            backend_error = cause_of(exc)
-        lags = plugins.source_lag(config)
-    catalog = load_catalog(config.catalog.name, **status_properties(config.catalog.properties))
+            lags = plugins.source_lag(config)
+            from pyiceberg.catalog import load_catalog
+
+            from icefloe.ops.fileio import status_properties
+
+            properties = status_properties(config.catalog.properties)
+            catalog = load_catalog(config.catalog.name, **properties)
+        finally:
+            read = answer()
+    return _assemble(config, catalog, read, lags)
+
+
+def _ask_backend(
+    config: PipelineConfig, plugins: Plugins, pool: Executor
+) -> Callable[[], _BackendRead]:
+    """Start asking the backend on ``pool``; returns how to wait for the answer (which closes
+    the backend). The backend's module and configuration load here, on the calling thread."""
+    from icefloe.ops.doctor import cause_of
+    from icefloe.plugins.backends import open_backend
+
+    try:
+        backend = open_backend(config, plugins)
+    except Exception as exc:
+        failed = _BackendRead(error=cause_of(exc))
+        return lambda: failed
+    asking = pool.submit(_read_backend, backend, config.name)
+
+    def answer() -> _BackendRead:
+        try:
+            return asking.result()
+        finally:
+            backend.close()
+
+    return answer
+
+
+def _assemble(
+    config: PipelineConfig,
+    catalog: Catalog,
+    read: _BackendRead,
+    lags: dict[str, int | None],
+) -> PipelineStatus:
+    """The status from what the servers answered and what the tables hold."""
+    from icefloe.ops.tables import pipeline_tables
+
+    announced = None
+    if read.error is None and read.records is not None:
+        announced = (read.channel_id, _announced(read))
     now_ms = time.time() * 1000
     seen = () if announced is None else announced[1]
     tables = [
@@ -314,11 +382,11 @@ def collect(config: PipelineConfig) -> PipelineStatus:
     return PipelineStatus(
         config.name,
         config.coordination.backend,
-        backend_status,
-        backend_error,
+        read.status,
+        read.error,
         tables,
         _dead_lettered(catalog, config),
-        channel_stall,
+        read.stall,
         config.coordination.commit_parallelism,
         config.coordination.commit_processes,
     )

@@ -16,8 +16,7 @@ from icefloe.cli.logs import LogFormatOption, LogLevelOption, VerboseOption, res
 from icefloe.cli.logs import configure as configure_logging
 from icefloe.config import load_config
 from icefloe.errors import ConfigError
-from icefloe.metrics import MetricsPortOption, start_metrics
-from icefloe_spark.cli.console import end_jvm, print_error, say, setup_logging, watch
+from icefloe.options import MetricsPortOption
 from icefloe_spark.runtime import sparklog
 from icefloe_spark.runtime.signals import stop_on_signals
 
@@ -78,6 +77,10 @@ def run(
 ) -> None:
     """Run the pipeline's streaming query until SIGINT/SIGTERM (or, with --once, until it has
     caught up), with live progress on a terminal and progress log lines otherwise."""
+    # rich (the live view) and prometheus-client load only when run runs
+    from icefloe.metrics import start_metrics
+    from icefloe_spark.cli.console import end_jvm, print_error, say, setup_logging, watch
+
     level = resolve_level(log_level, verbose, quiet)
     setup_logging(level, log_format)
     cfg = load_config(config)

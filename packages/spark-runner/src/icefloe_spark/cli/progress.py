@@ -9,39 +9,23 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
-from pyiceberg.catalog import Catalog
 from rich.console import Group
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from icefloe import metrics
-from icefloe.commit.committer import IcebergCommitter
-from icefloe.commit.summary import RowCounts, describe_rows
-from icefloe.config import PipelineConfig
-from icefloe_spark.kafka.admin import end_offsets
+from icefloe.commit.summary import describe_rows
+from icefloe_spark.cli.monitor import Monitor as Monitor
+from icefloe_spark.cli.monitor import TableProgress as TableProgress
+from icefloe_spark.cli.monitor import lag as lag
+from icefloe_spark.cli.monitor import lag_by_partition as lag_by_partition
 from icefloe_spark.sink.publish import PublishStats
 
 log = logging.getLogger("icefloe_spark.progress")
-
-
-@dataclass(frozen=True)
-class TableProgress:
-    """One target table as the committer left it."""
-
-    name: str
-    snapshot_id: int | None
-    committed_at_ms: int | None
-    records: int | None  # live rows of the current snapshot: records minus deleted rows
-    lag: int | None  # source records not yet committed to this table (None: unknown)
-    deleted: int | None = None  # rows of its data files that position deletes remove
-    exact: bool = True  # False with equality deletes: ``records`` is then an upper bound
 
 
 @dataclass(frozen=True)
@@ -72,110 +56,6 @@ class QueryProgress:
             input_rows=records,
             rows_per_s=records / seconds if seconds > 0 else 0.0,
         )
-
-
-def lag(
-    high_watermarks: Mapping[tuple[str, int], int],
-    committed: Mapping[str, Mapping[int, int]],
-    low_watermarks: Mapping[tuple[str, int], int],
-) -> int:
-    """Records between what the table's source offsets record and each partition's end."""
-    return sum(lag_by_partition(high_watermarks, committed, low_watermarks).values())
-
-
-def lag_by_partition(
-    high_watermarks: Mapping[tuple[str, int], int],
-    committed: Mapping[str, Mapping[int, int]],
-    low_watermarks: Mapping[tuple[str, int], int],
-) -> dict[tuple[str, int], int]:
-    """:func:`lag` per source partition (the metrics export it so)."""
-    out: dict[tuple[str, int], int] = {}
-    for (topic, partition), high in high_watermarks.items():
-        start = committed.get(topic, {}).get(partition, low_watermarks.get((topic, partition), 0))
-        out[(topic, partition)] = max(0, high - start)
-    return out
-
-
-class Monitor:
-    """Reads table state and source watermarks; cheap enough to call every couple of seconds."""
-
-    def __init__(self, config: PipelineConfig, catalog: Catalog, probe_end: bool = False) -> None:
-        self.config = config
-        self.probe_end = probe_end  # read partition ends by fetching (see kafkautil.end_offsets)
-        self.catalog = catalog
-        self.committer = IcebergCommitter.for_pipeline(catalog, config)
-        self._consumer: Consumer | None = None
-
-    def _watermarks(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]] | None:
-        src = self.config.source
-        try:
-            if self._consumer is None:
-                self._consumer = Consumer(
-                    {
-                        **src.kafka,
-                        "bootstrap.servers": src.bootstrap_servers,
-                        "group.id": f"icefloe-monitor-{uuid.uuid4().hex[:8]}",
-                        "enable.auto.commit": False,
-                    }
-                )
-            high: dict[tuple[str, int], int] = {}
-            low: dict[tuple[str, int], int] = {}
-            listed = self._consumer.list_topics(timeout=2.0).topics  # all: never auto-creates
-            for topic in src.subscribed(listed):
-                meta = listed[topic]
-                if meta.error is not None:
-                    continue
-                for p in meta.partitions:
-                    lo, hi = self._consumer.get_watermark_offsets(
-                        TopicPartition(topic, p), timeout=2.0, cached=False
-                    )
-                    low[(topic, p)], high[(topic, p)] = lo, hi
-                if self.probe_end:
-                    ends = end_offsets(src.bootstrap_servers, topic, timeout_s=5.0)
-                    high.update({(topic, p): o for p, o in ends.items()})
-            return high, low
-        except (KafkaException, TimeoutError):
-            log.debug("watermarks unavailable", exc_info=True)
-            return None
-
-    def tables(self) -> list[TableProgress]:
-        marks = self._watermarks()
-        out = []
-        for t in self.config.tables:
-            try:
-                state = self.committer.state(t.name)
-                table = self.catalog.load_table(t.name)
-            except Exception:
-                log.debug("state of %s unavailable", t.name, exc_info=True)
-                out.append(TableProgress(t.name, None, None, None, None))
-                continue
-            snap = table.snapshot_by_id(state.snapshot_id) if state else None
-            counts = None
-            if snap is not None and snap.summary is not None:
-                counts = RowCounts.of(snap.summary.additional_properties)
-            behind = None
-            if marks is not None:
-                parts = lag_by_partition(marks[0], state.source_offsets if state else {}, marks[1])
-                behind = sum(parts.values())
-                for (topic, partition), n in parts.items():
-                    metrics.SOURCE_LAG.labels(t.name, topic, str(partition)).set(n)
-            out.append(
-                TableProgress(
-                    t.name,
-                    state.snapshot_id if state else None,
-                    snap.timestamp_ms if snap else None,
-                    None if counts is None else counts.live,
-                    behind,
-                    None if counts is None else counts.deleted,
-                    counts is None or counts.exact,
-                )
-            )
-        return out
-
-    def close(self) -> None:
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
 
 
 def _ago(ms: int | None, now: float) -> str:

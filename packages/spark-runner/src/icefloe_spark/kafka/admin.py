@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
+
+if TYPE_CHECKING:
+    from icefloe.config import SourceConfig
+
+log = logging.getLogger("icefloe_spark.progress")
+
+#: (high, low) watermark per (topic, partition) of a source
+Watermarks = tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]
 
 
 def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
@@ -85,3 +95,52 @@ def end_offsets(bootstrap: str, topic: str, timeout_s: float = 60.0) -> dict[int
         return ends
     finally:
         consumer.close()
+
+
+def source_consumer(source: SourceConfig) -> Consumer:
+    """A consumer of the source's cluster for watermarks only: it never joins its group."""
+    return Consumer(
+        {
+            **source.kafka,
+            "bootstrap.servers": source.bootstrap_servers,
+            "group.id": f"icefloe-monitor-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+        }
+    )
+
+
+def watermarks(consumer: Consumer, source: SourceConfig, probe_end: bool) -> Watermarks:
+    """The (high, low) watermarks of every partition of the source's topics; ``probe_end``:
+    the high ones found by reading to the end (:func:`end_offsets`). Raises
+    ``KafkaException`` or ``TimeoutError`` when the cluster does not answer."""
+    high: dict[tuple[str, int], int] = {}
+    low: dict[tuple[str, int], int] = {}
+    listed = consumer.list_topics(timeout=2.0).topics  # all: never auto-creates
+    for topic in source.subscribed(listed):
+        meta = listed[topic]
+        if meta.error is not None:
+            continue
+        for p in meta.partitions:
+            lo, hi = consumer.get_watermark_offsets(
+                TopicPartition(topic, p), timeout=2.0, cached=False
+            )
+            low[(topic, p)], high[(topic, p)] = lo, hi
+        if probe_end:
+            ends = end_offsets(source.bootstrap_servers, topic, timeout_s=5.0)
+            high.update({(topic, p): o for p, o in ends.items()})
+    return high, low
+
+
+def source_watermarks(source: SourceConfig, probe_end: bool) -> Watermarks | None:
+    """:func:`watermarks` through a consumer of its own, closed after; None when the cluster
+    does not answer. Imports nothing but confluent_kafka: ``icefloe status`` runs it on a
+    thread while its main thread imports pyiceberg (see ``icefloe_spark.plugin``)."""
+    try:
+        consumer = source_consumer(source)
+        try:
+            return watermarks(consumer, source, probe_end)
+        finally:
+            consumer.close()
+    except (KafkaException, TimeoutError):
+        log.debug("watermarks unavailable", exc_info=True)
+        return None

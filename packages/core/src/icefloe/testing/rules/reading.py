@@ -11,7 +11,7 @@ import time
 import pytest
 
 from icefloe.channel import Backend, ChannelRecord
-from icefloe.coordination.reading import backlog
+from icefloe.coordination.backlog import backlog
 from icefloe.errors import ChannelResetError, EventDecodeError
 from icefloe.events import DataComplete, Event, StartCommit
 from icefloe.testing.rules.support import (
