@@ -194,6 +194,16 @@ def test_status_and_maintain_cover_dead_letter_and_dynamic_tables(stopped: Stopp
     assert sorted({line.split(":")[0] for line in lines}) == sorted(set(ALL) - {FRESH})
 
 
+def test_status_shows_a_lag_only_for_the_tables_it_measures(stopped: Stopped) -> None:
+    """The source lag is measured for the ``[[tables]]`` entries; a dead-letter or dynamic
+    table takes a share of the records, so status prints no lag for it (it printed
+    ``lag ?``, which reads as an unknown lag)."""
+    lines = render_lines(collect(load_config(stopped.path)))
+    shown = {name: line for name in ALL for line in lines if line.startswith(f"  table {name}:")}
+    assert sorted(shown) == sorted(ALL)
+    assert [n for n, line in shown.items() if ", lag " in line] == [LISTED]
+
+
 @pytest.mark.parametrize(
     ("key", "line"),
     [

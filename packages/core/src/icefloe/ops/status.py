@@ -51,6 +51,9 @@ class TableStatus:
     deleted_rows: int | None = None  # rows of its data files that position deletes remove
     rows_exact: bool = True  # False with equality deletes: ``rows`` is then an upper bound
     source_lag: int | None = None
+    # the source lag is measured for the configured tables only: a dead-letter or dynamic
+    # table takes a share of the records, so its recorded offsets say nothing of a lag
+    lag_measured: bool = True
     pending_files: int | None = None  # announced on the channel, not covered by a commit
     pending_bytes: int | None = None
     quarantined_files: int | None = None
@@ -138,6 +141,7 @@ def table_status(
         deleted_rows=None if counts is None else counts.deleted,
         rows_exact=counts is None or counts.exact,
         source_lag=lag,
+        lag_measured=any(t.name == name for t in config.tables),
         quarantined_files=_quarantined(
             catalog, config.name, name, config.coordination.quarantine_table
         ),
@@ -429,13 +433,14 @@ def render_lines(status: PipelineStatus) -> list[str]:
             continue
         ago = "never" if t.committed_at_ms is None else f"{now - t.committed_at_ms / 1000:.0f}s ago"
         lag = "?" if t.source_lag is None else str(t.source_lag)
+        lag = f"lag {lag}, " if t.lag_measured or t.source_lag is not None else ""
         quarantined = "?" if t.quarantined_files is None else str(t.quarantined_files)
         pending = "?" if t.pending_files is None else f"{t.pending_files} ({t.pending_bytes} B)"
         on = "" if t.branch == "main" else f" (branch {t.branch})"
         line = (
             f"  table {t.name}{on}: last commit {ago} (+{t.commit_rows or 0} rows, snapshot "
             f"{t.snapshot_id or '-'}), {_rows(t)}, "
-            f"lag {lag}, pending files {pending}, quarantined files {quarantined}"
+            f"{lag}pending files {pending}, quarantined files {quarantined}"
         )
         out.append(line + (f"  STUCK: {t.reason}" if t.stuck else ""))
         if t.rollback:
