@@ -215,9 +215,12 @@ def busy_committer(tree: Tree, timeout: float) -> psutil.Process | None:
 def kill_committer(run: Run, tree: Tree) -> None:
     """``kill -9`` of one committer process: at random in the middle of a commit, or at a
     random moment (mostly between cycles); the pipeline must carry on without it."""
-    committers = tree.committers()
-    if not committers:
-        raise RunError(f"no committer process under the driver:\n{run.log_tail()}")
+    # a killed committer is replaced when its tables' next task comes: wait for one
+    deadline = time.monotonic() + 60.0
+    while not (committers := tree.committers()):
+        if time.monotonic() > deadline or not tree.alive():
+            raise RunError(f"no committer process under the driver:\n{run.log_tail()}")
+        time.sleep(0.2)
     victim: psutil.Process | None = None
     kind = "kill -9 committer at random"
     if run.rng.random() < 0.5:
