@@ -261,11 +261,10 @@ def kill_committers(run: Run) -> None:
     for _ in range(run.rng.randint(3, 5)):
         time.sleep(run.rng.uniform(0.2, 2.0))
         kill_committer(run, tree)
-    if busy_committer(tree, 10.0) is None:
-        run.notes.append("no commit under way seen: the tree was killed at a random moment")
+    in_commit = busy_committer(tree, 10.0) is not None
     if not tree.alive():
         raise RunError(f"the pipeline exited by itself:\n{run.log_tail()}")
-    run.kill(tree, "kill -9 tree in a commit")
+    run.kill(tree, "kill -9 tree in a commit" if in_commit else "kill -9 random")
     if not run.producing():
         run.notes.append("the producer had finished before the last kill")
     run.finish()
