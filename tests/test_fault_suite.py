@@ -54,6 +54,38 @@ def test_killing_one_tree_spares_its_siblings_of_the_same_run(tmp_path: Path) ->
     assert marked(run) == []
 
 
+SPAWNER = """
+import multiprocessing, subprocess, time
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(300,))
+    child.start()
+    subprocess.Popen(["sleep", "301"])
+    child.join()
+"""
+
+
+def test_committers_are_the_roots_spawned_children(tmp_path: Path) -> None:
+    """What kill-committers kills: the root's multiprocessing-spawned children (the
+    committer processes), not its other children."""
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNER)
+    env = {"PATH": "/usr/bin:/bin"}
+    tree = Tree([sys.executable, str(script)], tmp_path / "log", env, f"t-{uuid.uuid4().hex[:8]}")
+    try:
+        deadline = time.monotonic() + 60
+        while len(tree.members()) < 3 or not tree.committers():
+            assert time.monotonic() < deadline, f"never spawned: {tree.members()}"
+            time.sleep(0.1)
+        committers = tree.committers()
+        assert len(committers) == 1
+        assert "spawn_main" in " ".join(committers[0].cmdline())
+        others = [p for p in tree.members() if p.pid not in (tree.pid, committers[0].pid)]
+        assert any(p.name() == "sleep" for p in others)
+    finally:
+        tree.kill()
+    assert tree.committers() == []
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
@@ -89,8 +121,43 @@ def test_tally_sees_duplicates_missing_and_unexpected_keys(sqlite_catalog: Catal
     assert judge(exact, range(10)).ok
 
 
-@pytest.mark.parametrize("scenario", ["kill-after-commit", "paused-leader", "checkpoint-loss"])
+def test_tally_sees_keys_routed_to_the_wrong_table(sqlite_catalog: Catalog) -> None:
+    """With routed tables each key must be in its own table: a key that landed in another
+    table is a problem even when every key is there once."""
+    from tests.faults.harness import kind_of
+
+    table = create_rows_table(sqlite_catalog, "f.kind_a")
+    schema = table.schema().as_arrow()
+    ids = [0, 3, 6, 4]  # 4 is a "b" key
+    table.append(
+        pa.table(
+            {
+                "id": pa.array(ids, pa.int64()),
+                "writer": pa.array(["w"] * len(ids), pa.string()),
+                "batch_seq": pa.array([0] * len(ids), pa.int64()),
+            },
+            schema=schema,
+        )
+    )
+    tally = Tally()
+    tally.add_table(sqlite_catalog.load_table("f.kind_a"), "f.kind_a", kind_of("a"))
+    assert tally.problems == ["f.kind_a: 1 rows routed to another table"]
+    assert not judge(tally, ids).ok
+    fine = Tally()
+    fine.add_table(sqlite_catalog.load_table("f.kind_a"), "f.kind_a")  # not routed
+    assert judge(fine, ids).ok
+
+
+@pytest.mark.parametrize(
+    "scenario", ["kill-after-commit", "paused-leader", "checkpoint-loss", "kill-committers"]
+)
 def test_scenarios_are_registered(scenario: str) -> None:
     from tests.faults.scenarios import REGISTRY
 
     assert REGISTRY[scenario].help
+
+
+def test_kill_committers_runs_in_ci_on_one_backend() -> None:
+    from tests.faults.scenarios import REGISTRY
+
+    assert REGISTRY["kill-committers"].ci == ("redis",)

@@ -29,12 +29,19 @@ class Tally:
     manifest_rows: int = 0
     problems: list[str] = field(default_factory=list)
 
-    def add_table(self, table: Table, label: str) -> None:
+    def add_table(
+        self, table: Table, label: str, belongs: Callable[[int], bool] | None = None
+    ) -> None:
+        """Count the table's keys; ``belongs`` (when routed) tells the keys it may hold."""
         snapshot = table.current_snapshot()
         if snapshot is None:
             return
         ids = table.scan(selected_fields=(KEY,)).to_arrow()[KEY].to_pylist()
         self.keys.update(int(i) for i in ids)
+        if belongs is not None:
+            stray = sum(1 for i in ids if not belongs(int(i)))
+            if stray:
+                self.problems.append(f"{label}: {stray} rows routed to another table")
         self.scanned_rows += len(ids)
         listed = 0
         for manifest in snapshot.manifests(table.io):

@@ -72,6 +72,8 @@ class Run:
     _producer: threading.Thread | None = None
     _produce_error: list[BaseException] = field(default_factory=list)
     _extra_tables: list[Tally] = field(default_factory=list)
+    # the tables the pipeline writes, each with the ``kind`` routed to it (None: every record)
+    routes: dict[str, str | None] = field(default_factory=lambda: {TABLE: None})
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -97,8 +99,20 @@ class Run:
     def catalog(self) -> Catalog:
         return load_catalog("faults", **self.catalog_properties)
 
-    def create_table(self) -> None:
-        self.catalog().create_table(TABLE, schema=SCHEMA, partition_spec=SPEC)
+    def create_table(self, name: str = TABLE) -> None:
+        self.catalog().create_table(name, schema=SCHEMA, partition_spec=SPEC)
+
+    def route_by_kind(self) -> None:
+        """Route each record by its ``kind`` to a table of its own (the run's table takes
+        "a", two more tables "b" and "c"), so every commit cycle holds several tables."""
+        self.routes = {TABLE: "a", f"{TABLE}_b": "b", f"{TABLE}_c": "c"}
+        for name in list(self.routes)[1:]:
+            self.create_table(name)
+        self.config["tables"] = [
+            {"name": name, "route_field": "kind", "route_values": [kind]}
+            for name, kind in self.routes.items()
+        ]
+        self.write_config()
 
     def _pipeline_dict(self) -> dict[str, Any]:
         return {
@@ -172,6 +186,10 @@ class Run:
         self._producer = threading.Thread(target=loop, name="faults-producer", daemon=True)
         self._producer.start()
 
+    def producing(self) -> bool:
+        """The producer started and has not finished."""
+        return self._producer is not None and self._producer.is_alive()
+
     def wait_produced(self) -> None:
         if self._producer is not None:
             self._producer.join(self.settings.produce_s * 10 + 60)
@@ -231,19 +249,39 @@ class Run:
     # -- progress ------------------------------------------------------------------------
 
     def committed_offsets(self) -> dict[str, int] | None:
-        """The source offsets recorded by the pipeline's newest snapshot (for waiting only;
-        the verdict never reads them)."""
-        table = self.catalog().load_table(TABLE)
-        for snapshot in reversed(table.snapshots()):
-            props = snapshot.summary.additional_properties if snapshot.summary else {}
-            if props.get("icefloe.group-id") == self.config["name"]:
-                raw = json.loads(props.get("icefloe.source-offsets", "{}"))
-                return {str(p): int(o) for p, o in raw.get(self.topic, {}).items()}
-        return None
+        """The source offsets recorded by the pipeline's newest snapshot, the furthest of
+        its tables' (for waiting only; the verdict never reads them)."""
+        found: dict[str, int] | None = None
+        catalog = self.catalog()
+        for name in self.routes:
+            table = catalog.load_table(name)
+            for snapshot in reversed(table.snapshots()):
+                props = snapshot.summary.additional_properties if snapshot.summary else {}
+                if props.get("icefloe.group-id") == self.config["name"]:
+                    raw = json.loads(props.get("icefloe.source-offsets", "{}"))
+                    offsets = {str(p): int(o) for p, o in raw.get(self.topic, {}).items()}
+                    found = found or {}
+                    for p, o in offsets.items():
+                        found[p] = max(found.get(p, o), o)
+                    break
+        return found
 
     def caught_up(self) -> bool:
+        """The newest commit read to the topic's end. With several tables that is not
+        enough (a table whose commit failed holds its files pending while the others carry
+        the end): the tables' record counts must also reach the expected keys."""
         ends = {str(p): o for p, o in end_offsets(self.settings.bootstrap, self.topic).items()}
-        return self.committed_offsets() == ends
+        if self.committed_offsets() != ends:
+            return False
+        if len(self.routes) == 1:
+            return True
+        total = 0
+        catalog = self.catalog()
+        for name in self.routes:
+            snapshot = catalog.load_table(name).current_snapshot()
+            if snapshot is not None and snapshot.summary is not None:
+                total += int(snapshot.summary.get("total-records") or 0)
+        return total >= len(self.expected_keys())
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -299,11 +337,13 @@ class Run:
 
     def verdict(self) -> Verdict:
         tally = Tally()
-        table = self.catalog().load_table(TABLE)
-        if self.keyed:
-            tally.add_keyed_table(table, TABLE, lambda key: expected_name(key, 2))
-        else:
-            tally.add_table(table, TABLE)
+        catalog = self.catalog()
+        for name, kind in self.routes.items():
+            table = catalog.load_table(name)
+            if self.keyed:
+                tally.add_keyed_table(table, name, lambda key: expected_name(key, 2))
+            else:
+                tally.add_table(table, name, None if kind is None else kind_of(kind))
         for extra in self._extra_tables:
             tally.keys.update(extra.keys)
             tally.scanned_rows += extra.scanned_rows
@@ -323,6 +363,11 @@ def backend_sections(bootstrap: str) -> dict[str, Any]:
 def expected_name(key: int, version: int) -> str:
     """The ``name`` a produced record carries: its key, and on keyed runs its version."""
     return f"n{key}" if version == 1 else f"v{version}-{key}"
+
+
+def kind_of(kind: str) -> Callable[[int], bool]:
+    """Whether a key's record carries ``kind`` (the producer writes ``"abc"[key % 3]``)."""
+    return lambda key: "abc"[key % 3] == kind
 
 
 def json_key(value: bytes) -> int:

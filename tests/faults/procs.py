@@ -95,6 +95,24 @@ class Tree:
         self.kill()
         return code
 
+    def committers(self) -> list[psutil.Process]:
+        """The committer processes (``coordination.commit_processes``) of the coordinator this
+        tree's root runs: its children started by multiprocessing's spawn (the resource
+        tracker, also spawned, runs another entry point; Spark's Python workers are the
+        JVM's children)."""
+        try:
+            children = psutil.Process(self.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        out = []
+        for p in children:
+            try:
+                if "spawn_main" in " ".join(p.cmdline()) and _running(p):
+                    out.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return out
+
     def pause(self) -> None:
         self.signal_all(signal.SIGSTOP)
 

@@ -10,6 +10,7 @@ named fix lands; neither runs by default, both run when named with ``--scenario`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 from pyiceberg.schema import Schema
 from pyiceberg.table import StaticTable
@@ -178,6 +180,96 @@ def keyed_table(run: Run, **options: object) -> None:
     run.config["tables"] = [{"name": TABLE, "mode": "upsert", "id_columns": ["id"], **options}]
     run.write_config()
     run.keyed = True
+
+
+# -- committer processes -----------------------------------------------------------------
+
+
+def busy_committer(tree: Tree, timeout: float) -> psutil.Process | None:
+    """The first committer process of ``tree`` seen idle and then using CPU (a screening or
+    a commit under way, as far as polling every 20 ms tells), or None within ``timeout``."""
+    idle: set[int] = set()
+    last: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not tree.alive():
+            return None
+        for p in tree.committers():
+            try:
+                times = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            used = times.user + times.system
+            before = last.get(p.pid)
+            last[p.pid] = used
+            if before is None:
+                continue
+            if used > before and p.pid in idle:
+                return p
+            if used == before:
+                idle.add(p.pid)  # not starting up, not committing: the next burst is a task
+        time.sleep(0.02)
+    return None
+
+
+def kill_committer(run: Run, tree: Tree) -> None:
+    """``kill -9`` of one committer process: at random in the middle of a commit, or at a
+    random moment (mostly between cycles); the pipeline must carry on without it."""
+    # a killed committer is replaced when its tables' next task comes: wait for one
+    deadline = time.monotonic() + 60.0
+    while not (committers := tree.committers()):
+        if time.monotonic() > deadline or not tree.alive():
+            raise RunError(f"no committer process under the driver:\n{run.log_tail()}")
+        time.sleep(0.2)
+    victim: psutil.Process | None = None
+    kind = "kill -9 committer at random"
+    if run.rng.random() < 0.5:
+        victim = busy_committer(tree, 10.0)
+        kind = "kill -9 committer in a commit"
+    if victim is None:
+        victim = run.rng.choice(sorted(committers, key=lambda p: p.pid))
+        kind = "kill -9 committer at random"
+    try:
+        victim.kill()
+    except psutil.NoSuchProcess:
+        run.notes.append(f"committer {victim.pid} was gone before its kill")
+        return
+    run.faults.append(kind)
+    time.sleep(0.5)
+    if not tree.alive():
+        raise RunError(f"the pipeline died with its committer:\n{run.log_tail()}")
+
+
+KILL_COMMITTERS_PRODUCE_S = 40.0
+
+
+@scenario("kill-committers", ci=("redis",))
+def kill_committers(run: Run) -> None:
+    """Records routed to three tables, committed by two committer processes
+    (`commit_processes = 2`): kill -9 of a committer several times (in a commit or at a
+    random moment), then of the whole tree in a commit; every key once in its table."""
+    run.route_by_kind()
+    run.config["coordination"]["commit_processes"] = 2
+    run.write_config()
+    # records must still flow while the committers die, or no commit is there to interrupt
+    produce_s = max(run.settings.produce_s, KILL_COMMITTERS_PRODUCE_S)
+    run.settings = dataclasses.replace(run.settings, produce_s=produce_s)
+    tree = run.start_pipeline()
+    run.wait_query_started(tree)
+    run.start_producer()
+    run.wait_first_commit(tree)
+    for _ in range(run.rng.randint(3, 5)):
+        time.sleep(run.rng.uniform(0.2, 2.0))
+        kill_committer(run, tree)
+    in_commit = busy_committer(tree, 10.0) is not None
+    if not tree.alive():
+        raise RunError(f"the pipeline exited by itself:\n{run.log_tail()}")
+    run.kill(tree, "kill -9 tree in a commit" if in_commit else "kill -9 random")
+    if not run.producing():
+        run.notes.append("the producer had finished before the last kill")
+    run.finish()
+    replaced = run.log_tail(chars=10_000_000).count("died; it is replaced")
+    run.notes.append(f"{replaced} committer replacement(s) logged")
 
 
 # -- leadership ---------------------------------------------------------------------------
