@@ -14,8 +14,8 @@ Each worker is a one-process :class:`~concurrent.futures.ProcessPoolExecutor` (`
 coordinator has threads, which a fork would copy mid-lock). A table keeps its worker for the
 coordinator's life, so the worker's caches (known table versions, live files) stay warm; and a
 worker that dies breaks only its own executor: its tables of the cycle fail this cycle (their
-files stay pending; the "already committed?" rule makes the retry safe) and the executor is
-replaced before the next cycle.
+files stay pending; the "already committed?" rule makes the retry safe) and a new process
+is started when its tables' next task comes.
 """
 
 from __future__ import annotations
