@@ -75,7 +75,7 @@ from pyiceberg.io.pyarrow import PyArrowFileIO
 from pyiceberg.manifest import DataFileContent
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
-from pyiceberg.table import Table
+from pyiceberg.table import StaticTable, Table
 from pyiceberg.table.snapshots import ancestors_of
 from pyiceberg.transforms import BucketTransform, IdentityTransform, Transform
 from pyiceberg.typedef import EMPTY_DICT, Properties
@@ -401,6 +401,21 @@ def history_paths(table: Table, ref: str) -> set[str]:
         parent = head.parent_snapshot_id
         head = None if parent is None else metadata.snapshot_by_id(parent)
     return paths
+
+
+def snapshot_ids(table: Table, snapshot_id: int) -> set[int]:
+    """The ids a snapshot of ``table`` holds, read by pyiceberg's scan; from the earlier
+    metadata file that still holds it when it was expired since (the committer finds a
+    rollback's restored snapshot there when an expiry cut the branch's link to it)."""
+    source: Table = table
+    if table.metadata.snapshot_by_id(snapshot_id) is None:
+        for entry in reversed(table.metadata.metadata_log):
+            earlier = StaticTable.from_metadata(entry.metadata_file)
+            if earlier.metadata.snapshot_by_id(snapshot_id) is not None:
+                source = earlier
+                break
+    rows = source.scan(snapshot_id=snapshot_id).to_arrow()
+    return {int(i) for i in rows.column("id").to_pylist()}
 
 
 def file_ids(path: str) -> list[int]:
@@ -1309,8 +1324,7 @@ class CommitPath(World):
             # rows the pipeline's restored snapshot held are not replayed (they were not lost
             # with its snapshots): another engine's snapshot between took them out (the
             # delete of its rewrite, whose append the rollback dropped)
-            restored = table.scan(snapshot_id=pending.restored_snapshot_id).to_arrow()
-            held = removed & {int(i) for i in restored.column("id").to_pylist()}
+            held = removed & snapshot_ids(table, pending.restored_snapshot_id)
             self.discarded.update(held)
             removed -= held
         EVENTS["rollback" if replay else "rollback --no-replay"] += 1
@@ -1943,4 +1957,26 @@ def test_a_copy_of_a_row_awaiting_a_replay_when_its_table_was_dropped_may_be_qua
         machine.misplaced_batch(rows=1)
         machine.foreign_recreate(dead=False, partitioned=False)
         machine.reannounce(pick=2586)
+        machine.teardown()
+
+
+def test_a_rollback_whose_restored_snapshot_only_earlier_metadata_holds() -> None:
+    """Found by the 40-rule set (``--schedules 100 --seed 24300 --steps 40``, shrunk by hand):
+    a batch whose cycle has another engine's rewrite in between, another rewrite, the
+    pipeline's snapshot and the rewrite's ``delete`` expired, a batch, then a rollback with
+    replay. The restored state is the pipeline's snapshot the earlier metadata files link the
+    head to, expired in the current metadata; the model read that snapshot's rows with a scan
+    of the current table and failed (``Snapshot not found``). It reads them from the earlier
+    metadata file that holds the snapshot."""
+    machine = CommitPath()
+    with inline_executor():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=())
+        first = Shape(writer=0, rows=5, tasks=1, dead=0, changes={})
+        machine.foreign_commit_between(keyed=False, shape=first, what="rewrite")
+        machine.foreign_rewrite(keyed=False)
+        machine.foreign_expire(keyed=False, pick=0)
+        machine.foreign_expire(keyed=False, pick=0)
+        second = Shape(writer=0, rows=1, tasks=1, dead=0, changes={})
+        machine.foreign_commit_between(keyed=False, shape=second, what="append")
+        machine.operator_rolls_back(dead=False, pick=0, replay=True)
         machine.teardown()
