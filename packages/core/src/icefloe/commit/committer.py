@@ -88,7 +88,6 @@ from icefloe.commit.rollback import Rollback, detect, is_replay_writer, lost_cha
 from icefloe.commit.screening import Screening
 from icefloe.commit.summary import (
     FENCING_TOKEN_KEY,
-    GROUP_ID_KEY,
     SEQUENCE_NUMBER_KEY,
     RecordedCommit,
     compact_json,
@@ -99,6 +98,7 @@ from icefloe.commit.summary import (
     kept_sequence_number,
     kept_state,
     new_summary,
+    of_group,
     property_token,
     recorded_token,
     state_property,
@@ -626,8 +626,7 @@ class IcebergCommitter:
         restored snapshot holds (another engine's rewrite of them, found by the simulation)."""
         oldest = branches.oldest_of(head, table.metadata)
         for snapshot in branches.ancestors_in_log(table, oldest):
-            summary = snapshot.summary
-            if summary is not None and summary.get(GROUP_ID_KEY) == self._group_id:
+            if of_group(snapshot, self._group_id):
                 return RecordedCommit.of_snapshot(snapshot)
         return None
 
@@ -657,7 +656,8 @@ class IcebergCommitter:
         if snapshot is not None:
             if self._descends(table, head, snapshot) or self._holds(table, head, snapshot):
                 return True
-            # None: a rollback whose older history was expired, or not
+            # the earlier metadata files may tell; None: a rollback whose older history was
+            # expired, or not
             return branches.told_by_log(table, line.oldest, kept.snapshot_id, sequence)
         # nothing left to compare: taken as expired, as a rollback to a snapshot older than
         # the kept one shows in the line unless that snapshot was expired as well

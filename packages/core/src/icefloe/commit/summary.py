@@ -103,11 +103,16 @@ def find_recorded(
     whether that ancestry is cut short by expired snapshots."""
     oldest = None
     for snapshot in ancestors_of(head, metadata):
-        summary = snapshot.summary
-        if summary is not None and summary[GROUP_ID_KEY] == group_id:
+        if of_group(snapshot, group_id):
             return RecordedCommit.of_snapshot(snapshot), False
         oldest = snapshot
     return None, oldest is not None and _cut_short(oldest)
+
+
+def of_group(snapshot: Snapshot, group_id: str) -> bool:
+    """Whether ``snapshot`` is a commit of the pipeline ``group_id``."""
+    summary = snapshot.summary
+    return summary is not None and summary[GROUP_ID_KEY] == group_id
 
 
 def _cut_short(oldest: Snapshot) -> bool:
