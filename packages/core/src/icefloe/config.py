@@ -74,9 +74,9 @@ class SourceConfig(_Model):
     # a micro-batch has a fixed cost (planning, a JVM round, the driver's publish: ~0.7 s
     # here), so larger ones go faster; tasks still read at most spark.max_records_per_task
     max_records_per_batch: int | None = Field(default=500_000, gt=0)
-    # a backlog's first micro-batch reads at most this many records, each next one twice as
-    # many up to max_records_per_batch: the first commit comes in seconds, not after the
-    # largest batch (the Spark runner's source applies it)
+    # a backlog's first micro-batch reads at most this many records, the next ones up to
+    # max_records_per_batch: the first commit comes in seconds, not after the largest batch
+    # (the Spark runner's source applies it)
     first_batch_records: int | None = Field(default=50_000, gt=0)
     kafka: dict[str, str] = Field(default_factory=dict)
     reader_options: dict[str, str] = Field(default_factory=dict)

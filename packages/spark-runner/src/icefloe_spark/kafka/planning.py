@@ -389,17 +389,20 @@ class KafkaOffsetPlanner:
         return nest_offsets(end)
 
     def _ramp_limit(self, max_rows: int | None) -> int | None:
-        """The records this micro-batch may read: ``max_rows``, or less while the ramp
-        (``firstBatchRecords``) is under way: its first limit for this run's first non-empty
-        batch, doubled for each one after. Why: a run that starts on a backlog would otherwise
-        commit nothing until a whole batch of the largest size was read and written (27 s to
-        the first commit on 2 million records at 500,000 a batch). Spark checkpoints each
-        batch's end offsets, so a replayed batch keeps its size whatever the ramp says."""
+        """The records this micro-batch may read: ``max_rows``, or for this run's first
+        non-empty batch at most ``firstBatchRecords`` (the ramp). Why a small first batch: a
+        run that starts on a backlog would otherwise commit nothing until a whole batch of the
+        largest size was read and written (27 s to the first commit on 2 million records at
+        500,000 a batch). Why full size at once after it: the coordinator commits once per
+        interval whatever the batch sizes, and every further small batch costs its fixed
+        share (planning, the JVM's round, the sink's commit runner), so doubling from the
+        first size made a 2-million-record catch-up's data path 7-9 s longer
+        (docs/benchmarks.md, first commit on a backlog). Spark checkpoints each batch's end
+        offsets, so a replayed batch keeps its size whatever the ramp says."""
         first = self.options.first_batch_records
-        if first is None:
+        if first is None or self._planned:
             return max_rows
-        ramp = first << min(self._planned, 62)  # doubling; the shift keeps it an int
-        return ramp if max_rows is None else min(ramp, max_rows)
+        return first if max_rows is None else min(first, max_rows)
 
     def _data_loss(self, tp: TP, at: int, earliest: int, latest: int) -> None:
         what = (
