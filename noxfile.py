@@ -170,6 +170,7 @@ BENCH_SMOKE = {
 # other modes of a script, run after the loads above
 BENCH_SMOKE_MODES = [
     ("bench_e2e.py", "--cdc --records 2000 --warmup 200 --keys 500 --partitions 2"),
+    ("bench_e2e.py", "--rate 500 --seconds 4 --warmup 200 --partitions 2 --commit-interval 1"),
 ]
 
 

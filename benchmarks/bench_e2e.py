@@ -41,6 +41,18 @@ records the topic's end offsets; the keyed table is then checked against the fin
 events imply with two readers that are not the committer (fastavro and pyarrow over its files
 minus their position deletes, and pyiceberg's scan), and the ratio of the two rates printed.
 
+With ``--rate R`` (issue 29's latency figure) there are no ceilings: after the warm-up a
+producer process paces R events/s for ``--seconds`` (a burst of whatever is due every 5 ms,
+the wall-clock time of each burst kept as its records' produce time) while the pipeline runs
+at the configuration's commit and trigger intervals (``--commit-interval``,
+``--trigger-interval`` to vary). Once every event is committed, each one's committed time is
+the timestamp of the first snapshot that added a data file holding its id, found from the
+table's manifests and the added files' rows (pyiceberg and pyarrow, not the committer's own
+summaries), which also checks that every event was committed exactly once. Prints the
+percentiles of committed - produced, the achieved rate, the pipeline's CPU, whether it kept
+up (the latency of the stream's last quarter against its first; the events not yet
+committed when the last was produced) and a Markdown row.
+
 The ceilings read exactly the N events the pipeline was timed on, after the pipeline has
 stopped and its processes have gone quiet, so they never compete with it for the CPU.
 
@@ -71,14 +83,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
-from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.io import load_file_io
 from pyiceberg.io.pyarrow import schema_to_pyarrow
+from pyiceberg.manifest import ManifestEntryStatus
 from pyiceberg.schema import Schema
 from pyiceberg.table.snapshots import ancestors_of
 from pyiceberg.types import (
@@ -93,7 +107,14 @@ from pyiceberg.types import (
 )
 
 from icefloe.commit.summary import SOURCE_OFFSETS_KEY
-from icefloe.config import PipelineConfig, SourceConfig, SparkConfig, TableConfig, config_from_dict
+from icefloe.config import (
+    CoordinationConfig,
+    PipelineConfig,
+    SourceConfig,
+    SparkConfig,
+    TableConfig,
+    config_from_dict,
+)
 from icefloe.records.converter import RecordConverter, TargetTable
 from icefloe.records.datafiles import write_data_files
 from icefloe.testing.fixtures import postgres_catalog_database
@@ -490,24 +511,18 @@ def committed_offsets(catalog: Catalog, name: str) -> int:
     return 0
 
 
-def end_to_end(
-    bootstrap: str,
+@contextlib.contextmanager
+def warmed_up(
     config: PipelineConfig,
     catalog: Catalog,
     table_names: Sequence[str],
     warmup: int,
-    feed: Feed,
     timeout_s: float,
-    broker_pid: int,
-    cpu_detail: bool = False,
-    daemons: frozenset[int] = frozenset(),
     by_offsets: bool = False,
-) -> tuple[float, float, int, int]:
-    """Warm the pipeline up on ``warmup`` records, then time the ``feed`` records;
-    (seconds, CPU seconds of the pipeline's processes, Spark batches, snapshots) of the timed
-    part. ``daemons``: a standalone cluster's master and workers, whose CPU is reported but
-    not counted as the pipeline's. Done when the tables' committed rows (``by_offsets``: the
-    one table's committed source offsets) reach the records produced."""
+) -> Iterator[tuple[Pipeline, Callable[[int], None]]]:
+    """The pipeline started and warmed up on ``warmup`` records, with a ``wait_for(n)`` that
+    returns once the tables' committed rows (``by_offsets``: the one table's committed source
+    offsets) reach ``n``; stopped, with its Spark session, when the context ends."""
     spark = build_session(config)
     spark.sparkContext.setLogLevel("ERROR")
     pipeline = Pipeline(config, spark=spark)
@@ -529,6 +544,37 @@ def end_to_end(
 
     try:
         wait_for(warmup)
+        yield pipeline, wait_for
+    finally:
+        pipeline.stop()
+        spark.stop()
+        if pipeline.spark_log is not None:  # its directory under /tmp, kept only on errors
+            for line in sparklog.finish(pipeline.spark_log)[0]:
+                print(line, flush=True)
+
+
+def end_to_end(
+    bootstrap: str,
+    config: PipelineConfig,
+    catalog: Catalog,
+    table_names: Sequence[str],
+    warmup: int,
+    feed: Feed,
+    timeout_s: float,
+    broker_pid: int,
+    cpu_detail: bool = False,
+    daemons: frozenset[int] = frozenset(),
+    by_offsets: bool = False,
+) -> tuple[float, float, int, int]:
+    """Warm the pipeline up on ``warmup`` records, then time the ``feed`` records;
+    (seconds, CPU seconds of the pipeline's processes, Spark batches, snapshots) of the timed
+    part. ``daemons``: a standalone cluster's master and workers, whose CPU is reported but
+    not counted as the pipeline's. Done when the tables' committed rows (``by_offsets``: the
+    one table's committed source offsets) reach the records produced."""
+    with warmed_up(config, catalog, table_names, warmup, timeout_s, by_offsets) as (
+        pipeline,
+        wait_for,
+    ):
         batches0 = pipeline.stats.batches
         snaps0 = snapshot_count(catalog, table_names)
         # generated before the clock starts, in another process: making JSON in Python is
@@ -550,14 +596,181 @@ def end_to_end(
         batches = pipeline.stats.batches - batches0
         assert pipeline.query is not None
         report_batches(pipeline.query.recentProgress[-batches:])
-    finally:
-        pipeline.stop()
-        spark.stop()
-        if pipeline.spark_log is not None:  # its directory under /tmp, kept only on errors
-            for line in sparklog.finish(pipeline.spark_log)[0]:
-                print(line, flush=True)
     snapshots = snapshot_count(catalog, table_names) - snaps0
     return seconds, cpu, batches, snapshots
+
+
+# --rate: the paced producer hands the client whatever is due every BURST_S seconds
+BURST_S = 0.005
+
+
+def produce_paced(
+    bootstrap: str, feed: Feed, rate: float, ready: Any, go: Any, produced: Any, out: Any
+) -> None:
+    """In a child process: make the events, say so, and on ``go`` produce them at ``rate``
+    records/s in small bursts (every :data:`BURST_S`, whatever is due by then), counting them
+    in ``produced``. Each burst's wall-clock time, taken just before its records are handed
+    to the client, is their produce time; ``[(first index, count, time)]`` and the delivery
+    failures go to ``out``. A burst, not a record, is timed: per-record clock reads would cost
+    more than the produce calls."""
+    made = [value for _, value in feed.records()]
+    failures: list[str] = []
+
+    def report(err: Any, _msg: Any) -> None:
+        if err is not None:
+            failures.append(str(err))
+
+    # the client's defaults (linger.ms 5) but for what the other producers here set
+    client = Producer({"bootstrap.servers": bootstrap, "acks": "all", "compression.type": "lz4"})
+    bursts: list[tuple[int, int, float]] = []
+    sent = 0
+    ready.set()
+    go.wait()
+    t0 = time.time()
+    while sent < len(made):
+        now = time.time()
+        due = min(len(made), int((now - t0) * rate) + 1)
+        if due > sent:
+            bursts.append((sent, due - sent, now))
+            for value in made[sent:due]:
+                while True:
+                    try:
+                        client.produce(feed.topic, value=value, on_delivery=report)
+                        break
+                    except BufferError:  # the local queue is full: let deliveries drain
+                        client.poll(0.01)
+            sent = due
+            produced.value = sent
+        client.poll(0)
+        time.sleep(max(0.0, max(t0 + sent / rate, now + BURST_S) - time.time()))
+    left = client.flush(60)
+    if left:
+        failures.append(f"{left} records undelivered")
+    out.put((bursts, failures))
+
+
+def first_commits(catalog: Catalog, name: str, first: int, n: int) -> tuple[Any, int]:
+    """When each of the events ``first .. first + n - 1`` was committed: the timestamp (s) of
+    the first snapshot that added a data file holding its ``id``, read from the table's
+    metadata and the added files' rows (pyiceberg's manifest reader and pyarrow, not the
+    committer's summaries: the figure is then independent of the code it measures); NaN for
+    an event no snapshot holds. Also how many extra copies of events append snapshots added
+    (exactly once: 0)."""
+    table = catalog.load_table(name)
+    committed = np.full(n, np.nan)
+    copies = np.zeros(n, dtype=np.int64)
+    for snap in sorted(table.snapshots(), key=lambda s: s.sequence_number or 0):
+        appended = snap.summary is not None and snap.summary.operation.value == "append"
+        for manifest in snap.manifests(table.io):
+            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True):
+                if (
+                    entry.status != ManifestEntryStatus.ADDED
+                    or entry.snapshot_id != snap.snapshot_id
+                ):
+                    continue
+                with table.io.new_input(entry.data_file.file_path).open() as f:
+                    ids = pq.read_table(f, columns=["id"]).column("id").to_numpy() - first
+                ids = ids[(ids >= 0) & (ids < n)]
+                fresh = ids[np.isnan(committed[ids])]
+                committed[fresh] = snap.timestamp_ms / 1000
+                if appended:
+                    np.add.at(copies, ids, 1)
+    return committed, int(np.maximum(copies - 1, 0).sum())
+
+
+def run_latency(
+    args: argparse.Namespace,
+    root: Path,
+    props: dict[str, str],
+    bootstrap: str,
+    catalog: Catalog,
+    broker_pid: int,
+) -> None:
+    """``--rate``: after the usual warm-up, a producer process paces ``--rate`` events/s for
+    ``--seconds`` while the pipeline runs (by default at the configuration's commit and
+    trigger intervals); once all are committed, each event's latency is its first commit's
+    snapshot timestamp minus its produce time (:func:`first_commits`). Prints the latency's
+    percentiles, the achieved rate, the pipeline's CPU, whether it kept up, and a Markdown
+    row for docs/benchmarks.md."""
+    create_topic(bootstrap, TOPIC, args.partitions)
+    produce(bootstrap, TOPIC, events(0, args.warmup))
+    name = "bench.latency"
+    make_table(catalog, name)
+    n = round(args.rate * args.seconds)
+    feed = Feed(TOPIC, args.warmup, n)
+    with spark_for(args, root) as spark:
+        config = pipeline_config(args, bootstrap, props, spark, TOPIC, [{"name": name}], root)
+        with warmed_up(config, catalog, [name], args.warmup, args.timeout) as (pipeline, wait_for):
+            batches0 = pipeline.stats.batches
+            snaps0 = snapshot_count(catalog, [name])
+            spawn = multiprocessing.get_context("spawn")
+            ready, go, out = spawn.Event(), spawn.Event(), spawn.Queue()
+            produced = spawn.Value("q", 0)
+            producer = spawn.Process(
+                target=produce_paced,
+                args=(bootstrap, feed, args.rate, ready, go, produced, out),
+            )
+            producer.start()
+            ready.wait()
+            skip = {broker_pid, producer.pid or -1}
+            cpu0, t0 = cpu_seconds(skip, args.cpu_detail, spark.daemons), time.time()
+            go.set()
+            while produced.value < n:  # the committed lag, sampled while the stream runs
+                if not producer.is_alive():
+                    raise RuntimeError(f"the producer died after {produced.value} records")
+                time.sleep(0.2)
+            lag = n + args.warmup - committed_rows(catalog, [name])
+            bursts, failures = out.get(timeout=120)
+            producer.join()
+            if failures:
+                raise RuntimeError(f"{len(failures)} produce failures: {failures[:3]}")
+            wait_for(args.warmup + n)
+            wall = time.time() - t0
+            by_kind = cpu_used(cpu0, cpu_seconds(skip, args.cpu_detail, spark.daemons))
+            batches = pipeline.stats.batches - batches0
+        snaps = snapshot_count(catalog, [name]) - snaps0
+    produced_at = np.repeat([b[2] for b in bursts], [b[1] for b in bursts])
+    last = bursts[-1][2]
+    drained = t0 + wall - last
+    committed, copies = first_commits(catalog, name, args.warmup, n)
+    if np.isnan(committed).any() or copies:
+        raise SystemExit(
+            f"{int(np.isnan(committed).sum())} events never committed, {copies} extra copies"
+        )
+    latency = committed - produced_at
+    p50, p90, p99, top = np.percentile(latency, [50, 90, 99, 100])
+    quarter = max(n // 4, 1)
+    early, late = np.median(latency[:quarter]), np.median(latency[-quarter:])
+    interval = config.coordination.commit_interval_s
+    trigger = config.spark.trigger_interval_s
+    kept_up = late <= early + interval / 2
+    achieved = n / max(last - bursts[0][2], 1e-9)
+    cpu = sum(v for k, v in by_kind.items() if not k.startswith(DAEMONS))
+    load = os.getloadavg()
+    print(f"CPU by kind : {by_kind}", flush=True)
+    print(
+        f"stream      : {n:,} events asked at {args.rate:,.0f}/s over {args.seconds:g} s, "
+        f"produced at {achieved:,.0f}/s in {len(bursts):,} bursts; commit interval "
+        f"{interval:g} s, trigger {trigger:g} s; {batches} Spark batches, {snaps} snapshots\n"
+        f"latency     : produce -> committed p50 {p50:.2f} s, p90 {p90:.2f} s, p99 {p99:.2f} s, "
+        f"max {top:.2f} s (every event committed once)\n"
+        f"kept up     : {'yes' if kept_up else 'NO'} - p50 of the first quarter {early:.2f} s, "
+        f"of the last {late:.2f} s; {lag:,} events ({lag / args.rate:.1f} s of the stream) "
+        f"not yet committed when the last was produced, all committed {drained:.1f} s after\n"
+        f"CPU         : {cpu:.1f} s over {wall:.1f} s = {cpu / wall:.2f} cores, "
+        f"{cpu / n * 1e5:.2f} s per 100k events (broker and producer not counted); "
+        f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}",
+        flush=True,
+    )
+    cmd = "python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
+    print("\nMarkdown row for docs/benchmarks.md:")
+    print(
+        f"| {datetime.now(UTC):%Y-%m-%d} | `{cmd.strip()}` | {args.rate:,.0f} / {achieved:,.0f} | "
+        f"{n:,} | {interval:g} s, {trigger:g} s | {p50:.2f} | {p90:.2f} | {p99:.2f} | {top:.2f} | "
+        f"{'yes' if kept_up else 'no'}: {lag:,} at the end, drained in {drained:.1f} s | "
+        f"{cpu / wall:.2f} cores, {cpu / n * 1e5:.2f} s / 100k | "
+        f"{os.cpu_count()} cores, load {load[0]:.1f}, {platform.python_version()} |"
+    )
 
 
 def report_batches(progress: Sequence[Any]) -> None:
@@ -752,7 +965,26 @@ def main() -> None:
         help="run Spark on a standalone cluster of N 1-core workers started here",
     )
     ap.add_argument("--data-path", default="ranges", choices=("ranges", "records"))
-    ap.add_argument("--commit-interval", type=float, default=2.0)
+    ap.add_argument(
+        "--commit-interval",
+        type=float,
+        default=None,
+        help="coordination.commit_interval_s (default: 2; with --rate the configuration's)",
+    )
+    ap.add_argument(
+        "--trigger-interval",
+        type=float,
+        default=None,
+        help="spark.trigger_interval_s (default: 0, back to back; with --rate the configuration's)",
+    )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="latency instead of throughput: produce this many events/s, paced, for "
+        "--seconds while the pipeline runs, and report produce -> committed percentiles",
+    )
+    ap.add_argument("--seconds", type=float, default=60.0, help="--rate: how long to produce")
     ap.add_argument("--cpu-detail", action="store_true", help="CPU seconds per process")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--dir", type=Path, default=None, help="work directory (default: a temp dir)")
@@ -771,6 +1003,16 @@ def main() -> None:
         "which with --store s3 is all a --cluster shares besides the broker",
     )
     args = ap.parse_args()
+    # a throughput run keeps the pipeline busy; a latency run measures what a user's
+    # defaults give
+    if args.commit_interval is None:
+        args.commit_interval = (
+            CoordinationConfig.model_fields["commit_interval_s"].default if args.rate else 2.0
+        )
+    if args.trigger_interval is None:
+        args.trigger_interval = (
+            SparkConfig.model_fields["trigger_interval_s"].default if args.rate else 0.0
+        )
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
     root = args.dir or Path(tempfile.mkdtemp(prefix="icefloe-bench-"))
@@ -861,7 +1103,7 @@ def pipeline_config(
             "spark": {
                 "master": spark.master,
                 "checkpoint_location": str(work / "checkpoint"),
-                "trigger_interval_s": 0,
+                "trigger_interval_s": args.trigger_interval,
                 "data_path": args.data_path,
                 "max_records_per_task": args.task_records,
                 "conf": {"spark.ui.enabled": "false", **spark.conf},
@@ -878,6 +1120,9 @@ def run(args: argparse.Namespace, root: Path, props: dict[str, str]) -> None:
         catalog = load_catalog("bench", **props)
         if args.cdc:
             run_cdc(args, root, props, bootstrap, catalog, broker.proc.pid)
+            return
+        if args.rate:
+            run_latency(args, root, props, bootstrap, catalog, broker.proc.pid)
             return
         create_topic(bootstrap, TOPIC, args.partitions)
         produce(bootstrap, TOPIC, events(0, args.warmup))
