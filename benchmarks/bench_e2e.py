@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -88,6 +89,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
+import sqlalchemy as sa
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.io import load_file_io
@@ -106,7 +108,7 @@ from pyiceberg.types import (
     TimestamptzType,
 )
 
-from icefloe.commit.summary import SOURCE_OFFSETS_KEY
+from icefloe.commit.summary import COMMIT_ID_KEY, SOURCE_OFFSETS_KEY
 from icefloe.config import (
     CoordinationConfig,
     PipelineConfig,
@@ -173,10 +175,15 @@ def event_row(rng: random.Random, key: int, i: int) -> dict[str, Any]:
     }
 
 
-def events(first: int, n: int) -> Iterator[tuple[bytes | None, bytes]]:
+def events(first: int, n: int, tenants: int = 0) -> Iterator[tuple[bytes | None, bytes]]:
+    """``n`` events from ``first`` on; with ``tenants`` each also names its table for
+    ``[dynamic_tables]`` (``"tenant": "t<id mod tenants>"``, about 15 bytes more)."""
     rng = random.Random(first)
     for i in range(first, first + n):
-        yield None, json.dumps(event_row(rng, i, i)).encode()
+        row = event_row(rng, i, i)
+        if tenants:
+            row["tenant"] = f"t{i % tenants}"
+        yield None, json.dumps(row).encode()
 
 
 # --cdc: the keyed table holds the events' rows by id; the append table takes the change
@@ -447,10 +454,11 @@ class Feed:
     n: int
     keys: int = 0
     deletes: float = 0.0
+    tenants: int = 0
 
     def records(self) -> Iterator[tuple[bytes | None, bytes]]:
         if not self.keys:
-            return events(self.first, self.n)
+            return events(self.first, self.n, self.tenants)
         return (
             (str(key).encode(), json.dumps(change).encode())
             for key, change in change_events(self.n, self.keys, self.deletes)
@@ -481,12 +489,15 @@ def snapshot_count(catalog: Catalog, names: Sequence[str]) -> int:
 
 
 def target_tables(n: int) -> list[dict[str, Any]]:
-    """The pipeline's ``[[tables]]``: one table, or ``n`` (at most 10) routed by the last
-    digit of the event id, so each takes a tenth (or so) of the events."""
+    """The pipeline's ``[[tables]]``: one table, or ``n`` up to :data:`ROUTED_MAX` routed by
+    the last digit of the event id, so each takes a tenth (or so) of the events; none for
+    more (those go through ``[dynamic_tables]``: :func:`dynamic_tables`)."""
     if n == 1:
         return [{"name": "bench.e2e"}]
-    if not 1 < n <= 10:
-        raise SystemExit("--tables: 1 to 10")
+    if n > ROUTED_MAX:
+        return []
+    if n < 1:
+        raise SystemExit("--tables: at least 1")
     digits = [[d for d in range(10) if d % n == k] for k in range(n)]
     return [
         {
@@ -496,6 +507,61 @@ def target_tables(n: int) -> list[dict[str, Any]]:
         }
         for k, ds in enumerate(digits)
     ]
+
+
+# --tables above this: [dynamic_tables] by the events' "tenant" field, as a stream fanned out
+# to a table per tenant is configured (a regex per table would cost a pass per table)
+ROUTED_MAX = 10
+
+
+def _total_records(catalog: Catalog, location: str) -> int:
+    """The current snapshot's ``total-records`` from a metadata file, parsed as plain JSON:
+    pyiceberg's model of the whole metadata costs several times more, and this runs in the
+    driver's process, whose CPU the benchmark counts as the pipeline's."""
+    with load_file_io(catalog.properties, location).new_input(location).open() as f:
+        meta = json.load(f)
+    current = meta.get("current-snapshot-id")
+    for snap in meta.get("snapshots", []):
+        if snap["snapshot-id"] == current:
+            return int(snap.get("summary", {}).get("total-records") or 0)
+    return 0
+
+
+def table_names(n: int) -> list[str]:
+    """Every table the run writes: the routed ones, or the dynamic ``bench.t<k>``."""
+    if n > ROUTED_MAX:
+        return [f"bench.t{k}" for k in range(n)]
+    return [t["name"] for t in target_tables(n)]
+
+
+class CommittedRows:
+    """The rows committed to many tables, cheaply enough to poll: the SQL catalog's
+    metadata locations in one query, and a table's ``total-records`` read again only when
+    its location changed. Why not ``load_table`` per table: at 1,000 tables each poll would
+    load 1,000 tables, competing with the pipeline for the CPU it is measured on. Reads
+    pyiceberg's SQL catalog table (``iceberg_tables``) directly: a benchmark's shortcut."""
+
+    def __init__(self, catalog: Catalog, names: Sequence[str]) -> None:
+        self._catalog = catalog
+        self._names = {tuple(n.rsplit(".", 1)) for n in names}
+        self._rows: dict[str, int] = {}  # metadata location -> total-records
+
+    def __call__(self) -> int:
+        query = sa.text(
+            "SELECT table_namespace, table_name, metadata_location FROM iceberg_tables "
+            "WHERE catalog_name = :name"
+        )
+        engine = self._catalog.engine  # type: ignore[attr-defined]
+        with engine.connect() as conn:
+            rows = conn.execute(query, {"name": self._catalog.name}).all()
+        total = 0
+        for namespace, table, location in rows:
+            if (namespace, table) not in self._names or location is None:
+                continue
+            if location not in self._rows:
+                self._rows[location] = _total_records(self._catalog, location)
+            total += self._rows[location]
+        return total
 
 
 def committed_offsets(catalog: Catalog, name: str) -> int:
@@ -528,9 +594,14 @@ def warmed_up(
     pipeline = Pipeline(config, spark=spark)
     pipeline.start()
 
+    many = len(table_names) > ROUTED_MAX
+    counter = CommittedRows(catalog, table_names) if many else None
+
     def committed() -> int:
         if by_offsets:
             return sum(committed_offsets(catalog, name) for name in table_names)
+        if counter is not None:
+            return counter()
         return committed_rows(catalog, table_names)
 
     def wait_for(rows: int) -> None:
@@ -540,7 +611,7 @@ def warmed_up(
                 raise TimeoutError(f"{committed()} of {rows} records")
             if pipeline.query is not None and not pipeline.query.isActive:
                 raise RuntimeError(f"query failed: {pipeline.query.exception()}")
-            time.sleep(0.05)
+            time.sleep(0.5 if many else 0.05)
 
     try:
         wait_for(warmup)
@@ -773,6 +844,32 @@ def run_latency(
     )
 
 
+def report_cycles(catalog: Catalog, names: Sequence[str]) -> None:
+    """How long each commit cycle took to commit its tables, from the tables' own snapshots
+    (each records the cycle's commit id; the span is its first table's commit to its last)
+    and how far apart the cycles started: whether many tables keep the commit interval."""
+    stamps: dict[str, list[int]] = defaultdict(list)
+    for name in names:
+        for snap in catalog.load_table(name).snapshots():
+            cid = (snap.summary.additional_properties if snap.summary else {}).get(COMMIT_ID_KEY)
+            if cid:
+                stamps[cid].append(snap.timestamp_ms)
+    cycles = sorted((min(t), max(t), len(t)) for t in stamps.values())
+    spans = sorted((hi - lo) / 1000 for lo, hi, _ in cycles)
+    gaps = sorted((b[0] - a[0]) / 1000 for a, b in itertools.pairwise(cycles))
+    tables = sorted(n for _, _, n in cycles)
+    if not cycles:
+        return
+    print(
+        f"cycles      : {len(cycles)}, tables per cycle median {tables[len(tables) // 2]} "
+        f"(max {tables[-1]}); first to last table commit of a cycle p50 "
+        f"{spans[len(spans) // 2]:.1f} s, max {spans[-1]:.1f} s; cycle starts apart p50 "
+        f"{gaps[len(gaps) // 2] if gaps else float('nan'):.1f} s, max "
+        f"{gaps[-1] if gaps else float('nan'):.1f} s",
+        flush=True,
+    )
+
+
 def report_batches(progress: Sequence[Any]) -> None:
     """Where a micro-batch's time goes, from Spark's own progress reports (medians)."""
     timed = [p for p in progress if p.get("numInputRows")]
@@ -914,7 +1011,19 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=500_000)
     ap.add_argument("--warmup", type=int, default=20_000, help="untimed records first")
     ap.add_argument("--partitions", type=int, default=4)
-    ap.add_argument("--tables", type=int, default=1, help="target tables, routed (1-10)")
+    ap.add_argument(
+        "--tables",
+        type=int,
+        default=1,
+        help=f"target tables: up to {ROUTED_MAX} routed by the id's last digit, more through "
+        "[dynamic_tables] by a tenant field the events then carry",
+    )
+    ap.add_argument(
+        "--commit-processes",
+        type=int,
+        default=0,
+        help="coordination.commit_processes (0: the coordinator's process commits)",
+    )
     ap.add_argument(
         "--batch",
         type=int,
@@ -1094,10 +1203,16 @@ def pipeline_config(
                 "first_batch_records": args.first_batch,
             },
             "tables": targets,
+            **(
+                {"dynamic_tables": {"route_field": "tenant", "namespace": "bench"}}
+                if args.tables > ROUTED_MAX
+                else {}
+            ),
             "catalog": {"name": "bench", "properties": props},
             "coordination": {
                 "backend": args.backend,
                 "commit_interval_s": args.commit_interval,
+                "commit_processes": args.commit_processes,
                 args.backend: backend_section,
             },
             "spark": {
@@ -1124,22 +1239,24 @@ def run(args: argparse.Namespace, root: Path, props: dict[str, str]) -> None:
         if args.rate:
             run_latency(args, root, props, bootstrap, catalog, broker.proc.pid)
             return
+        tenants = args.tables if args.tables > ROUTED_MAX else 0
         create_topic(bootstrap, TOPIC, args.partitions)
-        produce(bootstrap, TOPIC, events(0, args.warmup))
+        produce(bootstrap, TOPIC, events(0, args.warmup, tenants))
         warm_ends = end_offsets(bootstrap, TOPIC)
         make_table(catalog, "bench.ceiling")
         targets = target_tables(args.tables)
-        for target in targets:
-            make_table(catalog, target["name"])
+        names = table_names(args.tables)
+        for name in names:
+            make_table(catalog, name)
         with spark_for(args, root) as spark:
             config = pipeline_config(args, bootstrap, props, spark, TOPIC, targets, root)
             e_s, e_cpu, batches, snaps = end_to_end(
                 bootstrap,
                 config,
                 catalog,
-                [t["name"] for t in targets],
+                names,
                 args.warmup,
-                Feed(TOPIC, args.warmup, args.records),
+                Feed(TOPIC, args.warmup, args.records, tenants=tenants),
                 args.timeout,
                 broker.proc.pid,
                 args.cpu_detail,
@@ -1151,6 +1268,8 @@ def run(args: argparse.Namespace, root: Path, props: dict[str, str]) -> None:
             f"({batches} Spark batches, {snaps} snapshots), {e_cpu:.1f} CPU s",
             flush=True,
         )
+        if tenants:
+            report_cycles(catalog, names)
         ceilings: dict[str, Callable[[], tuple[float, int]]] = {
             "pyarrow": lambda: arrow_ceiling(
                 bootstrap, props, f"{props['warehouse']}/ceiling-parquet", args.write, warm_ends
