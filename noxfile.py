@@ -162,7 +162,7 @@ BENCH_SMOKE = {
     "bench_health.py": "--repeats 1 --only kafka",  # the kafka cases need no other server
     "bench_merge.py": "--tasks 2 --partitions 2 --records 200 --cycles 1",
     "bench_soak.py": "--minutes 0.75 --every 3 --window 0.25 --lag 2000 --partitions 2",
-    "bench_startup.py": "--repeats 1",
+    "bench_startup.py": "--repeats 1 --backlog 2000 --until-all",
     "bench_summary.py": "--writer-ids 8 --live 4 --commits 3",
     "bench_upsert.py": "--rows 2000 --files 2 --updates 100",
     "tansu_stuck_transactions.py": "--producers 2 --rounds 1 --threads 2",
@@ -171,6 +171,7 @@ BENCH_SMOKE = {
 BENCH_SMOKE_MODES = [
     ("bench_e2e.py", "--cdc --records 2000 --warmup 200 --keys 500 --partitions 2"),
     ("bench_e2e.py", "--rate 500 --seconds 4 --warmup 200 --partitions 2 --commit-interval 1"),
+    ("bench_e2e.py", "--tables 12 --records 2000 --warmup 200 --partitions 2 --write 1000"),
 ]
 
 
