@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
 from icefloe.coordination.processes import CommitAnswer, CommitTask, CommitWorker, WorkerSpec
@@ -83,7 +84,33 @@ class SparkCommitters:
         return self._group
 
     def start(self) -> None:
-        """Nothing to start: Spark starts (and restarts) the Python workers."""
+        """Warm the Python workers up in the background (called when the coordinator becomes
+        leader): a job of ``tasks`` tasks that only builds each worker's committer, so the
+        first cycle does not wait as long for workers to start, import pyiceberg and open the
+        catalog (docs/benchmarks.md). Spark keeps idle Python workers for later tasks; a
+        failure here only costs that wait."""
+        self._background().submit(self._warm)
+
+    def _warm(self) -> None:
+        try:
+            context = self._session().sparkContext
+            self._label(context, "start its committers")
+            warm = functools.partial(warm_slices, self._key, self._spec)
+            context.parallelize(range(self._tasks), self._tasks).mapPartitions(warm).count()
+        except Exception as exc:
+            log.info("Spark committers not warmed up (the first cycle will): %s", _cause(exc))
+
+    def _background(self) -> ThreadPoolExecutor:
+        if self._jobs is None:
+            self._jobs = ThreadPoolExecutor(1, thread_name_prefix="icefloe-commit-job")
+        return self._jobs
+
+    def _label(self, context: SparkContext, what: str) -> None:
+        """Put the next job of this thread in our job group and scheduler pool."""
+        context.setJobGroup(
+            self._group, f"icefloe {self._spec.group_id}: {what}", interruptOnCancel=False
+        )
+        context.setLocalProperty("spark.scheduler.pool", self._scheduler_pool)
 
     def worker_of(self, table: str) -> int:
         """Always 0: a table has no worker of its own (any task of a job may commit it)."""
@@ -108,9 +135,7 @@ class SparkCommitters:
         batch = [(t, f) for t, f in queued if f.set_running_or_notify_cancel()]
         if not batch:
             return
-        if self._jobs is None:
-            self._jobs = ThreadPoolExecutor(1, thread_name_prefix="icefloe-commit-job")
-        self._jobs.submit(self._resolve, batch)
+        self._background().submit(self._resolve, batch)
 
     def close(self) -> None:
         """Cancel what was never handed out; wait for a running job."""
@@ -144,12 +169,7 @@ class SparkCommitters:
         """One Spark job committing ``tasks``: their answers by index."""
         context = self._session().sparkContext
         slices = spread(tasks, self._tasks)
-        context.setJobGroup(
-            self._group,
-            f"icefloe {self._spec.group_id}: commit {len(tasks)} table(s)",
-            interruptOnCancel=False,
-        )
-        context.setLocalProperty("spark.scheduler.pool", self._scheduler_pool)
+        self._label(context, f"commit {len(tasks)} table(s)")
         run = functools.partial(commit_slices, self._key, self._spec)
         rdd = context.parallelize(slices, len(slices))
         return dict(rdd.mapPartitions(run).collect())
@@ -204,6 +224,12 @@ def _committer(key: str, spec: WorkerSpec) -> CommitWorker:
     else:
         _committers.move_to_end(key)
     return worker
+
+
+def warm_slices(key: str, spec: WorkerSpec, items: Iterable[int]) -> Iterator[int]:
+    """A warm-up task's body: build this Python worker's committer, commit nothing."""
+    _committer(key, spec)
+    return iter(items)
 
 
 def commit_slices(
