@@ -7,6 +7,9 @@ files, not through the committer."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,6 +161,35 @@ def test_python_worker_killed_after_its_commit_leaves_every_table_committed_once
     pipe.assert_rows_once()
     for t in TABLES:
         assert pipe.snapshots(t) == 1, t
+
+
+@pytest.mark.spark  # starts a JVM of its own in a child process (no fixture)
+def test_a_task_retried_by_spark_after_its_worker_died_commits_nothing_twice(
+    tmp_path: Path,
+) -> None:
+    """With task retries (``local[2,2]``), a Python worker killed right after its table's
+    commit landed fails only that task attempt: Spark runs the task again, the retry finds
+    the landed commit by its commit id, and the cycle ends with no table failed, every table
+    committed once (``commit_tasks_retry_proc.py``, in a child: one JVM per process)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("commit_tasks_retry_proc.py")),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert lines, proc.stdout[-3000:]
+    out = json.loads(lines[-1].removeprefix("RESULT "))
+    assert out["killed"], "the Python worker was not killed"
+    assert out["failed"] == {}
+    assert out["committed"][out["victim"]] is None, "the landed commit was made again"
+    assert set(out["snapshots"].values()) == {1}
+    assert out["stored"]
 
 
 def test_deposed_leaders_commit_job_is_refused_per_table(pipe: _Pipeline) -> None:
