@@ -12,6 +12,10 @@
     # tables run at the same time where SQLite's one write lock serialises them
     python benchmarks/bench_coordinator.py --writers 16 --tables 100 --files 200 --cycles 5 \
         --commit-processes 4 --catalog postgresql+psycopg://postgres@127.0.0.1:5432/test
+    # ... by Spark tasks (spark.commit_tasks): one Spark job of 2 tasks per cycle, on a local
+    # Spark session of 2 cores started by the benchmark (local[2])
+    python benchmarks/bench_coordinator.py --writers 16 --tables 100 --files 200 --cycles 5 \
+        --commit-tasks 2
 
 A simulation of a pipeline without Spark, on the real code paths:
 
@@ -54,6 +58,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -249,6 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         "e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test (a catalog name per run)",
     )
     parser.add_argument(
+        "--commit-tasks",
+        type=int,
+        default=0,
+        help="Spark tasks committing a cycle's tables (spark.commit_tasks), on a local Spark "
+        "session of that many cores",
+    )
+    parser.add_argument(
         "--commit-parallelism",
         type=int,
         default=1,
@@ -307,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             commit_cpu.append(time.process_time() - cpu)
 
     backend = open_backend(args.backend, options, group)
+    spark = spark_committers(args.commit_tasks) if args.commit_tasks else None
     coordinator = Coordinator(
         group,
         backend.coordinator("bench-coordinator"),
@@ -320,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             catalog=catalog_spec,
         ),
         hooks=CoordinatorHooks(before_table_commit=before, after_iceberg_commits=after),
+        committers=spark[0] if spark is not None else None,
     )
     profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU, not waits
     cycle_times: list[float] = []
@@ -386,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
             if proc.is_alive():
                 proc.kill()
         coordinator.close()
+        if spark is not None:
+            spark[1].stop()
         backend.close()
         if broker is not None:
             broker.stop()
@@ -395,6 +411,28 @@ def main(argv: list[str] | None = None) -> int:
 
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def spark_committers(tasks: int) -> tuple[Callable[[Any], Any], Any]:
+    """A local Spark session of ``tasks`` cores and the committers factory that commits on
+    it (``spark.commit_tasks``, as ``icefloe run`` builds them); imported here only, so the
+    other runs need no Spark."""
+    from icefloe_spark.committers import SparkCommitters
+    from icefloe_spark.runtime import jvm
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    session = jvm.session(
+        {
+            "spark.master": f"local[{tasks}]",
+            "spark.app.name": "bench-coordinator",
+            "spark.ui.enabled": "false",
+            "spark.scheduler.mode": "FAIR",
+            "spark.ui.showConsoleProgress": "false",
+        }
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    return (lambda spec: SparkCommitters(lambda: session, tasks, spec)), session
 
 
 def catalog_of(uri: str, path: Path) -> CatalogSpec:
@@ -408,19 +446,26 @@ def catalog_of(uri: str, path: Path) -> CatalogSpec:
 
 
 def committers_cpu_s(own: float) -> float:
-    """CPU seconds of this process (``own``) and of its live child processes that are not
-    writers (the committer processes), read from /proc (0 for them elsewhere)."""
-    total = own
+    """CPU seconds of this process (``own``) and of its live descendants that are not
+    writers (the committer processes; with ``--commit-tasks`` Spark's JVM and its Python
+    workers), read from /proc (0 for them elsewhere)."""
+    writers = {c.pid for c in mp.active_children() if c.name.startswith("bench-writer")}
     tick = os.sysconf("SC_CLK_TCK")
-    for child in mp.active_children():
-        if child.name.startswith("bench-writer"):
-            continue
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, CPU seconds)
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            with open(f"/proc/{child.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    total, todo = own, [c for c in children.get(os.getpid(), []) if c not in writers]
+    while todo:
+        pid = todo.pop()
+        total += stats[pid][1]
+        todo += children.get(pid, [])
     return total
 
 
@@ -483,7 +528,8 @@ def report(
     print(
         f"backend={args.backend} writers={args.writers} files/cycle={args.files} "
         f"tables={args.tables} commit_parallelism={args.commit_parallelism} "
-        f"commit_processes={args.commit_processes} catalog={args.catalog.split('://')[0]} "
+        f"commit_processes={args.commit_processes} commit_tasks={args.commit_tasks} "
+        f"catalog={args.catalog.split('://')[0]} "
         f"cycles={args.cycles} processes={args.processes} plain_table={args.plain_table} "
         f"retain_last={args.retain_last} "
         f"cpus={os.cpu_count()} python={platform.python_version()} load(1m)={load:.1f}"
@@ -497,11 +543,16 @@ def report(
         f"coordinator CPU per cycle p50 {ms(cpu50)}, p99 {ms(percentile(cycles_cpu, 0.99))}; "
         f"per table {cpu50 / args.tables * 1000:.1f} ms"
     )
-    if args.commit_processes:
+    if args.commit_processes or args.commit_tasks:
         all50 = percentile(committers_cpu, 0.5)
+        who = (
+            f"{args.commit_processes} committer processes"
+            if args.commit_processes
+            else f"Spark's JVM and Python workers, {args.commit_tasks} tasks"
+        )
         print(
-            f"committers CPU per cycle (coordinator + {args.commit_processes} committer "
-            f"processes) p50 {ms(all50)}; per table {all50 / args.tables * 1000:.1f} ms"
+            f"committers CPU per cycle (coordinator + {who}) p50 {ms(all50)}; "
+            f"per table {all50 / args.tables * 1000:.1f} ms"
         )
     print(f"commit p50 {ms(percentile(commits, 0.5))}, p99 {ms(percentile(commits, 0.99))}")
     print(f"commit CPU p50 {ms(percentile(cpu, 0.5))}, p99 {ms(percentile(cpu, 0.99))}")

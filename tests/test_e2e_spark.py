@@ -219,6 +219,29 @@ def test_each_data_path_commits_every_record_once_with_partitions_split_over_tas
     assert_exactly_once(catalog, TABLE, range(300))
 
 
+def test_commit_tasks_commit_on_the_executors_every_record_once(
+    spark: Any,
+    kafka_broker: EmbeddedKafkaBroker,
+    catalog_properties: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """``spark.commit_tasks``: the driver's coordinator commits each cycle as a Spark job
+    (the job group of the pipeline's committers), every record once."""
+    bootstrap = kafka_broker.bootstrap_servers
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    name = f"e2e-tasks-{uuid.uuid4().hex[:10]}"
+    data = pipeline_dict(name, kafka_broker, topic, catalog_properties, "kafka", tmp_path / "c")
+    data["spark"]["commit_tasks"] = 2
+    produce_json(bootstrap, topic, range(300))
+    with Pipeline(config_from_dict(data), spark=spark, source_extra_options=SOURCE_OPTIONS) as p:
+        wait_until(lambda: committed_rows(catalog) >= 300, WAIT_S, "all 300 rows")
+        (committers,) = p.spark_committers
+    jobs = spark.sparkContext.statusTracker().getJobIdsForGroup(committers.job_group)
+    assert len(jobs) > len(group_snapshots(catalog, TABLE, name)) >= 1  # and a warm-up
+    assert_exactly_once(catalog, TABLE, range(300))
+
+
 def batch_sizes(progress: Sequence[Mapping[str, Any]]) -> list[int]:
     """Offsets each batch spanned (its one partition's end minus start)."""
     out = []

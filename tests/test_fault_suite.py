@@ -149,7 +149,14 @@ def test_tally_sees_keys_routed_to_the_wrong_table(sqlite_catalog: Catalog) -> N
 
 
 @pytest.mark.parametrize(
-    "scenario", ["kill-after-commit", "paused-leader", "checkpoint-loss", "kill-committers"]
+    "scenario",
+    [
+        "kill-after-commit",
+        "paused-leader",
+        "checkpoint-loss",
+        "kill-committers",
+        "kill-commit-tasks",
+    ],
 )
 def test_scenarios_are_registered(scenario: str) -> None:
     from tests.faults.scenarios import REGISTRY

@@ -113,6 +113,24 @@ class Tree:
                 continue
         return out
 
+    def python_workers(self) -> list[psutil.Process]:
+        """Spark's Python workers in this tree: the processes ``pyspark.daemon`` forks for
+        tasks (a sink task, or a commit task with ``spark.commit_tasks``), not the daemon."""
+        out = []
+        for p in self.members():
+            try:
+                parent = p.parent()
+                if (
+                    parent is not None
+                    and "pyspark.daemon" in " ".join(p.cmdline())
+                    and "pyspark.daemon" in " ".join(parent.cmdline())
+                    and _running(p)
+                ):
+                    out.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return out
+
     def pause(self) -> None:
         self.signal_all(signal.SIGSTOP)
 

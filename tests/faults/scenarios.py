@@ -229,15 +229,21 @@ def kill_committer(run: Run, tree: Tree) -> None:
     if victim is None:
         victim = run.rng.choice(sorted(committers, key=lambda p: p.pid))
         kind = "kill -9 committer at random"
+    kill_member(run, tree, victim, kind, "committer")
+
+
+def kill_member(run: Run, tree: Tree, victim: psutil.Process, kind: str, what: str) -> None:
+    """``kill -9`` of ``victim`` (a ``what`` of ``tree``), counted as a fault of ``kind``;
+    the pipeline must live on without it."""
     try:
         victim.kill()
     except psutil.NoSuchProcess:
-        run.notes.append(f"committer {victim.pid} was gone before its kill")
+        run.notes.append(f"{what} {victim.pid} was gone before its kill")
         return
     run.faults.append(kind)
     time.sleep(0.5)
     if not tree.alive():
-        raise RunError(f"the pipeline died with its committer:\n{run.log_tail()}")
+        raise RunError(f"the pipeline died with its {what}:\n{run.log_tail()}")
 
 
 KILL_COMMITTERS_PRODUCE_S = 40.0
@@ -252,24 +258,108 @@ def kill_committers(run: Run) -> None:
     run.config["coordination"]["commit_processes"] = 2
     run.write_config()
     # records must still flow while the committers die, or no commit is there to interrupt
+    kill_committers_then_tree(
+        run,
+        {},
+        lambda tree: kill_committer(run, tree),
+        lambda tree: busy_committer(tree, 10.0) is not None,
+    )
+    replaced = run.log_tail(chars=10_000_000).count("died; it is replaced")
+    run.notes.append(f"{replaced} committer replacement(s) logged")
+
+
+def kill_committers_then_tree(
+    run: Run,
+    env: dict[str, str],
+    kill_one: Callable[[Tree], None],
+    committing: Callable[[Tree], bool],
+) -> None:
+    """Start the pipeline (``env`` added), produce for at least 40 s (so the kills meet
+    commits), ``kill_one`` 3-5 times a random 0.2-2 s apart, then kill -9 the whole tree (in
+    a commit when ``committing`` saw one start) and count every key."""
     produce_s = max(run.settings.produce_s, KILL_COMMITTERS_PRODUCE_S)
     run.settings = dataclasses.replace(run.settings, produce_s=produce_s)
-    tree = run.start_pipeline()
+    tree = run.start_pipeline(env)
     run.wait_query_started(tree)
     run.start_producer()
     run.wait_first_commit(tree)
     for _ in range(run.rng.randint(3, 5)):
         time.sleep(run.rng.uniform(0.2, 2.0))
-        kill_committer(run, tree)
-    in_commit = busy_committer(tree, 10.0) is not None
+        kill_one(tree)
+    in_commit = committing(tree)
     if not tree.alive():
         raise RunError(f"the pipeline exited by itself:\n{run.log_tail()}")
     run.kill(tree, "kill -9 tree in a commit" if in_commit else "kill -9 random")
     if not run.producing():
         run.notes.append("the producer had finished before the last kill")
     run.finish()
-    replaced = run.log_tail(chars=10_000_000).count("died; it is replaced")
-    run.notes.append(f"{replaced} committer replacement(s) logged")
+
+
+# -- commit tasks on Spark executors -------------------------------------------------------
+
+
+def committing_worker(tree: Tree, marks: Path, timeout: float) -> psutil.Process | None:
+    """A Spark Python worker of ``tree`` that marked itself just now (right before a catalog
+    commit: ``faults.MARK_COMMITTERS_ENV``), polled every 10 ms; None within ``timeout``."""
+    seen = {f.name: f.stat().st_mtime_ns for f in marks.iterdir()}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and tree.alive():
+        for f in marks.iterdir():
+            try:
+                stamp = f.stat().st_mtime_ns
+            except FileNotFoundError:
+                continue
+            if stamp > seen.get(f.name, 0):
+                seen[f.name] = stamp
+                workers = {p.pid: p for p in tree.python_workers()}
+                if int(f.name) in workers:
+                    return workers[int(f.name)]
+        time.sleep(0.01)
+    return None
+
+
+def kill_commit_task(run: Run, tree: Tree, marks: Path) -> None:
+    """``kill -9`` of the Python worker of a Spark commit task: right as it starts a catalog
+    commit, or at random a worker that committed before (mostly idle between cycles)."""
+    victim: psutil.Process | None = None
+    kind = "kill -9 commit task's worker at random"
+    if run.rng.random() < 0.5:
+        victim = committing_worker(tree, marks, 15.0)
+        kind = "kill -9 commit task's worker in a commit"
+    if victim is None:
+        workers = {p.pid: p for p in tree.python_workers()}
+        known = sorted(int(f.name) for f in marks.iterdir() if int(f.name) in workers)
+        if not known:
+            run.notes.append("no commit task's worker alive to kill")
+            return
+        victim = workers[run.rng.choice(known)]
+        kind = "kill -9 commit task's worker at random"
+    kill_member(run, tree, victim, kind, "commit task's Python worker")
+
+
+@scenario("kill-commit-tasks")
+def kill_commit_tasks(run: Run) -> None:
+    """Records routed to three tables, committed by Spark tasks (`spark.commit_tasks = 2`),
+    in a session that retries a failed task (`local[2,4]`, as a cluster does) or not
+    (`local[2]`, the job fails), chosen at random: kill -9 of a commit task's Python worker
+    several times (as it starts a catalog commit, or at random), then of the whole tree in a
+    commit; every key once in its table."""
+    run.route_by_kind()
+    retries = run.rng.random() < 0.5
+    run.config["spark"]["commit_tasks"] = 2
+    run.config["spark"]["master"] = "local[2,4]" if retries else "local[2]"
+    run.write_config()
+    run.notes.append("Spark retries tasks" if retries else "Spark retries no task")
+    marks = run.dir / "committers"
+    marks.mkdir()
+    kill_committers_then_tree(
+        run,
+        {faults.MARK_COMMITTERS_ENV: str(marks)},
+        lambda tree: kill_commit_task(run, tree, marks),
+        lambda tree: committing_worker(tree, marks, 15.0) is not None,
+    )
+    jobs = run.log_tail(chars=10_000_000).count("Spark commit job of")
+    run.notes.append(f"{jobs} failed Spark commit job(s) logged")
 
 
 # -- leadership ---------------------------------------------------------------------------

@@ -358,6 +358,9 @@ class SparkConfig(_Model):
     #: cache, written by the first ``icefloe run`` as it stops) so later JVMs start in a third
     #: of the time (docs/benchmarks.md, start-up); off when the Java options manage it
     class_data_cache: bool = True
+    #: Spark tasks that commit a cycle's tables on the executors (one Spark job per round of
+    #: a cycle; see icefloe_spark.committers); 0: the coordinator commits in the driver
+    commit_tasks: int = Field(default=0, ge=0)
     conf: dict[str, str] = Field(default_factory=dict)
 
 
@@ -406,6 +409,20 @@ class PipelineConfig(_Model):
     # key path -> the ``${env:...}``/``${file:...}`` reference its value was read from, so
     # show-config shows where a secret comes from instead of the value (set by load_config)
     _references: dict[tuple[str | int, ...], str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("spark")
+    @classmethod
+    def _one_kind_of_committers(cls, spark: SparkConfig, info: ValidationInfo) -> SparkConfig:
+        coordination = info.data.get("coordination")
+        processes = coordination.commit_processes if coordination is not None else 0
+        if spark.commit_tasks and processes:
+            raise ValueError(
+                f"spark.commit_tasks = {spark.commit_tasks} and coordination.commit_processes = "
+                f"{processes} both ask for committers of a cycle's tables: keep one, set "
+                "spark.commit_tasks = 0 (processes on the driver's machine) or "
+                "coordination.commit_processes = 0 (Spark tasks on the executors)"
+            )
+        return spark
 
     @field_validator("errors")
     @classmethod

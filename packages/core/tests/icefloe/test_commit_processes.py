@@ -7,7 +7,6 @@ files, not through the committer."""
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import signal
 import time
@@ -17,16 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.commit.quarantine import Quarantine
-from icefloe.commit.summary import FENCING_TOKEN_KEY
 from icefloe.config import CoordinationConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
 from icefloe.coordination.processes import pool_for
 from icefloe.coordination.settings import CatalogSpec
 from icefloe.coordination.writer import WriterClient
-from icefloe.errors import NotLeaderError
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import (
     group_snapshots,
@@ -35,6 +31,7 @@ from icefloe.testing.fixtures import (
     write_rows,
 )
 from icefloe.testing.harness import (
+    CommittersPipeline,
     DoomedCoordinator,
     KillCommitter,
     RowSource,
@@ -51,33 +48,8 @@ TABLES = tuple(f"procs.t{i}" for i in range(6))
 TTL = 1.0
 
 
-class _Pipeline:
-    """One pipeline's catalog (also as properties, for the committer processes), channel,
-    writers and coordinators, closed at teardown."""
-
-    def __init__(self, tmp_path: Path, server: MemoryServer) -> None:
-        self.group_id = f"pipe-{uuid.uuid4().hex[:8]}"
-        props = sqlite_catalog_properties(tmp_path / "iceberg")
-        self.catalog: SqlCatalog = make_sqlite_catalog(tmp_path / "iceberg")
-        self.spec = CatalogSpec(self.catalog.name, props)
-        self.backend = MemoryBackend(server, self.group_id, TTL)
-        self.source = RowSource.create(self.catalog, TABLES)
-        self._open: list[Coordinator | WriterClient] = []
-
-    def coordinator(
-        self, name: str, hooks: CoordinatorHooks | None = None, **settings: Any
-    ) -> Coordinator:
-        c = Coordinator(
-            self.group_id,
-            self.backend.coordinator(name),
-            self.catalog,
-            CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0, **settings),
-            coordinator_id=name,
-            plugins=new_plugins(autoload=False),
-            hooks=hooks,
-        )
-        self._open.append(c)
-        return c
+class _Pipeline(CommittersPipeline):
+    """The scenario's pipeline, with coordinators on committer processes."""
 
     def processes(
         self, name: str = "c1", hook: KillCommitter | None = None, **settings: Any
@@ -92,32 +64,10 @@ class _Pipeline:
             **settings,
         )
 
-    def writer(self, writer_id: str) -> WriterClient:
-        w = WriterClient(self.backend.writer(writer_id), self.group_id, writer_id)
-        w.start()
-        self._open.append(w)
-        return w
-
-    def stored(self) -> dict[str, int] | None:
-        return self.backend.server.stored_position(self.group_id)
-
-    def assert_rows_once(self) -> None:
-        """Each table's live files, read with pyarrow, hold every published row once."""
-        for t in TABLES:
-            got = sorted(r[0] for r in independent_rows(self.catalog.load_table(t), ["id"]))
-            assert got == sorted(self.source.expected[t]), t
-
-    def snapshots(self, table: str) -> int:
-        return len(group_snapshots(self.catalog, table, self.group_id))
-
-    def close(self) -> None:
-        for x in reversed(self._open):
-            x.close()
-
 
 @pytest.fixture
 def pipe(tmp_path: Path, memory_server: MemoryServer) -> Iterator[_Pipeline]:
-    p = _Pipeline(tmp_path, memory_server)
+    p = _Pipeline(tmp_path, memory_server, TABLES, TTL)
     try:
         yield p
     finally:
@@ -152,22 +102,7 @@ def test_commit_processes_is_validated_and_needs_the_catalog() -> None:
 
 
 def test_processes_commit_each_table_once_per_cycle(pipe: _Pipeline) -> None:
-    a, b = pipe.writer("a"), pipe.writer("b")
-    coord = pipe.processes()
-    lead(coord)
-    wait_pending(coord, sum(pipe.source.publish(w, 0).file_count for w in (a, b)))
-    first = coord.commit_now()
-    assert first.complete
-    assert not first.failed
-    assert not first.deferred
-    assert sorted(r.table for r in first.tables) == sorted(TABLES)
-    assert pipe.stored() == coord.read_position
-    wait_pending(coord, pipe.source.publish(a, 1).file_count)
-    assert not coord.commit_now().failed
-    pipe.assert_rows_once()
-    for t in TABLES:
-        assert pipe.snapshots(t) == 2, t
-    assert pipe.stored() == coord.read_position
+    pipe.two_cycles_commit_each_table_once(pipe.processes)
 
 
 @pytest.mark.parametrize("moment", ["before_commit", "after_commit"])
@@ -246,45 +181,15 @@ def test_committer_processes_end_when_the_coordinators_process_is_killed(
     assert not [p for p in pids if _running(p)], "committer processes outlived the coordinator"
 
 
-def test_deposed_leaders_committer_processes_are_refused_per_table(
-    pipe: _Pipeline, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_deposed_leaders_committer_processes_are_refused_per_table(pipe: _Pipeline) -> None:
     """The leader proves its lease, then pauses before handing the cycle to its processes; a
     new leader takes over and commits. Resumed, each of the old leader's processes is refused
     by its table's fencing token, and the old leader steps down."""
-    w = pipe.writer("w")
-    heirs: list[Coordinator] = []
 
-    def pause_and_let_a_successor_commit(_: str) -> None:
-        if heirs:
-            return
-        heir = pipe.coordinator("heir")
-        lead(heir)  # waits for the paused zombie's lease to expire
-        wait_pending(heir, sum(zombie.pending_files().values()))
-        assert not heir.commit_now().failed
-        heirs.append(heir)
+    def on_processes(name: str, hooks: CoordinatorHooks) -> Coordinator:
+        return pipe.coordinator(name, hooks, commit_processes=2, catalog=pipe.spec)
 
-    zombie = pipe.coordinator(
-        "zombie",
-        CoordinatorHooks(after_lease_check=pause_and_let_a_successor_commit),
-        commit_processes=2,
-        catalog=pipe.spec,
-    )
-    lead(zombie)
-    wait_pending(zombie, pipe.source.publish(w, 0).file_count)
-    # the lease renewal while the processes work, or a refused table, says so
-    with caplog.at_level(logging.WARNING, "icefloe.coordinator"), pytest.raises(NotLeaderError):
-        zombie.commit_now()
-    assert not zombie.is_leader
-    refused = [r.getMessage() for r in caplog.records if "a newer coordinator" in r.getMessage()]
-    assert refused, "no committer process of the deposed leader was refused"
-    (heir,) = heirs
-    assert heir.lease is not None
-    pipe.assert_rows_once()
-    for t in TABLES:
-        (snap,) = group_snapshots(pipe.catalog, t, pipe.group_id)
-        assert snap.summary is not None
-        assert snap.summary[FENCING_TOKEN_KEY] == str(heir.lease.token)
+    pipe.deposed_leader_is_refused(on_processes)
 
 
 def test_coordinator_killed_after_its_processes_committed_then_heir_commits_nothing_twice(

@@ -209,17 +209,25 @@ def test_status_shows_a_lag_only_for_the_tables_it_measures(stopped: Stopped) ->
     [
         ("commit_parallelism", "  committers 3 (threads of the leader)"),
         ("commit_processes", "  committers 3 (processes on the leader's machine)"),
+        ("commit_tasks", "  committers 3 (Spark tasks on the executors, with icefloe run)"),
     ],
 )
 def test_status_names_the_leaders_committers(stopped: Stopped, key: str, line: str) -> None:
     """The committers are the leader's threads (as many as ``commit_parallelism`` says) or,
-    with ``commit_processes``, processes on its machine."""
+    with ``commit_processes``, processes on its machine, or with ``spark.commit_tasks``,
+    Spark tasks."""
     config = load_config(stopped.path)
+    section = "spark" if key == "commit_tasks" else "coordination"
     config = config.model_copy(
-        update={"coordination": config.coordination.model_copy(update={key: 3})}
+        update={section: getattr(config, section).model_copy(update={key: 3})}
     )
     status = collect(config)
-    assert (status.committers, status.committer_processes)[key == "commit_processes"] == 3
+    counts = {
+        "commit_parallelism": status.committers,
+        "commit_processes": status.committer_processes,
+        "commit_tasks": status.committer_tasks,
+    }
+    assert counts[key] == 3
     assert line in render_lines(status)
 
 

@@ -27,6 +27,10 @@ EXIT_AFTER_PUBLISH_ENV = "ICEFLOE_TEST_EXIT_AFTER_PUBLISH"
 EXIT_AFTER_COMMIT_ENV = "ICEFLOE_TEST_EXIT_AFTER_COMMIT"
 """N (1-based): the driver's coordinator exits at once after the Iceberg commits of its N-th
 cycle that committed a table, before it stores the channel position."""
+MARK_COMMITTERS_ENV = "ICEFLOE_TEST_MARK_COMMITTERS"
+"""A directory: right before each catalog commit, a committer that runs outside the driver's
+Python (a Spark commit task's Python worker, a committer process) touches a file there named
+by its process id, so a fault test can find a committer in a commit and kill it."""
 EXIT_CODE = 86
 FAIL_TASK_OPTION = "test.fail_task"
 """Sink option, JSON ``{"batch": id, "partition": id, "marker_dir": path}``: the first attempt
@@ -46,13 +50,27 @@ def exit_after_publish(batch_seq: int) -> None:
         os._exit(EXIT_CODE)
 
 
+class MarkCommitter:
+    """An ``in_committer`` hook (picklable: it travels to Spark's Python workers and to
+    committer processes): touch ``directory/<pid>`` right before each catalog commit."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, moment: str, table: str) -> None:
+        if moment == "before_commit":
+            Path(self.directory, str(os.getpid())).touch()
+
+
 def coordinator_hooks() -> CoordinatorHooks | None:
     """The coordinator's fault hooks this process's environment asks for, or None (inert)."""
-    wanted = os.environ.get(EXIT_AFTER_COMMIT_ENV)
-    if wanted is None or not wanted.strip():
-        return None
     from icefloe.coordination.coordinator import CoordinatorHooks
 
+    marks = os.environ.get(MARK_COMMITTERS_ENV)
+    in_committer = MarkCommitter(marks) if marks else None
+    wanted = os.environ.get(EXIT_AFTER_COMMIT_ENV)
+    if wanted is None or not wanted.strip():
+        return CoordinatorHooks(in_committer=in_committer) if in_committer else None
     target = int(wanted)
     seen = 0
 
@@ -66,7 +84,7 @@ def coordinator_hooks() -> CoordinatorHooks | None:
             sys.stderr.flush()
             os._exit(EXIT_CODE)
 
-    return CoordinatorHooks(after_iceberg_commits=after_iceberg_commits)
+    return CoordinatorHooks(after_iceberg_commits=after_iceberg_commits, in_committer=in_committer)
 
 
 def parse_fail_task(raw: str | None) -> dict[str, Any] | None:

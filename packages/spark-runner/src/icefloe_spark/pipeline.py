@@ -31,12 +31,14 @@ from icefloe.channel import Backend
 from icefloe.commit.policy import TablePolicies
 from icefloe.config import PipelineConfig
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
+from icefloe.coordination.processes import CommittersFactory, WorkerSpec
 from icefloe.coordination.resume import check_batch_continuity, committed, published, start_offsets
 from icefloe.errors import ChannelIdentityError, ConfigError
 from icefloe.plugins.backends import open_backend
 from icefloe.plugins.manager import Plugins, get_plugins
 from icefloe.records.codecs.options import self_contained
 from icefloe_spark import faults
+from icefloe_spark.committers import SparkCommitters
 from icefloe_spark.kafka.options import source_options
 from icefloe_spark.kafka.source import RANGES_SOURCE_NAME, SOURCE_NAME, register_sources
 from icefloe_spark.replay import RollbackWatcher
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT_ROOT = ".icefloe/checkpoints"
 _COORDINATOR_RETRY_S = 2.0
+_SESSION_WAIT_S = 300.0  # a commit job's longest wait for the session the query starts
 
 
 def checkpoint_location(config: PipelineConfig, override: str | None = None) -> str:
@@ -170,9 +173,17 @@ class CoordinatorThread:
     """
 
     def __init__(
-        self, config: PipelineConfig, backend: Backend, catalog: Catalog, plugins: Plugins
+        self,
+        config: PipelineConfig,
+        backend: Backend,
+        catalog: Catalog,
+        plugins: Plugins,
+        committers: CommittersFactory | None = None,
     ) -> None:
+        """``committers``: where the coordinator commits a cycle's tables (Spark tasks, with
+        ``spark.commit_tasks``); None: as ``[coordination]`` says."""
         self.config = config
+        self.committers = committers
         self.backend = backend
         self.catalog = catalog
         self.plugins = plugins
@@ -198,6 +209,7 @@ class CoordinatorThread:
                 coordinator_id=self.coordinator_id,
                 plugins=self.plugins,
                 hooks=self._fault_hooks,
+                committers=self.committers,
             )
             try:
                 coordinator.run(self.stop_event)
@@ -260,6 +272,9 @@ class Pipeline:
         self.source_extra_options = dict(source_extra_options or {})
         self._spark = spark
         self._owns_spark = spark is None
+        self._spark_ready = threading.Event()  # set once the query's session is up
+        self.spark_committers: list[SparkCommitters] = []
+        """The coordinator's commit tasks (``spark.commit_tasks``), one per coordinator built."""
         self.catalog: Catalog | None = None
         self.backend: Backend | None = None
         self.publisher: WriterPublisher | None = None
@@ -315,7 +330,7 @@ class Pipeline:
             self.server = PublishServer(self.publisher)
             if self.run_coordinator:
                 self.coordinator = CoordinatorThread(
-                    config, self.backend, self.catalog, self.plugins
+                    config, self.backend, self.catalog, self.plugins, self._committers()
                 ).start()
             # every driver watches: a rolled-back table waits for its replay
             # (icefloe.commit.rollback)
@@ -331,6 +346,7 @@ class Pipeline:
             raise
         if session is not None:
             self._spark = activate(session.result())
+        self._spark_ready.set()
         check_checkpoint_filesystem(self.spark, self.checkpoint)
         self.spark_log = sparklog.log_file_of(dict(self.spark.sparkContext.getConf().getAll()))
         register(self.spark)
@@ -364,6 +380,26 @@ class Pipeline:
             self.writer_id,
             self.checkpoint,
         )
+
+    def _committers(self) -> CommittersFactory | None:
+        """The coordinator's committers: with ``spark.commit_tasks``, Spark tasks on this
+        driver's executors (:mod:`icefloe_spark.committers`)."""
+        tasks = self.config.spark.commit_tasks
+        if not tasks:
+            return None
+
+        def committers(spec: WorkerSpec) -> SparkCommitters:
+            built = SparkCommitters(self._session_for_commits, tasks, spec)
+            self.spark_committers.append(built)
+            return built
+
+        return committers
+
+    def _session_for_commits(self) -> SparkSession:
+        """The session, once the query's is up (the coordinator starts before it)."""
+        if not self._spark_ready.wait(_SESSION_WAIT_S) or self._spark is None:
+            raise RuntimeError("the Spark session is not running: no commit job can start")
+        return self._spark
 
     def _check_start(self, backend: Backend, catalog: Catalog) -> dict[str, str]:
         """Before anything is published: refuse a checkpoint that is behind what this writer
@@ -421,6 +457,7 @@ class Pipeline:
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the query first (no more publishes), then the writer, coordinator and backend.
         A batch interrupted here is re-run from the checkpoint next time and published once."""
+        self._spark_ready.set()  # a commit job waiting for a session that never came: give up
         if self.query is not None:
             try:
                 self.query.stop()

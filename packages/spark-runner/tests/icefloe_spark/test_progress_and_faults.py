@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -105,7 +107,25 @@ def test_exit_after_commit_fires_after_the_nth_cycle_that_committed_a_table() ->
 
 def test_no_coordinator_hooks_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(faults.EXIT_AFTER_COMMIT_ENV, raising=False)
+    monkeypatch.delenv(faults.MARK_COMMITTERS_ENV, raising=False)
     assert faults.coordinator_hooks() is None
+
+
+def test_committers_mark_themselves_right_before_a_catalog_commit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The kill-commit-tasks fault scenario finds a committer in a commit by its mark; the
+    hook travels to Spark's Python workers, so it must survive pickling."""
+    monkeypatch.delenv(faults.EXIT_AFTER_COMMIT_ENV, raising=False)
+    monkeypatch.setenv(faults.MARK_COMMITTERS_ENV, str(tmp_path))
+    hooks = faults.coordinator_hooks()
+    assert hooks is not None
+    assert hooks.in_committer is not None
+    hook = pickle.loads(pickle.dumps(hooks.in_committer))
+    hook("after_commit", "db.t")
+    assert list(tmp_path.iterdir()) == []
+    hook("before_commit", "db.t")
+    assert [p.name for p in tmp_path.iterdir()] == [str(os.getpid())]
 
 
 def test_fail_task_hits_only_the_first_attempt_of_the_chosen_task(tmp_path: Path) -> None:

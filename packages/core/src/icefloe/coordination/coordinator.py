@@ -38,7 +38,7 @@ from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import Quarantine
 from icefloe.coordination.cycle import CommitCycle
 from icefloe.coordination.leadership import Leadership
-from icefloe.coordination.processes import pool_for
+from icefloe.coordination.processes import CommittersFactory, pool_for
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import (
     POLL_S,
@@ -71,7 +71,11 @@ class Coordinator:
         coordinator_id: str | None = None,
         plugins: Plugins | None = None,
         hooks: CoordinatorHooks | None = None,
+        committers: CommittersFactory | None = None,
     ) -> None:
+        """``committers``: builds the committers of a cycle's tables in place of committing in
+        this process (a runner's, e.g. Spark tasks on its executors); needs
+        ``settings.catalog``, and cannot be combined with ``settings.commit_processes``."""
         self.group_id = group_id
         self.coordinator_id = coordinator_id or f"coordinator-{uuid.uuid4().hex[:8]}"
         self.settings = settings or CoordinatorSettings()
@@ -88,7 +92,13 @@ class Coordinator:
         quarantine = Quarantine(catalog, self.settings.quarantine_table)
         s = self.settings
         self._pool = pool_for(
-            s.commit_processes, s.catalog, group_id, s.branch, s.policies, hooks.in_committer
+            s.commit_processes,
+            s.catalog,
+            group_id,
+            s.branch,
+            s.policies,
+            hooks.in_committer,
+            committers,
         )
         self._reader = EventReader(group_id, channel, committer, self.settings, quarantine)
         self._stall = StallWatch(self.settings.stall_after_s)

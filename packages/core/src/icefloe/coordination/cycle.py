@@ -42,7 +42,7 @@ from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitR
 from icefloe.commit.rollback import is_replay_writer, replays
 from icefloe.commit.screening import Screening
 from icefloe.coordination.leadership import Leadership
-from icefloe.coordination.processes import CommitAnswer, CommitTask, CommitterPool
+from icefloe.coordination.processes import CommitAnswer, CommitTask, Committers
 from icefloe.coordination.reading import EventReader
 from icefloe.coordination.settings import POLL_S, CoordinatorHooks, CoordinatorSettings, CycleResult
 from icefloe.errors import (
@@ -110,10 +110,10 @@ class CommitCycle:
         hooks: CoordinatorHooks,
         plugins: Plugins | None,
         quarantine: Quarantine,
-        pool: CommitterPool | None = None,
+        pool: Committers | None = None,
     ) -> None:
         self._group_id = group_id
-        self._pool = pool  # committer processes (commit_processes), None: commit here
+        self._pool = pool  # committer processes or a runner's committers; None: commit here
         self._coordinator_id = coordinator_id
         self._channel = channel
         self._committer = committer
@@ -415,16 +415,18 @@ class CommitCycle:
             outcome.quarantined = (outcome.quarantined or 0) + n
 
     def _run_in_processes(
-        self, pool: CommitterPool, job: _CycleJob, tables: list[str]
+        self, pool: Committers, job: _CycleJob, tables: list[str]
     ) -> list[_TableOutcome]:
-        """Commit ``tables`` in the committer processes (``commit_processes``): each table
-        is screened and committed by its process, while this thread keeps the bookkeeping,
-        acts on refused files between a screening and its commit, and renews the lease. A
-        process that dies fails its tables (CommitterProcessError: they stay pending and
-        back off as after any failure, so a table that kills its process every time is
-        reported failing) and is replaced. A table whose answer ends the
-        leadership cancels the tables not started; that error is raised once the others
-        are done. Outcomes come back in schedule order."""
+        """Commit ``tables`` on the committers (processes, ``commit_processes``, or a
+        runner's, e.g. Spark tasks): each table is screened and committed by its committer,
+        while this thread keeps the bookkeeping, acts on refused files between a screening
+        and its commit, and renews the lease. The submits of a round (every table, then the
+        tables screened again) are followed by a ``flush``, so a committer with a cost per
+        hand-out runs a round at once. A committer that dies fails its tables
+        (CommitterProcessError: they stay pending and back off as after any failure, so a
+        table that kills its committer every time is reported failing) and is replaced. A
+        table whose answer ends the leadership cancels the tables not started; that error is
+        raised once the others are done. Outcomes come back in schedule order."""
         reader = self._reader
         self._leadership.before_commit()  # prove we lead before handing the cycle out
         token = self._leadership.token()
@@ -435,64 +437,80 @@ class CommitCycle:
         outcomes = {t: _TableOutcome(t) for t in tables}
         seconds = dict.fromkeys(tables, 0.0)
         running: dict[Future[CommitAnswer], tuple[str, tuple[PendingFile, ...]]] = {}
-        for table in tables:
-            files = tuple(reader.pending[table])
-            try:
-                if self._hooks.before_table_commit is not None:
-                    self._hooks.before_table_commit(table)
-            except Exception as exc:
-                self._failure(job, table, exc, outcomes[table])
-                continue
-            running[pool.submit(task(table, files, True))] = (table, files)
         dropped: set[str] = set()  # cancelled: not started, left pending
         died: set[int] = set()
         fatal: BaseException | None = None
-        while running:
-            done, _ = wait(running, timeout=POLL_S, return_when=FIRST_COMPLETED)
-            if fatal is None:
+        try:
+            for table in tables:
+                files = tuple(reader.pending[table])
                 try:
-                    self._leadership.renew_if_due()
-                except NotLeaderError as exc:
-                    fatal = exc
-            for future in done:
-                table, files = running.pop(future)
-                outcome = outcomes[table]
-                if future.cancelled():
-                    dropped.add(table)
-                    continue
-                try:
-                    answer = future.result()
-                except BrokenProcessPool as exc:
-                    died.add(pool.worker_of(table))
-                    death = CommitterProcessError(f"committer process died: {exc}")
-                    self._failure(job, table, death, outcome)  # a table failure like any
-                    continue
-                seconds[table] += answer.seconds
-                try:
-                    if answer.error is not None:
-                        raise answer.error
-                    if answer.verdicts is not None:
-                        screening = answer.verdicts.screening(files)
-                        accepted = self._screened(job, table, screening, outcome)
-                        if accepted:
-                            running[pool.submit(task(table, accepted, False))] = (table, accepted)
-                            continue
-                        files = accepted
-                    outcome.result = answer.result
-                    self._settled(job, table, files, outcome, seconds[table])
+                    if self._hooks.before_table_commit is not None:
+                        self._hooks.before_table_commit(table)
                 except Exception as exc:
+                    self._failure(job, table, exc, outcomes[table])
+                    continue
+                running[pool.submit(task(table, files, True))] = (table, files)
+            pool.flush()  # the first round: every table
+            while running:
+                done, _ = wait(running, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                if fatal is None:
                     try:
-                        self._failure(job, table, exc, outcome)
-                    except Exception as stop:
-                        log.warning("commit %s: %s: %s", job.commit_id, table, stop)
-                        fatal = fatal or stop
+                        self._leadership.renew_if_due()
+                    except NotLeaderError as exc:
+                        fatal = exc
+                for future in done:
+                    table, files = running.pop(future)
+                    outcome = outcomes[table]
+                    if future.cancelled():
+                        dropped.add(table)
+                        continue
+                    try:
+                        answer = future.result()
+                    except (BrokenProcessPool, CommitterProcessError) as exc:
+                        died.add(pool.worker_of(table))
+                        death = (
+                            exc
+                            if isinstance(exc, CommitterProcessError)
+                            else CommitterProcessError(f"committer process died: {exc}")
+                        )
+                        self._failure(job, table, death, outcome)  # a table failure like any
+                        continue
+                    seconds[table] += answer.seconds
+                    try:
+                        if answer.error is not None:
+                            raise answer.error
+                        if answer.verdicts is not None:
+                            screening = answer.verdicts.screening(files)
+                            accepted = self._screened(job, table, screening, outcome)
+                            if accepted:
+                                running[pool.submit(task(table, accepted, False))] = (
+                                    table,
+                                    accepted,
+                                )
+                                continue
+                            files = accepted
+                        outcome.result = answer.result
+                        self._settled(job, table, files, outcome, seconds[table])
+                    except Exception as exc:
+                        try:
+                            self._failure(job, table, exc, outcome)
+                        except Exception as stop:
+                            log.warning("commit %s: %s: %s", job.commit_id, table, stop)
+                            fatal = fatal or stop
+                if fatal is not None:
+                    for future in running:
+                        future.cancel()  # not started yet: stays pending for the next leader
+                pool.flush()  # the tables screened again after the coordinator acted
+            for i in sorted(died):
+                pool.replace(i)
             if fatal is not None:
-                for future in running:
-                    future.cancel()  # not started yet: stays pending for the next leader
-        for i in sorted(died):
-            pool.replace(i)
-        if fatal is not None:
-            raise fatal
+                raise fatal
+        except BaseException:
+            # nothing of this cycle may be handed out later (by the next cycle's flush)
+            for future in running:
+                future.cancel()
+            pool.flush()
+            raise
         return [outcomes[t] for t in tables if t not in dropped]
 
     def _compact(self, results: Sequence[TableCommitResult]) -> None:

@@ -16,6 +16,12 @@ coordinator's life, so the worker's caches (known table versions, live files) st
 worker that dies breaks only its own executor: its tables of the cycle fail this cycle (their
 files stay pending; the "already committed?" rule makes the retry safe) and a new process
 is started when its tables' next task comes.
+
+What the cycle needs of its committers is the :class:`Committers` protocol; the processes
+here are one implementation, and a runner may inject another (``Coordinator(committers=...)``:
+the Spark runner's commit jobs on its executors, ``spark.commit_tasks``). Core stays free of
+any runner: an implementation only ships :class:`CommitTask` s to a :class:`CommitWorker`
+built from the :class:`WorkerSpec` and hands back its :class:`CommitAnswer` s.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies
@@ -116,8 +122,9 @@ class CommitAnswer:
     seconds: float = 0.0  # the worker's time on the task (icefloe_table_commit_seconds)
 
 
-class _Worker:
-    """A committer process's state: its committer, and the table it commits (for the hook)."""
+class CommitWorker:
+    """A committer's state, wherever it runs (a committer process, a Spark task's Python
+    worker): its committer, and the table it commits (for the hook)."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.hook = spec.hook
@@ -156,13 +163,13 @@ class _Worker:
         return CommitAnswer(result=result)
 
 
-_worker: _Worker | None = None  # the committer of this process, when it is a worker
+_worker: CommitWorker | None = None  # the committer of this process, when it is a worker
 
 
 def _start_worker(spec: WorkerSpec) -> None:
     global _worker
     _watch_parent()
-    _worker = _Worker(spec)
+    _worker = CommitWorker(spec)
 
 
 def _watch_parent() -> None:
@@ -211,6 +218,39 @@ def _portable(exc: E) -> E:
         kind = next((k for k in _KINDS if isinstance(exc, k)), RuntimeError)
         return cast(E, kind(f"{type(exc).__name__}: {exc}"))
     return exc
+
+
+class Committers(Protocol):
+    """What a cycle needs of its committers (:meth:`CommitCycle._run_in_processes`). A task
+    that cannot be answered (its committer died) fails its future with BrokenProcessPool or
+    :class:`~icefloe.errors.CommitterProcessError`: its table fails this cycle and stays
+    pending, and ``replace(worker_of(table))`` is called once the cycle's answers are in."""
+
+    def start(self) -> None:
+        """Get ready without waiting (called when the coordinator becomes leader)."""
+
+    def submit(self, task: CommitTask) -> Future[CommitAnswer]:
+        """Queue ``task``; it may wait for the next :meth:`flush` to be handed out."""
+        ...
+
+    def flush(self) -> None:
+        """Hand out the tasks submitted since the last flush. Why: an implementation with a
+        fixed cost per hand-out (a Spark job) runs a cycle's round of tables as one; the
+        cycle calls it after each round of submits."""
+
+    def worker_of(self, table: str) -> int:
+        """Which committer commits ``table`` (for :meth:`replace`)."""
+        ...
+
+    def replace(self, i: int) -> None:
+        """Committer ``i`` died: drop it, so later tasks get a new one."""
+
+    def close(self) -> None:
+        """Stop every committer once its queued tasks are done."""
+
+
+CommittersFactory = Callable[[WorkerSpec], Committers]
+"""Builds a coordinator's committers from what each committer needs (injected by a runner)."""
 
 
 class CommitterPool:
@@ -270,6 +310,9 @@ class CommitterPool:
             self.replace(i)
             return self.submit(task)
 
+    def flush(self) -> None:
+        """Nothing to do: :meth:`submit` hands each task to its process at once."""
+
     def replace(self, i: int) -> None:
         """Drop process ``i`` (it died); the next task of its tables starts a new one."""
         executor = self._executors[i]
@@ -293,14 +336,24 @@ def pool_for(
     branch: str,
     policies: TablePolicies | None,
     hook: CommitterHook | None,
-) -> CommitterPool | None:
-    """The pool ``coordination.commit_processes`` asks for (None: commit in-process)."""
-    if size <= 0:
+    factory: CommittersFactory | None = None,
+) -> Committers | None:
+    """The committers ``factory`` builds (a runner's), or the pool
+    ``coordination.commit_processes`` asks for; None: commit in-process."""
+    if factory is None and size <= 0:
         return None
+    if factory is not None and size > 0:
+        raise ValueError(
+            f"coordination.commit_processes = {size} and committers injected by the runner "
+            "(e.g. spark.commit_tasks) both commit a cycle's tables: set "
+            "coordination.commit_processes = 0 to commit on the runner's, or drop the other"
+        )
+    what = "coordination.commit_processes" if factory is None else "a runner's committers"
     if catalog is None:
         raise ValueError(
-            "coordination.commit_processes needs the catalog's configuration (name and "
-            "properties) to build each process's catalog: set CoordinatorSettings.catalog "
+            f"{what} needs the catalog's configuration (name and properties) to build each "
+            "committer's catalog: set CoordinatorSettings.catalog "
             "(CoordinatorSettings.for_pipeline does)"
         )
-    return CommitterPool(size, WorkerSpec(catalog, group_id, branch, policies, hook))
+    spec = WorkerSpec(catalog, group_id, branch, policies, hook)
+    return CommitterPool(size, spec) if factory is None else factory(spec)

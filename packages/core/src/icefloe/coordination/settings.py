@@ -71,7 +71,8 @@ class CoordinatorSettings:
     commit a cycle's tables, each with its own catalog; 0: the coordinator's process commits
     (on ``commit_parallelism`` threads). Takes the place of ``commit_parallelism``."""
     catalog: CatalogSpec | None = None
-    """The catalog's configuration, for committer processes to open their own."""
+    """The catalog's configuration, for committer processes (or a runner's committers, e.g.
+    Spark tasks) to open their own."""
 
     def __post_init__(self) -> None:
         if self.commit_parallelism < 1:
@@ -88,9 +89,9 @@ class CoordinatorSettings:
     @classmethod
     def for_pipeline(cls, config: PipelineConfig) -> CoordinatorSettings:
         """The settings of a pipeline: its ``[coordination]`` keys, per-table policies and
-        (for committer processes) its catalog."""
+        (for committer processes, or the Spark runner's commit tasks) its catalog."""
         settings = cls.from_config(config.coordination, TablePolicies.from_config(config))
-        if not settings.commit_processes:
+        if not settings.commit_processes and not config.spark.commit_tasks:
             return settings
         spec = CatalogSpec(config.catalog.name, dict(config.catalog.properties))
         return dataclasses.replace(settings, catalog=spec)
@@ -158,7 +159,7 @@ class CoordinatorHooks:
     after_compaction: Callable[[str], None] | None = None
     """After a table's compaction snapshot landed, before the next cycle."""
     in_committer: Callable[[str, str], None] | None = None
-    """With ``commit_processes``: runs in a committer process with (moment, table), at
-    ``before_commit`` (right before each catalog commit attempt) and ``after_commit`` (the
-    commit landed, the answer not sent). Must be picklable (a module-level function or an
-    instance of a module-level class)."""
+    """With ``commit_processes`` (or a runner's committers): runs in a committer with
+    (moment, table), at ``before_commit`` (right before each catalog commit attempt) and
+    ``after_commit`` (the commit landed, the answer not sent). Must be picklable (a
+    module-level function or an instance of a module-level class)."""

@@ -77,6 +77,7 @@ class PipelineStatus:
     channel_stall: str | None = None  # why a reader of the channel cannot reach its end
     committers: int = 1  # threads of the leader committing a cycle's tables at once
     committer_processes: int = 0  # or: committer processes on the leader's machine
+    committer_tasks: int = 0  # or: Spark tasks on the executors (spark.commit_tasks)
 
     @property
     def stuck(self) -> bool:
@@ -393,6 +394,7 @@ def _assemble(
         read.stall,
         config.coordination.commit_parallelism,
         config.coordination.commit_processes,
+        config.spark.commit_tasks,
     )
 
 
@@ -416,8 +418,12 @@ def render_lines(status: PipelineStatus) -> list[str]:
         out.append(f"  writers {writers}")
         # who commits: the leader decides each cycle and commits its tables on this many
         # threads (coordination.commit_parallelism) or processes on its machine
-        # (coordination.commit_processes); icefloe_table_commit_seconds times them
-        if status.committer_processes:
+        # (coordination.commit_processes) or Spark tasks on the executors of the driver it runs
+        # in (spark.commit_tasks); icefloe_table_commit_seconds times them
+        if status.committer_tasks:
+            n = status.committer_tasks
+            out.append(f"  committers {n} (Spark tasks on the executors, with icefloe run)")
+        elif status.committer_processes:
             n = status.committer_processes
             out.append(f"  committers {n} (processes on the leader's machine)")
         else:

@@ -8,38 +8,52 @@ scenarios), and importable by a child process that a test kills.
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import Backend
 from icefloe.commit.policy import TablePolicies
+from icefloe.commit.summary import FENCING_TOKEN_KEY
 from icefloe.coordination.coordinator import (
     Coordinator,
     CoordinatorHooks,
     CoordinatorSettings,
     CycleResult,
 )
-from icefloe.coordination.processes import pool_for
+from icefloe.coordination.processes import CommitterPool, CommittersFactory, WorkerSpec
 from icefloe.coordination.settings import CatalogSpec
 from icefloe.coordination.writer import WriterClient
+from icefloe.errors import NotLeaderError
 from icefloe.events import DataFileMeta, SourcePosition
 from icefloe.plugins.manager import new_plugins
-from icefloe.testing.fixtures import assert_exactly_once, create_rows_table, write_rows
+from icefloe.testing.fixtures import (
+    assert_exactly_once,
+    create_rows_table,
+    group_snapshots,
+    make_sqlite_catalog,
+    sqlite_catalog_properties,
+    write_rows,
+)
 from icefloe.testing.memory import (
     MemoryBackend,
     MemoryServer,
     MemoryServerAddress,
     connect_memory_server,
 )
+from icefloe.testing.readers import independent_rows
 
 
 class SimulatedCrash(BaseException):
@@ -208,11 +222,163 @@ class KillCommitter:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class CommittersPipeline:
+    """One pipeline for committer scenarios (processes, a runner's committers): a real
+    SQLite catalog (also as properties, for committers that open their own), the reference
+    channel, a row source over ``tables``, its writers and coordinators, closed by
+    :meth:`close`."""
+
+    def __init__(
+        self, path: Path, server: MemoryServer, tables: Sequence[str], ttl: float = 1.0
+    ) -> None:
+        self.group_id = f"pipe-{uuid.uuid4().hex[:8]}"
+        self.tables = tuple(tables)
+        self.catalog: SqlCatalog = make_sqlite_catalog(path / "iceberg")
+        self.spec = CatalogSpec(self.catalog.name, sqlite_catalog_properties(path / "iceberg"))
+        self.backend = MemoryBackend(server, self.group_id, ttl)
+        self.source = RowSource.create(self.catalog, self.tables)
+        self._open: list[Coordinator | WriterClient] = []
+
+    def coordinator(
+        self,
+        name: str,
+        hooks: CoordinatorHooks | None = None,
+        committers: CommittersFactory | None = None,
+        **settings: Any,
+    ) -> Coordinator:
+        """A coordinator that commits by hand (``commit_now``); ``settings`` as
+        :class:`CoordinatorSettings` takes them."""
+        c = Coordinator(
+            self.group_id,
+            self.backend.coordinator(name),
+            self.catalog,
+            CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0, **settings),
+            coordinator_id=name,
+            plugins=new_plugins(autoload=False),
+            hooks=hooks,
+            committers=committers,
+        )
+        self._open.append(c)
+        return c
+
+    def writer(self, writer_id: str) -> WriterClient:
+        w = WriterClient(self.backend.writer(writer_id), self.group_id, writer_id)
+        w.start()
+        self._open.append(w)
+        return w
+
+    def stored(self) -> dict[str, int] | None:
+        return self.backend.server.stored_position(self.group_id)
+
+    def assert_rows_once(self) -> None:
+        """Each table's live files, read with pyarrow, hold every published row once."""
+        for t in self.tables:
+            got = sorted(r[0] for r in independent_rows(self.catalog.load_table(t), ["id"]))
+            assert got == sorted(self.source.expected[t]), t
+
+    def snapshots(self, table: str) -> int:
+        """The pipeline's snapshots of ``table``."""
+        return len(group_snapshots(self.catalog, table, self.group_id))
+
+    def two_cycles_commit_each_table_once(
+        self, coordinator_of: Callable[[], Coordinator]
+    ) -> Coordinator:
+        """Two writers publish, ``coordinator_of()`` commits in one cycle, then one writer
+        publishes again and a second cycle commits: every table gets one snapshot per cycle,
+        every row lands once and the stored position follows the read one. Returns the
+        coordinator."""
+        a, b = self.writer("a"), self.writer("b")
+        coord = coordinator_of()
+        lead(coord)
+        wait_pending(coord, sum(self.source.publish(w, 0).file_count for w in (a, b)))
+        first = coord.commit_now()
+        assert first.complete
+        assert not first.failed
+        assert not first.deferred
+        assert sorted(r.table for r in first.tables) == sorted(self.tables)
+        assert self.stored() == coord.read_position
+        wait_pending(coord, self.source.publish(a, 1).file_count)
+        assert not coord.commit_now().failed
+        self.assert_rows_once()
+        for t in self.tables:
+            assert self.snapshots(t) == 2, t
+        assert self.stored() == coord.read_position
+        return coord
+
+    def deposed_leader_is_refused(
+        self, zombie_of: Callable[[str, CoordinatorHooks], Coordinator]
+    ) -> None:
+        """The coordinator ``zombie_of(name, hooks)`` builds proves its lease, then pauses
+        before handing its cycle to its committers; a new leader (committing in its own
+        process) takes over and commits. Resumed, the zombie's committers must be refused
+        per table by the fencing token and the zombie step down; every row lands once, under
+        the heir's token."""
+        w = self.writer("w")
+        heirs: list[Coordinator] = []
+
+        def pause_and_let_a_successor_commit(_: str) -> None:
+            if heirs:
+                return
+            heir = self.coordinator("heir")
+            lead(heir)  # waits for the paused zombie's lease to expire
+            wait_pending(heir, sum(zombie.pending_files().values()))
+            assert not heir.commit_now().failed
+            heirs.append(heir)
+
+        zombie = zombie_of(
+            "zombie", CoordinatorHooks(after_lease_check=pause_and_let_a_successor_commit)
+        )
+        lead(zombie)
+        wait_pending(zombie, self.source.publish(w, 0).file_count)
+        # the lease renewal while the committers work, or a refused table, says so
+        with _logged("icefloe.coordinator") as messages:
+            try:
+                zombie.commit_now()
+            except NotLeaderError:
+                pass
+            else:
+                raise AssertionError("the deposed leader's cycle ended without NotLeaderError")
+        assert not zombie.is_leader
+        assert any("a newer coordinator" in m for m in messages), "no committer was refused"
+        (heir,) = heirs
+        assert heir.lease is not None
+        self.assert_rows_once()
+        for t in self.tables:
+            (snap,) = group_snapshots(self.catalog, t, self.group_id)
+            assert snap.summary is not None
+            assert snap.summary[FENCING_TOKEN_KEY] == str(heir.lease.token)
+
+    def close(self) -> None:
+        for x in reversed(self._open):
+            x.close()
+
+
+@contextmanager
+def _logged(logger: str) -> Iterator[list[str]]:
+    """The messages ``logger`` logs at WARNING or above meanwhile."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    target = logging.getLogger(logger)
+    level = target.level
+    target.addHandler(handler)
+    if target.getEffectiveLevel() > logging.WARNING:
+        target.setLevel(logging.WARNING)
+    try:
+        yield messages
+    finally:
+        target.removeHandler(handler)
+        target.setLevel(level)
+
+
 def start_committers_then_die(catalog: CatalogSpec, pids_file: str) -> None:
     """Child process body: start two committer processes (``commit_processes``), write their
     ids to ``pids_file``, die by SIGKILL."""
-    pool = pool_for(2, catalog, "committers", "main", None, None)
-    assert pool is not None
+    pool = CommitterPool(2, WorkerSpec(catalog, "committers", "main", None, None))
     Path(pids_file).write_text(" ".join(str(p) for p in pool.pids()))
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -81,6 +81,10 @@ def session_conf(config: PipelineConfig, log_level: int = logging.INFO) -> dict[
     }
     if config.spark.data_path == "ranges":
         conf.update(quick_jit(conf))
+    if config.spark.commit_tasks:
+        # commit jobs (icefloe_spark.committers, their own scheduler pool) share the
+        # executors with the query's jobs instead of queueing behind a long micro-batch
+        conf.setdefault("spark.scheduler.mode", "FAIR")
     conf.update(sparklog.java_options(conf, config.name, log_level))
     return conf
 
