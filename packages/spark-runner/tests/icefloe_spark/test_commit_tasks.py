@@ -137,7 +137,7 @@ def test_python_worker_killed_after_its_commit_leaves_every_table_committed_once
     job fails (local mode does not retry a task), so the round's tables fail this cycle and
     stay pending, the position below them; the next cycle commits what is missing and finds
     the victim's landed commit, every row once."""
-    master = pipe.spark.sparkContext.master
+    master = pipe.spark.sparkContext.master or ""
     if "," in master:  # e.g. local[2,2] of tests/conftest.py when run in one process with it
         pytest.skip(f"needs a session that retries no task; this one is {master}")
     victim = TABLES[2]
