@@ -256,3 +256,23 @@ def test_committed_tables_are_found_by_the_groups_property_in_nested_namespaces(
     assert committed_tables(sqlite_catalog, GROUP, "a") == {"a.b.x"}
     assert committed_tables(sqlite_catalog, GROUP, "c") == {"c.y"}
     assert committed_tables(sqlite_catalog, GROUP, "nowhere") == set()
+
+    # asked again with what an earlier call found: those are not loaded again, new ones are
+    known: set[str] = set()
+    assert committed_tables(sqlite_catalog, GROUP, None, known) == {"a.b.x", "c.y"}
+    assert known == {"a.b.x", "c.y"}
+    commit(GROUP, "c.v")
+    loaded: list[str] = []
+    load = sqlite_catalog.load_table
+
+    def counting(identifier: Any) -> Any:
+        loaded.append(".".join(SqlCatalog.identifier_to_tuple(identifier)))
+        return load(identifier)
+
+    sqlite_catalog.load_table = counting  # type: ignore[method-assign]
+    try:
+        assert committed_tables(sqlite_catalog, GROUP, None, known) == {"a.b.x", "c.v", "c.y"}
+    finally:
+        del sqlite_catalog.load_table
+    assert sorted(loaded) == ["c.v", "c.w", "c.z"]  # not ours, or new; never a known one
+    assert known == {"a.b.x", "c.v", "c.y"}

@@ -173,6 +173,10 @@ class RollbackWatcher:
         self.reader_options = dict(reader_options)
         self.replayed: set[str] = set()  # replay writer ids published by this process
         self._refused: set[str] = set()
+        # kept across checks: the committer reuses a table's version while the catalog still
+        # names it, and dynamic tables found once are not loaded again to find them
+        self._committer: IcebergCommitter | None = None
+        self._committed: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="icefloe-rollback", daemon=True)
 
@@ -195,9 +199,11 @@ class RollbackWatcher:
         """Replay every rollback not replayed yet, of every table the pipeline commits to (its
         dead-letter table and ``[dynamic_tables]`` tables too: a rolled-back table nobody
         replays holds its new files back for good); returns those replayed now."""
-        committer = IcebergCommitter.for_pipeline(self.catalog, self.config)
+        if self._committer is None:
+            self._committer = IcebergCommitter.for_pipeline(self.catalog, self.config)
+        committer = self._committer
         done: list[Rollback] = []
-        for name in pipeline_tables(self.catalog, self.config):
+        for name in pipeline_tables(self.catalog, self.config, known=self._committed):
             if self._stop.is_set() or not self.catalog.table_exists(name):
                 continue
             try:
