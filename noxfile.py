@@ -164,6 +164,7 @@ BENCH_SMOKE = {
     "bench_soak.py": "--minutes 0.75 --every 3 --window 0.25 --lag 2000 --partitions 2",
     "bench_startup.py": "--repeats 1 --backlog 2000 --until-all",
     "bench_summary.py": "--writer-ids 8 --live 4 --commits 3",
+    "bench_task.py": "--records 2000 --partitions 2 --rounds 2",
     "bench_upsert.py": "--rows 2000 --files 2 --updates 100",
     "tansu_stuck_transactions.py": "--producers 2 --rounds 1 --threads 2",
 }

@@ -248,6 +248,36 @@ def test_json_line_breaks_inside_values_across_blocks() -> None:
     assert out.column("id").to_pylist() == list(range(5000))
 
 
+@pytest.mark.parametrize("brk", ["\n", "\r", "\r\n"])
+def test_json_line_breaks_found_after_the_one_line_parse(brk: str) -> None:
+    """Values are first parsed as one-line (no scan for line breaks): a batch over several
+    blocks whose values break lines with ``brk``, all of them or one in the middle, still
+    decodes every record, in order."""
+    records = [{"id": i, "name": "n" * 500} for i in range(5000)]
+    every = [json.dumps(r, indent=2).replace("\n", brk).encode() for r in records]
+    one = [json.dumps(r).encode() for r in records]
+    one[2500] = every[2500]
+    for values in (raw(every), raw(one)):
+        assert sum(len(v) for v in values.to_pylist()) > 2 << 20  # blocks are 1 MiB
+        out = JsonCodec({}).decode(values, hint(ROUND_TRIP), ctx(len(records)))
+        assert out.column("id").to_pylist() == list(range(5000))
+        assert out.column("name").to_pylist() == ["n" * 500] * 5000
+
+
+def test_json_errors_in_values_with_line_breaks() -> None:
+    """The parse that knows of the line breaks, not the one-line attempt, decides: a field
+    whose JSON type differs is still inferred (and cast by the converter), and a bad record
+    is still named."""
+    flat = Schema(NestedField(1, "id", LongType()), NestedField(2, "kind", StringType()))
+    pretty = [json.dumps({"id": i, "kind": 7}, indent=2).encode() for i in range(3000)]
+    decoded = JsonCodec({}).decode(raw(pretty), hint(flat), ctx(len(pretty)))
+    assert decoded.column("kind").to_pylist() == [7] * 3000
+    pretty[1700] = b'{\n  "id": 1700,\n  "kind": \n}'
+    with pytest.raises(RecordConversionError) as err:
+        JsonCodec({}).decode(raw(pretty), hint(flat), ctx(len(pretty), first=100))
+    assert err.value.offset == 1800
+
+
 def test_json_option_errors() -> None:
     with pytest.raises(ConfigError, match="unknown_fields"):
         JsonCodec({"unknown_fields": "keep"})

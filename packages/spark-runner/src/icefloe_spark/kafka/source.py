@@ -58,7 +58,7 @@ class KafkaStreamReader(KafkaOffsetPlanner, DataSourceStreamReader, SupportsTrig
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KafkaInputPartition)
         yield from read_range(self.options, partition)
-        workergc.freeze_once()
+        workergc.freeze_new()
 
 
 class KafkaRangeReader(KafkaStreamReader):
@@ -86,7 +86,7 @@ class KafkaRangeReader(KafkaStreamReader):
             ],
             schema=RANGE_ARROW_SCHEMA,
         )
-        workergc.freeze_once()
+        workergc.freeze_new()
 
 
 # --------------------------------------------------------------------------- registration

@@ -336,7 +336,7 @@ class IcefloeStreamWriter(DataSourceStreamArrowWriter):
             # this attempt's files will never be published: do not leave them behind
             _delete_quietly(tables, written)
             raise
-        workergc.freeze_once()
+        workergc.freeze_new()
         return IcefloeCommitMessage(partition_id, attempt, output)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803 - Spark's name
