@@ -1494,7 +1494,9 @@ class CommitPath(World):
                     if f.file_path not in found and all(i < 0 for i in file_ids(f.file_path)):
                         found[f.file_path] = f
         if found:
-            path = sorted(found)[pick % len(found)]
+            # in the order the snapshots, manifests and entries list them: the same on every
+            # run (file names hold random uuids, so an order by name was not)
+            path = list(found)[pick % len(found)]
             self.rogue.update(file_ids(path))
             self.announce({ROWS: [to_meta(found[path], table.metadata)]}, "rogue")
 
