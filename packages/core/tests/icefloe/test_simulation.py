@@ -2210,3 +2210,25 @@ def test_the_model_tells_untraceable_files_apart_by_table() -> None:
         machine.foreign_expire(keyed=True, pick=34001)
         machine.reannounce(pick=201)
         machine.teardown()
+
+
+def test_a_refused_replay_leaves_a_quarantined_record_in_one_place() -> None:
+    """Found by the 40-rule search (``--schedules 250 --seed 24700 --steps 40``, shrunk by
+    hand from 30 rules): a batch quarantined (its file outside the table's location), a batch
+    committed with another engine's append between its screening and its commit, a rollback to
+    that engine's snapshot with replay, the driver's replay (the quarantined batch's record
+    among the range's), a partition-spec change. The replay's files, of the old spec, are
+    refused whole and quarantined, the rollback accepted; the first entry stayed, so the
+    record was in quarantine twice (I1), and recovering both with ``add_files`` adds it
+    twice. The entries of the range's quarantined files are now retired before the refused
+    replay is, as before a replay's commit."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=())
+        machine.misplaced_batch(rows=1)
+        shape = Shape(writer=0, rows=4, tasks=1, dead=0, changes={})
+        machine.foreign_commit_between(keyed=False, shape=shape, what="append")
+        machine.operator_rolls_back(dead=False, pick=0, replay=True)
+        machine.driver_replays(dead=False)
+        machine.foreign_repartition(keyed=False)
+        machine.teardown()
