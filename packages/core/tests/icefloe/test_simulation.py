@@ -2232,3 +2232,27 @@ def test_a_refused_replay_leaves_a_quarantined_record_in_one_place() -> None:
         machine.driver_replays(dead=False)
         machine.foreign_repartition(keyed=False)
         machine.teardown()
+
+
+@pytest.mark.xfail(strict=True, raises=InvariantError, reason="open: docs/reliability.md")
+def test_a_file_announced_again_after_a_compaction_crash_and_maintain_is_not_committed_again() -> (
+    None
+):
+    """Found by the 40-rule search (``--schedules 250 --seed 24700 --steps 40``, once the
+    refused-replay defect above was fixed; shrunk by greedy step removal from 17 rules): a
+    batch of one row, a cycle with another engine's append between its screening and its
+    commit (a compaction round follows), a batch of three rows, a cycle whose compaction round
+    dies with its new files written, the first batch's file announced again under a new
+    writer id, ``icefloe maintain`` with expiry. The settling cycles commit the file again:
+    its row is in the table twice (I1). Open: fails until fixed."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=(ROWS, KEYED))
+        machine.batch(Shape(writer=0, rows=1, tasks=1, dead=0, changes={}))
+        empty = Shape(writer=0, rows=0, tasks=1, dead=0, changes={})
+        machine.foreign_commit_between(keyed=False, shape=empty, what="append")
+        machine.batch(Shape(writer=0, rows=3, tasks=1, dead=0, changes={}))
+        machine.crash_in_compaction(when="during")
+        machine.reannounce(pick=0)
+        machine.maintain(expire=True)
+        machine.teardown()
