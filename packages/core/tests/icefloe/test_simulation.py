@@ -35,6 +35,7 @@ marked KNOWN here (docs/reliability.md lists them): remove each with its fix.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as dt
 import functools
@@ -481,6 +482,8 @@ class Templates:
         template = Path(_scratch_root()) / f"template-{key_type}"
         shutil.rmtree(template, ignore_errors=True)
         template.mkdir()
+        # simulate() removes the scratch root; a schedule run rule by rule leaves it
+        atexit.register(shutil.rmtree, template, ignore_errors=True)
         engine = ENGINES.lend(f"{template}/catalog.db")
         try:
             properties = {
