@@ -2259,3 +2259,29 @@ def test_a_file_announced_again_after_a_compaction_crash_and_maintain_is_not_com
         machine.reannounce(pick=0)
         machine.maintain(expire=True)
         machine.teardown()
+
+
+@pytest.mark.xfail(strict=True, raises=InvariantError, reason="open: docs/reliability.md")
+def test_seed_24704_a_row_of_a_replayed_rollback_after_a_rewrite_and_an_expiry() -> None:
+    """Found by the 40-rule search (``--schedules 250 --seed 24704 --steps 40``) at the end of
+    a session, shrunk by greedy step removal from 34 rules, not analysed yet (a defect of the
+    product or of the model): a row of batch ``w0#2`` ends neither in the table nor in
+    quarantine (I1). Open: fails until fixed."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=True, compact=())
+        machine.foreign_append(keyed=False, rows=2)
+        changes = {0: False, 1: False, 2: True}
+        machine.batch(Shape(writer=0, rows=0, tasks=1, dead=1, changes=changes))
+        one = Shape(writer=0, rows=1, tasks=1, dead=0, changes={})
+        machine.foreign_commit_between(keyed=True, shape=one, what="append")
+        machine.foreign_ref(tag=False)
+        machine.drain_and_swap(bounded=True)
+        machine.foreign_append(keyed=False, rows=3)
+        machine.foreign_rewrite(keyed=False)
+        two = Shape(writer=0, rows=1, tasks=2, dead=0, changes={})
+        machine.foreign_commit_between(keyed=True, shape=two, what="append")
+        machine.operator_rolls_back(dead=False, pick=131, replay=True)
+        machine.driver_replays(dead=False)
+        machine.foreign_expire(keyed=False, pick=0)
+        machine.teardown()
