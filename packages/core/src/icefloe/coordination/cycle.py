@@ -39,7 +39,7 @@ from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import FailingTable, Quarantine, QuarantineEntry
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
-from icefloe.commit.rollback import is_replay_writer, replays
+from icefloe.commit.rollback import Rollback, is_replay_writer, replays
 from icefloe.commit.screening import Screening
 from icefloe.coordination.leadership import Leadership
 from icefloe.coordination.processes import CommitAnswer, CommitTask, Committers
@@ -657,6 +657,11 @@ class CommitCycle:
         rollback = self._committer.rollback(table)
         if rollback is None or rollback.writer_id not in replayers:
             return  # a stale replay: the commit drops it
+        self._retire_range(table, rollback, "commits")
+
+    def _retire_range(self, table: str, rollback: Rollback, fate: str) -> None:
+        """Retire the quarantine entries of files whose batches lie in ``rollback``'s range:
+        its replay holds their records again (committed or quarantined, as ``fate`` says)."""
         paths = [
             e.file_path
             for e in self._quarantine.list(self._group_id, table)
@@ -664,11 +669,12 @@ class CommitCycle:
         ]
         if self._quarantine.retire(self._group_id, table, paths):
             log.warning(
-                "table %s: the replay of its rollback (writer %s) writes the records of %d "
-                "quarantined file(s) of the rolled-back range again; their quarantine entries "
-                "are retired: %s",
+                "table %s: the replay of its rollback (writer %s), which this cycle %s, holds "
+                "the records of %d quarantined file(s) of the rolled-back range again; their "
+                "quarantine entries are retired: %s",
                 table,
                 rollback.writer_id,
+                fate,
                 len(paths),
                 paths[:3],
             )
@@ -683,12 +689,19 @@ class CommitCycle:
         so the rollback is done; accepting it keeps the pre-rollback boundary and lets the
         other files commit. Done before the quarantine is written: a crash in between leaves
         the files pending, screened and refused again, never quarantined with the rollback
-        still pending."""
+        still pending.
+
+        The replay holds the records of the range's quarantined files again, so their entries
+        are retired first, as before a replay's commit (:meth:`_retire_replayed`): left, those
+        records would be in the quarantine twice, and recovering both entries with
+        ``add_files`` adds them twice. First, while the rollback is pending (its range is
+        known): a crash after it leaves the replay pending, refused and quarantined later."""
         refused = {f.writer_id for f, _ in screening.refused if is_replay_writer(f.writer_id)}
         for writer_id in sorted(refused - {f.writer_id for f in screening.accepted}):
             rollback = self._committer.rollback(table)
             if rollback is None or rollback.writer_id != writer_id:
                 continue  # a replay of no pending rollback: it would be dropped anyway
+            self._retire_range(table, rollback, "quarantines")
             self._committer.roll_back(table, None, replay=False, only_if=writer_id)
             log.warning(
                 "table %s: every file of the replay of its rollback (writer %s, snapshot %s "
