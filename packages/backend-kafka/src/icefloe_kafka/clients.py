@@ -26,6 +26,16 @@ from icefloe.errors import ChannelError
 from icefloe_kafka.config import DEFAULT_BOOTSTRAP_SERVERS, SECTION, KafkaBackendConfig
 from icefloe_kafka.errors import TopicMissingError
 
+# how long a metadata request that failed on the connection is asked again (existing_topics)
+_TRANSPORT_RETRY_S = 2.0
+
+
+def _transient(exc: KafkaException) -> bool:
+    """A failure of the connection to the broker, not an answer from it."""
+    err = exc.args[0] if exc.args else None
+    return isinstance(err, KafkaError) and err.code() == KafkaError._TRANSPORT
+
+
 log = logging.getLogger(__name__)
 _client_log = logging.getLogger("icefloe_kafka.librdkafka")
 
@@ -324,16 +334,24 @@ class KafkaClients:
     def existing_topics(self, timeout_s: float | None = None) -> dict[str, Any]:
         """All topics of the cluster (metadata of every topic, so nothing is auto-created);
         ``timeout_s`` defaults to the operation timeout."""
-        try:
-            wait = self.timeout if timeout_s is None else timeout_s
-            return dict(self.admin().list_topics(timeout=wait).topics)
-        except KafkaException as exc:
-            where = f"cannot reach the Kafka cluster at {self.servers} ({self._servers_from})"
-            failed = self.admin_failed(where, exc)  # names a refused SASL/TLS handshake too
-            raise ChannelError(  # Kafka's error once: no chained copy of it
-                f"{failed}. Fix: start it, or set {SECTION}.bootstrap_servers to the cluster "
-                "that holds the control topic"
-            ) from None
+        wait = self.timeout if timeout_s is None else timeout_s
+        # a refused or dropped connection fails at once (_TRANSPORT), also when it is a blip of
+        # a busy broker (seen in CI: one of several publisher processes starting together), so
+        # it is asked again for a short while; a cluster that is down still fails within it
+        retry_until = time.monotonic() + min(wait, _TRANSPORT_RETRY_S)
+        while True:
+            try:
+                return dict(self.admin().list_topics(timeout=wait).topics)
+            except KafkaException as exc:
+                if _transient(exc) and time.monotonic() < retry_until:
+                    time.sleep(0.2)
+                    continue
+                where = f"cannot reach the Kafka cluster at {self.servers} ({self._servers_from})"
+                failed = self.admin_failed(where, exc)  # names a refused SASL/TLS handshake too
+                raise ChannelError(  # Kafka's error once: no chained copy of it
+                    f"{failed}. Fix: start it, or set {SECTION}.bootstrap_servers to the "
+                    "cluster that holds the control topic"
+                ) from None
 
     def wanted_topics(self) -> list[NewTopic]:
         c = self.config
