@@ -29,6 +29,7 @@ from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.dedupe import POSITIONS_KEY, WATERMARKS_KEY, CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.request import PendingFile, TableCommitRequest
+from icefloe.commit.rollback import ReplayRange
 from icefloe.commit.summary import (
     COMMIT_ID_KEY,
     FENCING_TOKEN_KEY,
@@ -958,22 +959,36 @@ def test_rollback_stays_pending_when_the_lost_snapshots_are_expired(
         committer.commit(live_request(table, [3]))
 
 
+@pytest.mark.parametrize("log", [True, False], ids=["metadata-log", "no-metadata-log"])
 def test_a_rollback_below_a_kept_snapshot_is_no_expired_gap(
-    catalog: SqlCatalog, table: Table
+    catalog: SqlCatalog, table: Table, log: bool
 ) -> None:
     """The pipeline's last snapshot is kept (a tag), the table rolled back below it, another
     engine appended on top and the restored snapshot was expired: the walk down the branch
     stops at a gap, as when another engine expires snapshots between the kept one and the
-    head, but the head holds no file of the kept snapshot. Still a rollback (refused as not
-    replayable), never taken for an expired gap with the rolled-back rows skipped."""
+    head, but the head holds no file of the kept snapshot. Still a rollback, never taken for
+    an expired gap with the rolled-back rows skipped: found with the snapshot it restored
+    where the table's earlier metadata files still link the head to it (its files then wait
+    for the replay from that snapshot's offsets), refused as not replayable where they are
+    gone (``write.metadata.delete-after-commit``, here deleted by hand)."""
     committer, first, _, second = commit_two(catalog, table)
     with catalog.load_table("db.events").manage_snapshots() as refs:
         refs.create_tag(second, "kept")
     catalog.load_table("db.events").manage_snapshots().rollback_to_snapshot(first).commit()
     catalog.load_table("db.events").append(rows([100]))
     catalog.load_table("db.events").maintenance.expire_snapshots().by_id(first).commit()
-    with pytest.raises(RollbackNotReplayableError, match=f"snapshot {second}"):
-        committer.commit(live_request(table, [3]))
+    if log:
+        rollback = committer.rollback("db.events")
+        assert rollback is not None
+        assert (rollback.restored_snapshot_id, rollback.lost_snapshot_id) == (first, second)
+        assert rollback.ranges() == [ReplayRange("t", 0, 1, 2)]
+        with pytest.raises(RollbackPendingError, match=rollback.writer_id):
+            committer.commit(live_request(table, [3]))
+    else:
+        for entry in catalog.load_table("db.events").metadata.metadata_log:
+            Path(entry.metadata_file.removeprefix("file://")).unlink()
+        with pytest.raises(RollbackNotReplayableError, match=f"snapshot {second}"):
+            committer.commit(live_request(table, [3]))
     assert ids_in(catalog) == [1, 100]
 
 

@@ -542,6 +542,39 @@ def test_another_engine_rewriting_then_expiring_the_pipelines_snapshot_is_no_rol
     assert_exactly_once(catalog, ROWS, source.expected[ROWS])
 
 
+def test_a_replay_commits_after_another_engine_expired_the_restored_snapshot(
+    tmp_path: Path,
+) -> None:
+    """A rollback to another engine's snapshot above the pipeline's first: its replay is
+    published, then that engine expires the pipeline's snapshot the rollback restored (no ref
+    names it). The branch's history now stops above it, so the committer refused the pending
+    rollback as not replayable and the published replay could never commit (found by the
+    commit-path simulation, seed 24704). The table's earlier metadata files still link the
+    head to the restored snapshot, as when the replay was published: the same rollback is
+    found, and its replay commits."""
+    pipe = Replaying.open(tmp_path)
+    catalog, source, coordinator = pipe.catalog, pipe.source, pipe.coordinator
+    try:
+        restored = pipe.committed(0)
+        catalog.load_table(ROWS).append(rows_table([-1], "x", 0))
+        other = catalog.load_table(ROWS).metadata.current_snapshot_id
+        assert other is not None
+        lost = pipe.committed(1)
+        rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, other)
+        assert rollback is not None
+        assert (rollback.restored_snapshot_id, rollback.lost_snapshot_id) == (restored, lost)
+        replayed = pipe.replay(rollback.writer_id, source.expected_ids_of("w1", 1))
+        catalog.load_table(ROWS).maintenance.expire_snapshots().by_id(restored).commit()
+        assert IcebergCommitter(catalog, "pipe").rollback(ROWS) == rollback
+        wait_pending(coordinator, replayed.file_count)
+        failed = coordinator.commit_now().failed
+    finally:
+        pipe.close()
+    assert dict(failed) == {}
+    assert_exactly_once(catalog, ROWS, [*source.expected[ROWS], -1])
+    assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None
+
+
 def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
     tmp_path: Path,
 ) -> None:

@@ -749,6 +749,8 @@ class World(RuleBasedStateMachine):
         self.discarded: set[int] = set()  # ids an accepted rollback (--no-replay) removed
         # per table: ids a rollback to be replayed removed, until the replay is published
         self.awaiting: dict[str, set[int]] = {}
+        # per table: ids of the replays published since the last rollback accepted without one
+        self.replaying: dict[str, set[int]] = {}
 
     def _config(self) -> PipelineConfig:
         """The pipeline's configuration, as the operator's commands read it."""
@@ -978,8 +980,14 @@ class World(RuleBasedStateMachine):
         except RollbackNotReplayableError:
             # the history below the rollback was expired since: the driver stops with this
             # error, whose way out is the operator's `icefloe rollback --no-replay`
+            present = {
+                int(r[0])
+                for r in read_ref(
+                    self.catalog.load_table(name), self.committer().branch_of(name), ["id"]
+                )
+            }
             committer.roll_back(name, None, replay=False)
-            self.discarded.update(self.awaiting.pop(name, set()))
+            self.discarded.update(self.awaiting.pop(name, set()) | self.stale_replay(name, present))
             EVENTS["rollback not replayable, accepted"] += 1
             return
         if rollback is None:
@@ -1015,6 +1023,20 @@ class World(RuleBasedStateMachine):
         finally:
             client.close()
         self.batches.append(Batch(rollback.writer_id, REPLAY_BATCH_SEQ, files))
+        self.replaying.setdefault(name, set()).update(ids)
+
+    def stale_replay(self, name: str, present: set[int]) -> set[int]:
+        """Rows of replays published but neither committed (``present``: the branch's rows
+        before the operator's acceptance) nor quarantined, when a rollback is accepted
+        without a replay: the dedupe rule takes a replay batch only for the rollback pending,
+        so they stay out by the operator's choice, as the rolled-back rows do."""
+        held = {
+            i
+            for e in Quarantine(self.catalog).list(GROUP, name)
+            if os.path.exists(local(e.file_path))
+            for i in file_ids(e.file_path)
+        }
+        return self.replaying.pop(name, set()) - present - held
 
     def append_rows(self, table: Table, ids: list[int], writer_id: str, seq: int) -> pa.Table:
         n = len(ids)
@@ -1548,7 +1570,9 @@ class CommitPath(World):
         if not replay:
             # a rollback without replay below one whose replay is pending cancels that replay:
             # its rows, after the older snapshot too, are out by the operator's choice
-            self.discarded.update(removed | self.awaiting.pop(name, set()))
+            self.discarded.update(
+                removed | self.awaiting.pop(name, set()) | self.stale_replay(name, before)
+            )
         else:
             self.awaiting.setdefault(name, set()).update(removed)
         if name == ROWS and branch == "main":
@@ -2261,12 +2285,16 @@ def test_a_file_announced_again_after_a_compaction_crash_and_maintain_is_not_com
         machine.teardown()
 
 
-@pytest.mark.xfail(strict=True, raises=InvariantError, reason="open: docs/reliability.md")
-def test_seed_24704_a_row_of_a_replayed_rollback_after_a_rewrite_and_an_expiry() -> None:
-    """Found by the 40-rule search (``--schedules 250 --seed 24704 --steps 40``) at the end of
-    a session, shrunk by greedy step removal from 34 rules, not analysed yet (a defect of the
-    product or of the model): a row of batch ``w0#2`` ends neither in the table nor in
-    quarantine (I1). Open: fails until fixed."""
+def test_a_replay_commits_after_another_engine_expired_the_restored_snapshot() -> None:
+    """Found by the 40-rule search (``--schedules 250 --seed 24704 --steps 40``, shrunk by
+    greedy step removal from 34 rules): a rollback of the append table to another engine's
+    snapshot (the ``delete`` of its rewrite) restored the pipeline's snapshot below it; the
+    driver published the replay; another engine then expired that restored snapshot. The
+    committer refused the pending rollback as not replayable (the branch's history stopped
+    above it), so the replay never committed and the operator's way out, accepting the
+    rollback, lost its row. The earlier metadata files still link the head to the restored
+    snapshot: the same rollback is found and the replay commits. (The model also counted the
+    rows of a published replay wrongly when a rollback is accepted: they now stay out.)"""
     machine = CommitPath()
     with inline_executor(), sim_plugins():
         machine.configure(branch="main", key_type="long", bounded=True, compact=())
