@@ -226,23 +226,17 @@ class KillCommitter:
 _BY_HAND = CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0)
 
 
+@dataclass(eq=False)
 class PipelineParts:
     """The writers and coordinators of one pipeline (its channel, catalog and group id),
     closed by :meth:`close` in the reverse order of opening. Coordinators commit by hand
     (``commit_now``) with the given ``plugins`` (default: none, fresh per coordinator)."""
 
-    def __init__(
-        self,
-        backend: MemoryBackend,
-        catalog: Catalog,
-        group_id: str,
-        plugins: Plugins | None = None,
-    ) -> None:
-        self.backend = backend
-        self.catalog = catalog
-        self.group_id = group_id
-        self.plugins = plugins
-        self._open: list[Coordinator | WriterClient] = []
+    backend: MemoryBackend
+    catalog: Catalog
+    group_id: str
+    plugins: Plugins | None = None
+    _open: list[Coordinator | WriterClient] = field(default_factory=list, init=False)
 
     def coordinator(
         self,
