@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,26 +22,21 @@ from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, Coor
 from icefloe.coordination.processes import pool_for
 from icefloe.coordination.settings import CatalogSpec
 from icefloe.coordination.writer import WriterClient
-from icefloe.plugins.manager import new_plugins
-from icefloe.testing.fixtures import (
-    group_snapshots,
-    make_sqlite_catalog,
-    sqlite_catalog_properties,
-    write_rows,
-)
+from icefloe.testing.fixtures import group_snapshots, write_rows
 from icefloe.testing.harness import (
     CommittersPipeline,
     DoomedCoordinator,
     KillCommitter,
-    RowSource,
+    assert_rows_once,
     heir_finds_every_commit,
+    heir_of,
     kill_doomed_coordinator,
     lead,
+    pipeline_on_disk,
     start_committers_then_die,
     wait_pending,
 )
 from icefloe.testing.memory import MemoryBackend, MemoryServer, serve_memory_server
-from icefloe.testing.readers import independent_rows
 
 TABLES = tuple(f"procs.t{i}" for i in range(6))
 TTL = 1.0
@@ -115,37 +109,18 @@ def test_committer_process_killed_leaves_its_tables_committed_once_or_pending(
     is missing, every row once."""
     victim = TABLES[2]
     w = pipe.writer("w")
-    coord = pipe.processes(
-        hook=KillCommitter(moment, victim, str(tmp_path / "killed")), quarantine_after_failures=1
+    kill = KillCommitter(moment, victim, str(tmp_path / "killed"))
+    coord = pipe.processes(hook=kill, quarantine_after_failures=1)
+    first = pipe.cycle_losing_a_committer(
+        coord, w, kill, "committer process", "CommitterProcessError: committer process died"
     )
-    lead(coord)
-    wait_pending(coord, pipe.source.publish(w, 0).file_count)
-    first = coord.commit_now()
-    assert (tmp_path / "killed").exists(), "the committer process was not killed"
-    assert victim in first.failed
-    assert "CommitterProcessError: committer process died" in first.failed[victim]
     assert victim in first.failing, "a death counts as a failure of the table"
     assert not first.deferred
-    # the other process's tables committed; the dead one's are pending
-    assert {r.table for r in first.tables} | set(first.failed) == set(TABLES)
-    assert set(coord.pending_files()) == set(first.failed)
+    # the victim's own commit landed only if its process died after it
     assert pipe.snapshots(victim) == (1 if moment == "after_commit" else 0)
-    stored = pipe.stored()
-    assert stored is None or stored["0"] < coord.read_position["0"], "stored past a failure"
     # after the backoff, a new process commits them (or finds them landed)
-    time.sleep(0.05)  # table_retry_base_s
-    second = coord.commit_now()
-    assert not second.failed
-    assert not second.deferred
+    second = pipe.next_cycle_commits_what_is_missing(coord, first, kill)
     assert not second.failing
-    assert sorted(r.table for r in second.tables) == sorted(first.failed)
-    landed = {r.table: r.snapshot_id for r in second.tables}
-    if moment == "after_commit":
-        assert landed[victim] is None, "the landed commit was made again"
-    assert pipe.stored() == coord.read_position
-    pipe.assert_rows_once()
-    for t in TABLES:
-        assert pipe.snapshots(t) == 1, t
     # the replaced process keeps committing
     wait_pending(coord, pipe.source.publish(w, 1).file_count)
     assert not coord.commit_now().failed
@@ -198,10 +173,7 @@ def test_coordinator_killed_after_its_processes_committed_then_heir_commits_noth
     """SIGKILL of a coordinator process whose committer processes committed every table,
     before the position store; an heir (on committer processes too) finds each commit by its
     commit id and makes none again."""
-    props = sqlite_catalog_properties(tmp_path / "iceberg")
-    catalog = make_sqlite_catalog(tmp_path / "iceberg")
-    source = RowSource.create(catalog, TABLES)
-    group_id = f"pipe-{uuid.uuid4().hex[:8]}"
+    group_id, props, catalog, source = pipeline_on_disk(tmp_path, TABLES)
     with serve_memory_server() as (server, address):
         backend = MemoryBackend(server, group_id, TTL)
         w = WriterClient(backend.writer("w"), group_id, "w")
@@ -215,17 +187,8 @@ def test_coordinator_killed_after_its_processes_committed_then_heir_commits_noth
             for t in TABLES:
                 assert len(group_snapshots(catalog, t, group_id)) == 1, t
             assert server.stored_position(group_id) is None
-            heir = Coordinator(
-                group_id,
-                backend.coordinator("heir"),
-                catalog,
-                CoordinatorSettings(
-                    commit_interval_s=3600.0,
-                    commit_timeout_s=30.0,
-                    commit_processes=2,
-                    catalog=CatalogSpec(catalog.name, props),
-                ),
-                plugins=new_plugins(autoload=False),
+            heir = heir_of(
+                backend, catalog, commit_processes=2, catalog=CatalogSpec(catalog.name, props)
             )
             try:
                 heir_finds_every_commit(heir, server, group_id)
@@ -235,8 +198,7 @@ def test_coordinator_killed_after_its_processes_committed_then_heir_commits_noth
             w.close()
     for t in TABLES:
         assert len(group_snapshots(catalog, t, group_id)) == 1, t
-        got = sorted(r[0] for r in independent_rows(catalog.load_table(t), ["id"]))
-        assert got == sorted(source.expected[t]), t
+    assert_rows_once(catalog, source)
 
 
 def test_a_refused_file_is_quarantined_by_the_coordinator_before_its_process_commits(

@@ -6,7 +6,6 @@ corrupt events, and a coordinator process killed by SIGKILL."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
+from pyiceberg.catalog import Catalog
 from pyiceberg.catalog.sql import SqlCatalog
 
 from icefloe.channel import ChannelRecord, WriterBatch, WriterChannel
@@ -61,11 +61,15 @@ from icefloe.testing.fixtures import (
 )
 from icefloe.testing.harness import (
     DoomedCoordinator,
+    PipelineParts,
     RowSource,
+    assert_rows_once,
     drive,
     heir_finds_every_commit,
+    heir_of,
     kill_doomed_coordinator,
     lead,
+    pipeline_on_disk,
     wait_pending,
 )
 from icefloe.testing.memory import (
@@ -75,7 +79,6 @@ from icefloe.testing.memory import (
     memory_backend_options,
     serve_memory_server,
 )
-from icefloe.testing.readers import independent_rows
 
 __all__ = ["catalog_warehouse", "postgres_catalog_properties"]  # fixtures used here
 
@@ -124,52 +127,10 @@ def plugins(recorder: _Recorder) -> Plugins:
 @pytest.fixture
 def make(
     backend: MemoryBackend, sqlite_catalog: SqlCatalog, group_id: str, plugins: Plugins
-) -> Iterator[_Factory]:
-    f = _Factory(backend, sqlite_catalog, group_id, plugins)
+) -> Iterator[PipelineParts]:
+    f = PipelineParts(backend, sqlite_catalog, group_id, plugins)
     yield f
     f.close()
-
-
-class _Factory:
-    """Coordinators and writers of one pipeline, closed at teardown."""
-
-    def __init__(
-        self, backend: MemoryBackend, catalog: SqlCatalog, group_id: str, plugins: Plugins
-    ) -> None:
-        self.backend, self.catalog, self.group_id, self.plugins = (
-            backend,
-            catalog,
-            group_id,
-            plugins,
-        )
-        self._open: list[Coordinator | WriterClient] = []
-
-    def coordinator(
-        self, name: str = "c1", hooks: CoordinatorHooks | None = None, **settings: Any
-    ) -> Coordinator:
-        base = CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0)
-        s = dataclasses.replace(base, **settings)
-        c = Coordinator(
-            self.group_id,
-            self.backend.coordinator(name),
-            self.catalog,
-            s,
-            coordinator_id=name,
-            plugins=self.plugins,
-            hooks=hooks,
-        )
-        self._open.append(c)
-        return c
-
-    def writer(self, writer_id: str) -> WriterClient:
-        w = WriterClient(self.backend.writer(writer_id), self.group_id, writer_id)
-        w.start()
-        self._open.append(w)
-        return w
-
-    def close(self) -> None:
-        for x in reversed(self._open):
-            x.close()
 
 
 def test_settings_from_config() -> None:
@@ -182,7 +143,7 @@ def test_settings_from_config() -> None:
 
 
 def test_complete_cycle_records_vtts_and_notifies_plugins(
-    make: _Factory, source: RowSource, group_id: str, recorder: _Recorder
+    make: PipelineParts, source: RowSource, group_id: str, recorder: _Recorder
 ) -> None:
     a, b = make.writer("a"), make.writer("b")
     coord = make.coordinator()
@@ -207,7 +168,7 @@ def test_complete_cycle_records_vtts_and_notifies_plugins(
 
 
 def test_idle_writer_answers_at_once_so_the_cycle_completes(
-    make: _Factory, source: RowSource
+    make: PipelineParts, source: RowSource
 ) -> None:
     busy, idle = make.writer("busy"), make.writer("idle")
     never_published = make.writer("never-published")
@@ -231,7 +192,7 @@ def test_idle_writer_answers_at_once_so_the_cycle_completes(
 
 
 def test_commit_timeout_gives_partial_commit_and_late_files_go_to_the_next(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     answering = make.writer("answering")
     # a writer that publishes but never answers StartCommit (its responder is not running)
@@ -277,7 +238,7 @@ def fail_once(failing: str) -> Callable[[str], None]:
 
 
 def test_partial_table_failure_is_finished_later_without_duplicating_the_others(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     failing, healthy = TABLES[0], TABLES[1]
     w = make.writer("w")
@@ -309,17 +270,8 @@ def test_partial_table_failure_is_finished_later_without_duplicating_the_others(
     assert make.backend.server.stored_position(group_id) == heir.read_position
 
 
-def successor_commits(make: _Factory, zombie: Coordinator) -> Coordinator:
-    """A new leader takes over from the paused ``zombie`` and commits what it holds."""
-    heir = make.coordinator("heir")
-    lead(heir)  # waits for the paused zombie's lease to expire
-    wait_pending(heir, sum(zombie.pending_files().values()))
-    assert not heir.commit_now().failed
-    return heir
-
-
 def test_zombie_that_passed_its_lease_check_is_refused_by_the_table(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     """The race of invariant 3: the leader renews its lease right before the catalog commit,
     then pauses; a new leader takes over and commits; the zombie resumes. The table's fencing
@@ -329,7 +281,7 @@ def test_zombie_that_passed_its_lease_check_is_refused_by_the_table(
 
     def pause_and_let_a_successor_commit(_: str) -> None:
         if not heirs:
-            heirs.append(successor_commits(make, zombie))
+            heirs.append(make.take_over(zombie))
 
     zombie = make.coordinator(
         "zombie", hooks=CoordinatorHooks(after_lease_check=pause_and_let_a_successor_commit)
@@ -346,26 +298,6 @@ def test_zombie_that_passed_its_lease_check_is_refused_by_the_table(
         assert snap.summary is not None
         assert snap.summary[FENCING_TOKEN_KEY] == str(heir.lease.token)
         assert_exactly_once(make.catalog, t, source.expected[t])
-
-
-def heir_of(backend: MemoryBackend, catalog: SqlCatalog, **settings: Any) -> Coordinator:
-    """The coordinator that takes over from a killed one (closed by the caller)."""
-    return Coordinator(
-        backend.group_id,
-        backend.coordinator("heir"),
-        catalog,
-        CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0, **settings),
-        plugins=new_plugins(autoload=False),
-    )
-
-
-def pipeline_on_disk(
-    tmp_path: Path, tables: tuple[str, ...]
-) -> tuple[str, dict[str, str], SqlCatalog, RowSource]:
-    """A group id, and a SQLite catalog (its properties, for a child process) with ``tables``."""
-    props = sqlite_catalog_properties(tmp_path / "iceberg")
-    catalog = make_sqlite_catalog(tmp_path / "iceberg")
-    return f"pipe-{uuid.uuid4().hex[:8]}", props, catalog, RowSource.create(catalog, tables)
 
 
 def test_coordinator_process_killed_after_iceberg_commit_loses_and_duplicates_nothing(
@@ -405,7 +337,7 @@ def test_coordinator_process_killed_after_iceberg_commit_loses_and_duplicates_no
 
 
 def test_run_loop_commits_on_interval_and_hands_over_on_stop(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     w = make.writer("w")
     first = make.coordinator("first", commit_interval_s=0.2)
@@ -435,7 +367,7 @@ def test_run_loop_commits_on_interval_and_hands_over_on_stop(
     assert_every_table_exact(make, source)
 
 
-def assert_every_table_exact(make: _Factory, source: RowSource) -> None:
+def assert_every_table_exact(make: PipelineParts, source: RowSource) -> None:
     """Every table holds each row the source published to it exactly once."""
     for t in TABLES:
         assert_exactly_once(make.catalog, t, source.expected[t])
@@ -462,7 +394,7 @@ def publish_unanswered(
     return b.file_count
 
 
-def drive_until_rows(catalog: SqlCatalog, source: RowSource, timeout: float = 30.0) -> None:
+def drive_until_rows(catalog: Catalog, source: RowSource, timeout: float = 30.0) -> None:
     """Wait (the coordinators run in threads) until every expected row is in every table."""
     deadline = time.monotonic() + timeout
     while any(len(table_ids(catalog, t)) < len(source.expected[t]) for t in TABLES):
@@ -470,7 +402,9 @@ def drive_until_rows(catalog: SqlCatalog, source: RowSource, timeout: float = 30
         time.sleep(0.1)
 
 
-def test_size_trigger_starts_a_cycle_before_the_interval(make: _Factory, source: RowSource) -> None:
+def test_size_trigger_starts_a_cycle_before_the_interval(
+    make: PipelineParts, source: RowSource
+) -> None:
     w = make.writer("w")
     coord = make.coordinator(max_pending_files=len(TABLES))
     lead(coord)
@@ -480,7 +414,7 @@ def test_size_trigger_starts_a_cycle_before_the_interval(make: _Factory, source:
 
 
 def test_idle_pipeline_commits_its_first_files_at_once_then_keeps_the_interval(
-    make: _Factory, source: RowSource
+    make: PipelineParts, source: RowSource
 ) -> None:
     """``commit_when_idle``: with an hour's interval, the first batch after the start is
     committed by the next step; the batch after it waits for the interval (the pipeline is
@@ -503,7 +437,7 @@ def test_idle_pipeline_commits_its_first_files_at_once_then_keeps_the_interval(
 
 
 def test_empty_cycle_makes_no_snapshot_but_stores_the_position(
-    make: _Factory, group_id: str
+    make: PipelineParts, group_id: str
 ) -> None:
     w = make.writer("w")
     coord = make.coordinator()
@@ -520,7 +454,7 @@ def test_empty_cycle_makes_no_snapshot_but_stores_the_position(
 
 
 def test_foreign_duplicate_and_stale_events_are_ignored(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     server = make.backend.server
     table = TABLES[0]
@@ -550,7 +484,7 @@ def test_foreign_duplicate_and_stale_events_are_ignored(
 
 
 def test_a_batch_is_pending_only_once_its_data_complete_is_read(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     """A batch's files wait for its DataComplete (a poll may end inside a batch): a cycle in
     between neither commits them nor records a channel position that would make them look
@@ -580,7 +514,7 @@ def test_a_batch_is_pending_only_once_its_data_complete_is_read(
     assert_exactly_once(make.catalog, table, kept)
 
 
-def test_undecodable_event_stops_the_coordinator(make: _Factory, group_id: str) -> None:
+def test_undecodable_event_stops_the_coordinator(make: PipelineParts, group_id: str) -> None:
     coord = make.coordinator()
     lead(coord)
     make.backend.server.inject(group_id, b"IF\x01 definitely not an event")
@@ -592,7 +526,7 @@ def test_undecodable_event_stops_the_coordinator(make: _Factory, group_id: str) 
         drive(heir, lambda: False, "the decode error")
 
 
-def test_commit_now_requires_leadership(make: _Factory) -> None:
+def test_commit_now_requires_leadership(make: PipelineParts) -> None:
     coord = make.coordinator()
     with pytest.raises(NotLeaderError):
         coord.commit_now()
@@ -672,7 +606,7 @@ class _FlakyCoordinatorChannel(MemoryCoordinatorChannel):
 
 
 def test_run_loop_survives_a_channel_error_and_starts_over(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     w = make.writer("w")
     channel = _FlakyCoordinatorChannel(make.backend.server, group_id, "flaky", TTL)
@@ -698,7 +632,7 @@ def test_run_loop_survives_a_channel_error_and_starts_over(
 
 
 @pytest.mark.timeout(120)  # without bounded recovery, lead() never returns
-def test_recovery_ends_under_steady_publishing(make: _Factory, source: RowSource) -> None:
+def test_recovery_ends_under_steady_publishing(make: PipelineParts, source: RowSource) -> None:
     """A writer that never pauses must not keep a new leader recovering forever."""
     data = make.writer("data")
     source.publish(data, 0)
@@ -738,7 +672,7 @@ def _fault_settings(**kw: Any) -> dict[str, Any]:
 
 
 def test_file_outside_the_table_is_quarantined_and_the_rest_committed(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     table, other = TABLES
     w = make.writer("w")
@@ -779,7 +713,7 @@ def test_file_outside_the_table_is_quarantined_and_the_rest_committed(
 
 
 def test_files_of_a_dropped_and_recreated_table_are_quarantined(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     table = TABLES[0]
     w = make.writer("w")
@@ -810,7 +744,7 @@ def test_files_of_a_dropped_and_recreated_table_are_quarantined(
 
 
 def test_missing_table_backs_off_then_is_quarantined_and_the_others_keep_committing(
-    make: _Factory, sqlite_catalog: SqlCatalog, group_id: str
+    make: PipelineParts, sqlite_catalog: SqlCatalog, group_id: str
 ) -> None:
     gone = "db.gone"
     source = RowSource.create(sqlite_catalog, (*TABLES, gone))
@@ -849,7 +783,7 @@ class _GremlinError(Exception):
 
 
 def test_a_table_failing_quarantine_after_failures_times_in_a_row_is_loud(
-    make: _Factory, source: RowSource, group_id: str, caplog: pytest.LogCaptureFixture
+    make: PipelineParts, source: RowSource, group_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Whatever the exception, the failure that reaches ``quarantine_after_failures`` in a row
     logs one ERROR naming the table and the error, sets ``icefloe_table_failing`` and shows in
@@ -936,7 +870,7 @@ def test_a_table_failing_quarantine_after_failures_times_in_a_row_is_loud(
 
 
 def test_failing_table_backs_off_instead_of_spinning_cycles(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     """A table that keeps failing holds more files than ``max_pending_files``: no cycle may
     run back to back for it, and the other table's files are still read and committed."""
@@ -984,7 +918,7 @@ def test_failing_table_backs_off_instead_of_spinning_cycles(
 
 
 def test_same_file_announced_by_another_writer_is_not_appended_again(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     a, b = make.writer("a"), make.writer("b")
     coord = make.coordinator()
@@ -1012,7 +946,7 @@ class _StoreFailsChannel(MemoryCoordinatorChannel):
 
 
 def test_commit_broadcasts_and_plugin_hook_run_before_store_position(
-    make: _Factory, source: RowSource, group_id: str, recorder: _Recorder
+    make: PipelineParts, source: RowSource, group_id: str, recorder: _Recorder
 ) -> None:
     w = make.writer("w")
     listener = make.backend.writer("listener")
@@ -1049,7 +983,7 @@ def test_commit_broadcasts_and_plugin_hook_run_before_store_position(
 
 
 def test_vtts_needs_every_source_partition_covered_by_a_live_writer(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     live = make.writer("live")
     # a writer that publishes once (its own source partition) and then dies
@@ -1072,7 +1006,7 @@ def test_vtts_needs_every_source_partition_covered_by_a_live_writer(
 
 
 def test_a_commit_records_the_source_offsets_of_a_writer_dropped_as_dead(
-    make: _Factory, source: RowSource
+    make: PipelineParts, source: RowSource
 ) -> None:
     """A batch found in recovery from a writer silent for longer than ``writer_timeout_s``:
     the writer's state is dropped at the cycle's start, yet the cycle commits the batch's
@@ -1098,7 +1032,7 @@ def test_a_commit_records_the_source_offsets_of_a_writer_dropped_as_dead(
 
 
 def test_recovery_and_reading_stop_at_max_pending_files(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     w = make.writer("w")
     batches = [source.publish(w, seq) for seq in range(4)]
@@ -1120,7 +1054,7 @@ def test_recovery_and_reading_stop_at_max_pending_files(
 
 
 def test_stop_cutting_a_cycle_short_is_not_a_timeout_warning(
-    make: _Factory, source: RowSource, group_id: str, caplog: pytest.LogCaptureFixture
+    make: PipelineParts, source: RowSource, group_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     silent = make.backend.writer("silent")
     ref = WriterRef("silent", silent.open())
@@ -1139,7 +1073,7 @@ def test_stop_cutting_a_cycle_short_is_not_a_timeout_warning(
 
 
 def test_rolled_back_table_waits_for_its_replay_and_the_replay_writer_is_not_waited_for(
-    make: _Factory, source: RowSource, group_id: str
+    make: PipelineParts, source: RowSource, group_id: str
 ) -> None:
     """A rolled-back table's files wait (no growing backoff) while the other table commits;
     the replay batch, published by a writer that never answers StartCommit, completes the
@@ -1184,7 +1118,7 @@ def test_rolled_back_table_waits_for_its_replay_and_the_replay_writer_is_not_wai
 
 
 def test_idle_cycles_log_at_debug_and_a_cycle_that_commits_at_info(
-    make: _Factory, source: RowSource, caplog: pytest.LogCaptureFixture
+    make: PipelineParts, source: RowSource, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An idle pipeline cycles every interval: 360-720 INFO lines an hour said nothing."""
     w = make.writer("w")
@@ -1206,7 +1140,7 @@ def test_idle_cycles_log_at_debug_and_a_cycle_that_commits_at_info(
 
 
 def test_largest_tables_commit_first_and_a_table_that_failed_commits_last(
-    make: _Factory, sqlite_catalog: SqlCatalog
+    make: PipelineParts, sqlite_catalog: SqlCatalog
 ) -> None:
     """Tables commit in order of pending bytes, largest first; a table whose last attempt
     failed goes after the healthy ones, and its failure keeps none of them from committing."""
@@ -1254,14 +1188,6 @@ def test_largest_tables_commit_first_and_a_table_that_failed_commits_last(
 PAR_TABLES = tuple(f"par.t{i}" for i in range(8))
 
 
-def assert_rows_once(catalog: SqlCatalog, source: RowSource) -> None:
-    """Every table's live files (read by pyarrow, not pyiceberg's scan) hold each row the
-    source published to it exactly once."""
-    for t in source.tables:
-        got = sorted(r[0] for r in independent_rows(catalog.load_table(t), ["id"]))
-        assert got == sorted(source.expected[t]), t
-
-
 def test_commit_parallelism_is_validated_and_named() -> None:
     with pytest.raises(ValueError, match="commit_parallelism"):
         CoordinationConfig(commit_parallelism=0)
@@ -1273,7 +1199,7 @@ def test_commit_parallelism_is_validated_and_named() -> None:
 
 
 def test_parallel_cycle_commits_each_table_once_on_several_threads(
-    make: _Factory, group_id: str
+    make: PipelineParts, group_id: str
 ) -> None:
     parallel_cycles_commit_each_table_once(make, group_id)
 
@@ -1287,7 +1213,7 @@ def test_parallel_cycle_on_the_sql_catalog_on_postgresql(
     """The threads share one SqlCatalog (one SQLAlchemy engine and pool) on the real
     PostgreSQL, whose commits of different tables may run at the same time."""
     catalog = SqlCatalog("parallel", **postgres_catalog_properties)
-    factory = _Factory(backend, catalog, group_id, plugins)
+    factory = PipelineParts(backend, catalog, group_id, plugins)
     try:
         parallel_cycles_commit_each_table_once(factory, group_id)
     finally:
@@ -1295,7 +1221,7 @@ def test_parallel_cycle_on_the_sql_catalog_on_postgresql(
         catalog.engine.dispose()
 
 
-def parallel_cycles_commit_each_table_once(make: _Factory, group_id: str) -> None:
+def parallel_cycles_commit_each_table_once(make: PipelineParts, group_id: str) -> None:
     """Two cycles of 8 tables on 4 threads: each table's rows once, one snapshot per cycle."""
     source = RowSource.create(make.catalog, PAR_TABLES)
     threads: set[str] = set()
@@ -1333,7 +1259,7 @@ def parallel_cycles_commit_each_table_once(make: _Factory, group_id: str) -> Non
 
 
 def test_a_table_failing_in_one_worker_does_not_stop_the_others(
-    make: _Factory, group_id: str
+    make: PipelineParts, group_id: str
 ) -> None:
     source = RowSource.create(make.catalog, PAR_TABLES)
     failing = PAR_TABLES[3]
@@ -1363,7 +1289,7 @@ def test_a_table_failing_in_one_worker_does_not_stop_the_others(
 
 
 def test_each_table_commit_is_timed_once_and_a_failed_one_not(
-    make: _Factory, group_id: str
+    make: PipelineParts, group_id: str
 ) -> None:
     """``icefloe_table_commit_seconds`` gets one observation per table committed in a
     parallel cycle (the failing table none), each no longer than the cycle itself."""
@@ -1392,7 +1318,7 @@ def test_each_table_commit_is_timed_once_and_a_failed_one_not(
 
 
 def test_deposed_leaders_parallel_commits_are_refused_per_table(
-    make: _Factory, group_id: str
+    make: PipelineParts, group_id: str
 ) -> None:
     """Every worker of the zombie passed its lease check, then waits while a new leader takes
     over and commits; resumed, each one's commit is refused by its table's fencing token."""
@@ -1408,7 +1334,7 @@ def test_deposed_leaders_parallel_commits_are_refused_per_table(
         if not first.acquire(blocking=False):
             assert heir_done.wait(60)
             return
-        heirs.append(successor_commits(make, zombie))
+        heirs.append(make.take_over(zombie))
         heir_done.set()
 
     zombie = make.coordinator(

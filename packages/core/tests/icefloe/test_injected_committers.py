@@ -7,14 +7,13 @@ nothing queued for a later round to hand out."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
+from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks
 from icefloe.coordination.processes import (
     CommitAnswer,
     CommitTask,
@@ -23,12 +22,10 @@ from icefloe.coordination.processes import (
     pool_for,
 )
 from icefloe.coordination.settings import CatalogSpec
-from icefloe.coordination.writer import WriterClient
 from icefloe.errors import NotLeaderError, StaleFencingTokenError
-from icefloe.plugins.manager import new_plugins
-from icefloe.testing.fixtures import make_sqlite_catalog, sqlite_catalog_properties, write_rows
-from icefloe.testing.harness import RowSource, lead, wait_pending
-from icefloe.testing.memory import MemoryBackend, MemoryServer
+from icefloe.testing.fixtures import write_rows
+from icefloe.testing.harness import CommittersPipeline, lead, wait_pending
+from icefloe.testing.memory import MemoryServer
 from icefloe.testing.readers import independent_rows
 
 TABLES = tuple(f"inj.t{i}" for i in range(4))
@@ -73,40 +70,20 @@ class RoundCommitters:
         self.jobs.shutdown()
 
 
-class _Pipeline:
+class _Pipeline(CommittersPipeline):
+    """The scenario's pipeline: one writer ``w`` and coordinators on :class:`RoundCommitters`."""
+
     def __init__(self, tmp_path: Path) -> None:
-        self.group_id = f"pipe-{uuid.uuid4().hex[:8]}"
-        self.catalog = make_sqlite_catalog(tmp_path / "iceberg")
-        self.spec = CatalogSpec(self.catalog.name, sqlite_catalog_properties(tmp_path / "iceberg"))
-        self.backend = MemoryBackend(MemoryServer(), self.group_id, 1.0)
-        self.source = RowSource.create(self.catalog, TABLES)
+        super().__init__(tmp_path, MemoryServer(), TABLES)
         self.built: list[RoundCommitters] = []
-        self.writer = WriterClient(self.backend.writer("w"), self.group_id, "w")
-        self.writer.start()
-        self.coordinators: list[Coordinator] = []
+        self.w = self.writer("w")
 
     def _committers(self, spec: WorkerSpec) -> RoundCommitters:
         self.built.append(RoundCommitters(spec))
         return self.built[-1]
 
-    def coordinator(self, hooks: CoordinatorHooks | None = None) -> Coordinator:
-        c = Coordinator(
-            self.group_id,
-            self.backend.coordinator("c"),
-            self.catalog,
-            CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0, catalog=self.spec),
-            coordinator_id="c",
-            plugins=new_plugins(autoload=False),
-            hooks=hooks,
-            committers=self._committers,
-        )
-        self.coordinators.append(c)
-        return c
-
-    def close(self) -> None:
-        for c in self.coordinators:
-            c.close()
-        self.writer.close()
+    def on_rounds(self, hooks: CoordinatorHooks | None = None) -> Coordinator:
+        return self.coordinator("c", hooks, self._committers, catalog=self.spec)
 
 
 @pytest.fixture
@@ -131,13 +108,13 @@ def test_each_round_of_a_cycle_is_flushed_as_one(pipe: _Pipeline) -> None:
     screening; the coordinator quarantines the file and sends the rest as a second round.
     Every row lands once."""
     table, other = TABLES[0], TABLES[1]
-    coord = pipe.coordinator()
+    coord = pipe.on_rounds()
     lead(coord)
     good = pipe.source.batch("w", 0)
     stray = write_rows(pipe.catalog.load_table(other), [999_001], "w", 0)
     files = {t: list(fs) for t, fs in good.files.items()}
     files[table] = files[table] + stray
-    pipe.writer.publish(0, files, good.positions)
+    pipe.w.publish(0, files, good.positions)
     wait_pending(coord, good.file_count + len(stray))
     result = coord.commit_now()
     assert result.failed == {}
@@ -161,9 +138,9 @@ def test_a_cycle_ended_by_an_error_leaves_nothing_queued(pipe: _Pipeline) -> Non
         if len(seen) == 3:
             raise StaleFencingTokenError("a newer coordinator has taken over (test)")
 
-    coord = pipe.coordinator(CoordinatorHooks(before_table_commit=deposed_at_the_third_table))
+    coord = pipe.on_rounds(CoordinatorHooks(before_table_commit=deposed_at_the_third_table))
     lead(coord)
-    wait_pending(coord, pipe.source.publish(pipe.writer, 0).file_count)
+    wait_pending(coord, pipe.source.publish(pipe.w, 0).file_count)
     with pytest.raises(NotLeaderError):
         coord.commit_now()
     assert len(seen) == 3, "two tables were submitted before the error"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, Coor
 from icefloe.coordination.processes import CommitTask, WorkerSpec
 from icefloe.errors import ConfigError
 from icefloe.events import DataFileMeta
-from icefloe.testing.harness import CommittersPipeline, KillCommitter, lead, wait_pending
+from icefloe.testing.harness import CommittersPipeline, KillCommitter
 from icefloe.testing.memory import MemoryServer
 from icefloe_spark.committers import SparkCommitters, spread
 from icefloe_spark.runtime import jvm
@@ -142,28 +141,12 @@ def test_python_worker_killed_after_its_commit_leaves_every_table_committed_once
         pytest.skip(f"needs a session that retries no task; this one is {master}")
     victim = TABLES[2]
     w = pipe.writer("w")
-    hook = KillCommitter("after_commit", victim, str(tmp_path / "killed"))
-    coord = pipe.on_spark("c1", CoordinatorHooks(in_committer=hook))
-    lead(coord)
-    wait_pending(coord, pipe.source.publish(w, 0).file_count)
-    first = coord.commit_now()
-    assert (tmp_path / "killed").exists(), "the Python worker was not killed"
-    assert victim in first.failed
-    assert "CommitterProcessError: Spark commit job failed" in first.failed[victim]
-    assert {r.table for r in first.tables} | set(first.failed) == set(TABLES)
-    assert set(coord.pending_files()) == set(first.failed)
-    stored = pipe.stored()
-    assert stored is None or stored["0"] < coord.read_position["0"], "stored past a failure"
-    time.sleep(0.05)  # table_retry_base_s
-    second = coord.commit_now()
-    assert not second.failed
-    assert not second.deferred
-    assert sorted(r.table for r in second.tables) == sorted(first.failed)
-    assert {r.table: r.snapshot_id for r in second.tables}[victim] is None, "made again"
-    assert pipe.stored() == coord.read_position
-    pipe.assert_rows_once()
-    for t in TABLES:
-        assert pipe.snapshots(t) == 1, t
+    kill = KillCommitter("after_commit", victim, str(tmp_path / "killed"))
+    coord = pipe.on_spark("c1", CoordinatorHooks(in_committer=kill))
+    first = pipe.cycle_losing_a_committer(
+        coord, w, kill, "Python worker", "CommitterProcessError: Spark commit job failed"
+    )
+    pipe.next_cycle_commits_what_is_missing(coord, first, kill)
 
 
 @pytest.mark.spark  # starts a JVM of its own in a child process (no fixture)

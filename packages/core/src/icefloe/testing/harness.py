@@ -7,6 +7,7 @@ scenarios), and importable by a child process that a test kills.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -38,7 +39,7 @@ from icefloe.coordination.settings import CatalogSpec
 from icefloe.coordination.writer import WriterClient
 from icefloe.errors import NotLeaderError
 from icefloe.events import DataFileMeta, SourcePosition
-from icefloe.plugins.manager import new_plugins
+from icefloe.plugins.manager import Plugins, new_plugins
 from icefloe.testing.fixtures import (
     assert_exactly_once,
     create_rows_table,
@@ -222,39 +223,37 @@ class KillCommitter:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class CommittersPipeline:
-    """One pipeline for committer scenarios (processes, a runner's committers): a real
-    SQLite catalog (also as properties, for committers that open their own), the reference
-    channel, a row source over ``tables``, its writers and coordinators, closed by
-    :meth:`close`."""
+_BY_HAND = CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0)
 
-    def __init__(
-        self, path: Path, server: MemoryServer, tables: Sequence[str], ttl: float = 1.0
-    ) -> None:
-        self.group_id = f"pipe-{uuid.uuid4().hex[:8]}"
-        self.tables = tuple(tables)
-        self.catalog: SqlCatalog = make_sqlite_catalog(path / "iceberg")
-        self.spec = CatalogSpec(self.catalog.name, sqlite_catalog_properties(path / "iceberg"))
-        self.backend = MemoryBackend(server, self.group_id, ttl)
-        self.source = RowSource.create(self.catalog, self.tables)
-        self._open: list[Coordinator | WriterClient] = []
+
+@dataclass(eq=False)
+class PipelineParts:
+    """The writers and coordinators of one pipeline (its channel, catalog and group id),
+    closed by :meth:`close` in the reverse order of opening. Coordinators commit by hand
+    (``commit_now``) with the given ``plugins`` (default: none, fresh per coordinator)."""
+
+    backend: MemoryBackend
+    catalog: Catalog
+    group_id: str
+    plugins: Plugins | None = None
+    _open: list[Coordinator | WriterClient] = field(default_factory=list, init=False)
 
     def coordinator(
         self,
-        name: str,
+        name: str = "c1",
         hooks: CoordinatorHooks | None = None,
         committers: CommittersFactory | None = None,
         **settings: Any,
     ) -> Coordinator:
-        """A coordinator that commits by hand (``commit_now``); ``settings`` as
-        :class:`CoordinatorSettings` takes them."""
+        """A coordinator that commits by hand; ``settings`` (as :class:`CoordinatorSettings`
+        takes them) replace the defaults, the commit interval and timeout included."""
         c = Coordinator(
             self.group_id,
             self.backend.coordinator(name),
             self.catalog,
-            CoordinatorSettings(commit_interval_s=3600.0, commit_timeout_s=30.0, **settings),
+            dataclasses.replace(_BY_HAND, **settings),
             coordinator_id=name,
-            plugins=new_plugins(autoload=False),
+            plugins=self.plugins if self.plugins is not None else new_plugins(autoload=False),
             hooks=hooks,
             committers=committers,
         )
@@ -267,14 +266,43 @@ class CommittersPipeline:
         self._open.append(w)
         return w
 
+    def take_over(self, zombie: Coordinator) -> Coordinator:
+        """A new leader ``heir`` takes over from the paused ``zombie`` (once its lease
+        expired) and commits what the zombie holds."""
+        heir = self.coordinator("heir")
+        lead(heir)
+        wait_pending(heir, sum(zombie.pending_files().values()))
+        assert not heir.commit_now().failed
+        return heir
+
+    def close(self) -> None:
+        for x in reversed(self._open):
+            x.close()
+
+
+class CommittersPipeline(PipelineParts):
+    """One pipeline for committer scenarios (processes, a runner's committers): a real
+    SQLite catalog (also as properties, for committers that open their own), the reference
+    channel, a row source over ``tables``, its writers and coordinators, closed by
+    :meth:`close`."""
+
+    def __init__(
+        self, path: Path, server: MemoryServer, tables: Sequence[str], ttl: float = 1.0
+    ) -> None:
+        group_id = f"pipe-{uuid.uuid4().hex[:8]}"
+        catalog: SqlCatalog = make_sqlite_catalog(path / "iceberg")
+        super().__init__(MemoryBackend(server, group_id, ttl), catalog, group_id)
+        self.catalog: SqlCatalog = catalog
+        self.tables = tuple(tables)
+        self.spec = CatalogSpec(catalog.name, sqlite_catalog_properties(path / "iceberg"))
+        self.source = RowSource.create(catalog, self.tables)
+
     def stored(self) -> dict[str, int] | None:
         return self.backend.server.stored_position(self.group_id)
 
     def assert_rows_once(self) -> None:
         """Each table's live files, read with pyarrow, hold every published row once."""
-        for t in self.tables:
-            got = sorted(r[0] for r in independent_rows(self.catalog.load_table(t), ["id"]))
-            assert got == sorted(self.source.expected[t]), t
+        assert_rows_once(self.catalog, self.source)
 
     def snapshots(self, table: str) -> int:
         """The pipeline's snapshots of ``table``."""
@@ -305,6 +333,47 @@ class CommittersPipeline:
         assert self.stored() == coord.read_position
         return coord
 
+    def cycle_losing_a_committer(
+        self, coord: Coordinator, writer: WriterClient, kill: KillCommitter, who: str, error: str
+    ) -> CycleResult:
+        """``coord`` (its ``in_committer`` hook ``kill``) leads and commits a new batch of
+        ``writer`` in a cycle whose committer of ``kill.table`` is killed (``who`` names the
+        committer): that table fails with ``error`` in its message, every table either commits
+        or fails, the failed ones stay pending and the stored position stays below them.
+        Returns the cycle's result."""
+        lead(coord)
+        wait_pending(coord, self.source.publish(writer, 0).file_count)
+        first = coord.commit_now()
+        assert Path(kill.marker).exists(), f"the {who} was not killed"
+        assert kill.table in first.failed
+        assert error in first.failed[kill.table]
+        assert {r.table for r in first.tables} | set(first.failed) == set(self.tables)
+        assert set(coord.pending_files()) == set(first.failed)
+        stored = self.stored()
+        assert stored is None or stored["0"] < coord.read_position["0"], "stored past a failure"
+        return first
+
+    def next_cycle_commits_what_is_missing(
+        self, coord: Coordinator, first: CycleResult, kill: KillCommitter
+    ) -> CycleResult:
+        """After the backoff (``table_retry_base_s`` of at most 0.05 s), ``coord``'s next cycle
+        commits the tables ``first`` failed; a commit that landed before ``kill`` struck
+        (``after_commit``) is found, not made again. The position follows, every row lands
+        once, one snapshot per table. Returns the cycle's result."""
+        time.sleep(0.05)  # table_retry_base_s
+        second = coord.commit_now()
+        assert not second.failed
+        assert not second.deferred
+        assert sorted(r.table for r in second.tables) == sorted(first.failed)
+        if kill.moment == "after_commit":
+            committed = {r.table: r.snapshot_id for r in second.tables}
+            assert committed[kill.table] is None, "the landed commit was made again"
+        assert self.stored() == coord.read_position
+        self.assert_rows_once()
+        for t in self.tables:
+            assert self.snapshots(t) == 1, t
+        return second
+
     def deposed_leader_is_refused(
         self, zombie_of: Callable[[str, CoordinatorHooks], Coordinator]
     ) -> None:
@@ -317,13 +386,8 @@ class CommittersPipeline:
         heirs: list[Coordinator] = []
 
         def pause_and_let_a_successor_commit(_: str) -> None:
-            if heirs:
-                return
-            heir = self.coordinator("heir")
-            lead(heir)  # waits for the paused zombie's lease to expire
-            wait_pending(heir, sum(zombie.pending_files().values()))
-            assert not heir.commit_now().failed
-            heirs.append(heir)
+            if not heirs:
+                heirs.append(self.take_over(zombie))
 
         zombie = zombie_of(
             "zombie", CoordinatorHooks(after_lease_check=pause_and_let_a_successor_commit)
@@ -440,6 +504,36 @@ def kill_doomed_coordinator(spec: DoomedCoordinator, timeout: float = 120.0) -> 
     child.start()
     child.join(timeout)
     assert child.exitcode == -signal.SIGKILL, f"child exit code {child.exitcode}"
+
+
+def pipeline_on_disk(
+    path: Path, tables: Sequence[str]
+) -> tuple[str, dict[str, str], SqlCatalog, RowSource]:
+    """A group id, and a SQLite catalog (its properties, for a child process) with ``tables``
+    and a row source over them."""
+    props = sqlite_catalog_properties(path / "iceberg")
+    catalog = make_sqlite_catalog(path / "iceberg")
+    return f"pipe-{uuid.uuid4().hex[:8]}", props, catalog, RowSource.create(catalog, tables)
+
+
+def heir_of(backend: MemoryBackend, catalog: Catalog, /, **settings: Any) -> Coordinator:
+    """The coordinator ``heir`` that takes over from a killed one (closed by the caller);
+    ``settings`` as :class:`CoordinatorSettings` takes them."""
+    return Coordinator(
+        backend.group_id,
+        backend.coordinator("heir"),
+        catalog,
+        dataclasses.replace(_BY_HAND, **settings),
+        plugins=new_plugins(autoload=False),
+    )
+
+
+def assert_rows_once(catalog: Catalog, source: RowSource) -> None:
+    """Every table of ``source``: its live files (read by pyarrow, not pyiceberg's scan) hold
+    each row the source published to it exactly once."""
+    for t in source.tables:
+        got = sorted(r[0] for r in independent_rows(catalog.load_table(t), ["id"]))
+        assert got == sorted(source.expected[t]), t
 
 
 def heir_finds_every_commit(heir: Coordinator, server: MemoryServer, group_id: str) -> None:
