@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from pyiceberg.table.snapshots import Operation
 from pyiceberg.transforms import BucketTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
+from icefloe.commit.applied import PRUNE_CHECKS, with_removed
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.compaction import (
     COMPACTED_DELETE_FILES_KEY,
@@ -35,9 +37,11 @@ from icefloe.commit.compaction import (
     Compactor,
     Thresholds,
 )
+from icefloe.commit.dedupe import CommitBoundary, decode_applied
 from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.commit.summary import GROUP_ID_KEY
+from icefloe.ops.maintenance import expire_snapshots
 from icefloe.records.datafiles import write_data_files, write_key_files
 from icefloe.testing.readers import independent_rows, live_files, local, read_avro
 
@@ -414,6 +418,79 @@ def test_a_removal_is_found_after_the_snapshots_that_added_the_files_expired(
     table.maintenance.expire_snapshots().by_ids(adders).commit()
     assert announce_again(keyed, first) is None
     keyed.check()
+
+
+@pytest.mark.parametrize("rewrite", ["compaction", "other engine"])
+def test_a_rewritten_file_announced_again_after_maintain_expired_the_rewrite_is_held(
+    catalog: SqlCatalog, rewrite: str
+) -> None:
+    """Issue 23: the pipeline's compaction (or another engine's rewrite) takes a committed
+    file off the branch, the pipeline commits above it, and ``icefloe maintain``'s expiry,
+    which keeps only the chain down to the pipeline's newest snapshot, expires the rewrite.
+    The file is still in storage (an uncommitted batch announces it: maintain spares it), and
+    announced again under a fresh writer id it was committed a second time: nothing retained
+    named it. The commit above the rewrite lists what it took off."""
+    catalog.create_table(NAME, schema=SCHEMA)
+    committer = IcebergCommitter(catalog, GROUP)
+
+    def append(ids: range, writer: str, seq: int, files: Any = None) -> TableCommitRequest:
+        table = catalog.load_table(NAME)
+        if files is None:
+            rows = pa.table({"id": pa.array(ids, pa.int64()), "v": pa.array(["v"] * len(ids))})
+            files = write_data_files(table, rows)
+        uid = str(table.metadata.table_uuid)
+        request = TableCommitRequest(
+            table=NAME,
+            commit_id=str(uuid.uuid4()),
+            files=tuple(
+                PendingFile(m, writer, seq, "0", 10 * seq + i, uid) for i, m in enumerate(files)
+            ),
+            positions={"0": 10 * seq + 10},
+            source_offsets={},
+            fencing_token=1,
+        )
+        committer.commit(request)
+        return request
+
+    first = append(range(0, 5), "w", 0)
+    append(range(5, 10), "w", 1)
+    if rewrite == "compaction":
+        removed_by = compactor(catalog).compact(NAME, EAGER).snapshot_id
+    else:
+        table = catalog.load_table(NAME)
+        table.overwrite(table.scan().to_arrow())
+        removed_by = catalog.load_table(NAME).snapshots()[-1].snapshot_id
+    append(range(10, 12), "w", 2)  # the pipeline commits above the rewrite
+    expiry = expire_snapshots(catalog.load_table(NAME), int(time.time() * 1000) + 60_000)
+    assert removed_by in expiry.expired
+    again = [f.meta for f in first.files]
+    assert all(Path(local(m.path)).exists() for m in again)
+    append(range(0), "w-restarted", 9, again)  # past every recorded position
+    ids = [r["id"] for r in catalog.load_table(NAME).scan().to_arrow().to_pylist()]
+    assert sorted(ids) == list(range(12))
+
+
+def test_rewritten_files_stay_listed_while_in_storage(catalog: SqlCatalog) -> None:
+    """The list of rewritten files stays bounded: each commit that lists new ones looks up as
+    many listed ones again (round the list), and drops those gone from storage."""
+    catalog.create_table(NAME, schema=SCHEMA)
+    table = catalog.load_table(NAME)
+    rows = pa.table({"id": pa.array(range(40), pa.int64()), "v": pa.array(["x"] * 40)})
+    paths = [m.path for k in range(40) for m in write_data_files(table, rows.slice(k, 1))]
+    boundary, side = with_removed(table, CommitBoundary(), paths[:30])
+    assert side is not None
+    assert boundary.applied.removed == tuple(sorted(paths[:30]))
+    assert all(p in boundary.applied for p in paths[:30])
+    listed = boundary.applied.removed
+    for p in listed[:5]:  # deleted as orphans once their removal expired
+        Path(local(p)).unlink()
+    boundary, side = with_removed(table, boundary, paths[30:])
+    assert side is not None
+    looked_up = PRUNE_CHECKS + 2 * 10
+    kept = listed[looked_up:] + listed[5:looked_up]
+    assert boundary.applied.removed == kept + tuple(sorted(paths[30:]))
+    assert with_removed(table, boundary, paths[30:]) == (boundary, None)  # nothing new
+    assert decode_applied(side[1]) == boundary.applied
 
 
 def test_only_snapshots_that_may_remove_files_are_read(

@@ -75,7 +75,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe.commit import branches, fastappend, screening
-from icefloe.commit.applied import with_applied_keys, with_rolled_back
+from icefloe.commit.applied import with_applied_keys, with_removed, with_rolled_back
 from icefloe.commit.compaction import Compactor, Thresholds, without_retries
 from icefloe.commit.dedupe import APPLIED_KEY, CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
@@ -806,6 +806,10 @@ class IcebergCommitter:
         boundary, merged = merged_originals(table, boundary, merge, deleted)
         keys = [f.meta.path for f in files if f.is_key_file]
         boundary, applied = with_applied_keys(table, boundary, keys, deleted)
+        if state is not None:  # files taken off since its last commit: committed as any file
+            removed = self._live_files.removed_since(table, head, self._group_id)
+            boundary, listed = with_removed(table, boundary, removed)
+            applied = listed or applied
         if rollback is not None:  # made by any tool: list what it took out, as roll_back does
             lost = table.metadata.snapshot_by_id(rollback.lost_snapshot_id)
             boundary, taken = self._taken_out(table, boundary, [lost], head)

@@ -26,7 +26,10 @@ Exactly-once next to the pipeline (docs/upsert.md, "Compaction"):
 * A data file a rewrite removed was committed: the committer finds it in the ``replace``
   snapshot (:meth:`icefloe.commit.livefiles.LiveFiles.held`, as any removal in the branch's
   history), so the same file announced again (under another writer id) is not committed a
-  second time.
+  second time. The pipeline's next commit lists what the ``replace`` removed
+  (:func:`icefloe.commit.applied.with_removed`), so that still holds once ``icefloe
+  maintain`` expired the ``replace``; nothing of it is recorded here, so a round that dies
+  at any point leaves nothing to record but what the table shows.
 """
 
 from __future__ import annotations

@@ -30,6 +30,14 @@ of the branch. A third side file the summary names (``icefloe.applied-files``) l
 announces them. It stays bounded: a key file's entry goes once the file is gone from storage
 (``icefloe maintain`` removes applied key files as orphans; announced again, a missing key file
 is quarantined as missing), and rolled-back files are recorded once per rollback.
+
+The same side file lists the data files a rewrite took off the branch (the pipeline's own
+compaction, another engine's rewrite or delete) after the pipeline committed them
+(:attr:`Applied.removed`, :func:`icefloe.commit.applied.with_removed`). The rewrite's snapshot
+tells the rule so while it is retained, but once the pipeline committed above it
+``icefloe maintain`` may expire it, and the file, announced again under another writer id
+before it is deleted as an orphan, would be committed a second time (issue 23). An entry goes
+once its file is gone from storage.
 """
 
 from __future__ import annotations
@@ -72,16 +80,20 @@ class Applied:
     """Key files applied (their keys resolved into position deletes), oldest first."""
     retired: frozenset[str] = frozenset()
     """Data files a rollback took out of the branch."""
+    removed: tuple[str, ...] = ()
+    """Data files a snapshot between two of the pipeline's commits took off the branch (its
+    compaction, another engine's rewrite or delete), while they are in storage; the next to
+    look up first."""
 
     @cached_property
     def _paths(self) -> frozenset[str]:
-        return self.retired.union(self.keys)
+        return self.retired.union(self.keys, self.removed)
 
     def __contains__(self, path: object) -> bool:
         return path in self._paths
 
     def __bool__(self) -> bool:
-        return bool(self.keys or self.retired)
+        return bool(self.keys or self.retired or self.removed)
 
 
 @dataclass(frozen=True)
@@ -109,8 +121,8 @@ class CommitBoundary:
     applied_file: str | None = None
     """Location of the side file listing ``applied`` (None: nothing applied or taken out)."""
     applied: Applied = Applied()
-    """Key files applied and files a rollback took out; read from ``applied_file`` by the
-    committer, like ``retired``."""
+    """Key files applied, files a rollback took out and files a rewrite took off; read from
+    ``applied_file`` by the committer, like ``retired``."""
 
     @classmethod
     def from_summary(cls, summary: Mapping[str, str | None]) -> CommitBoundary:
@@ -162,8 +174,9 @@ class CommitBoundary:
 
     def holds(self, f: Announced, path: str) -> bool:
         """Whether the table already holds the file at ``path`` announced at ``f``: its batch is
-        covered, it is a merged original (committed inside a merged file), an applied key file
-        or a file a rollback took out (:class:`Applied`)."""
+        covered, it is a merged original (committed inside a merged file), an applied key file,
+        a file a rollback took out or one a rewrite took off after it was committed
+        (:class:`Applied`)."""
         return self.covers(f) or path in self.merged or path in self.applied
 
     def retirable(self, keep: Iterable[str]) -> set[str]:
@@ -234,15 +247,19 @@ def decode_merged(data: bytes) -> frozenset[str]:
 
 def encode_applied(applied: Applied) -> bytes:
     """The applied-files side file's content (JSON ``{"keys": [...], "retired": [...]}``, key
-    files oldest first)."""
-    return _json({"keys": list(applied.keys), "retired": sorted(applied.retired)}).encode()
+    files oldest first, and ``"removed": [...]`` when there are any)."""
+    raw: dict[str, list[str]] = {"keys": list(applied.keys), "retired": sorted(applied.retired)}
+    if applied.removed:
+        raw["removed"] = list(applied.removed)
+    return _json(raw).encode()
 
 
 def decode_applied(data: bytes) -> Applied:
     """Parse :func:`encode_applied`'s output. Raises ValueError/TypeError/KeyError when
     unreadable."""
     raw = json.loads(data)
-    return Applied(tuple(_str_list(raw, "keys")), frozenset(_str_list(raw, "retired")))
+    removed = tuple(_str_list(raw, "removed")) if "removed" in raw else ()
+    return Applied(tuple(_str_list(raw, "keys")), frozenset(_str_list(raw, "retired")), removed)
 
 
 def _str_list(raw: Any, key: str) -> list[str]:

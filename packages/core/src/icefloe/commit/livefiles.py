@@ -20,7 +20,7 @@ from pyiceberg.table.snapshots import Operation, Snapshot
 
 from icefloe.commit.caches import SharedCache
 from icefloe.commit.screening import canonical_path
-from icefloe.commit.summary import GROUP_ID_KEY
+from icefloe.commit.summary import GROUP_ID_KEY, of_group
 
 logger = logging.getLogger("icefloe.committer")
 
@@ -108,6 +108,20 @@ class LiveFiles:
                 break
             if _may_remove(s):
                 found |= self._removed_by(table, s)
+        return found
+
+    def removed_since(self, table: Table, head: Snapshot | None, group_id: str) -> set[str]:
+        """Every data file a retained snapshot in the history of ``head`` above the newest
+        snapshot of ``group_id`` removed: what the group's commit on ``head`` lists, so the
+        removal still counts once those snapshots are expired
+        (:func:`icefloe.commit.applied.with_removed`). Mostly nothing to read: the walk stops
+        at the group's previous commit, usually the head or its parent."""
+        found: set[str] = set()
+        for snapshot in () if head is None else _history(head, table.metadata):
+            if of_group(snapshot, group_id):
+                break
+            if _may_remove(snapshot):
+                found |= self._removed_by(table, snapshot)
         return found
 
     def _removed_by(self, table: Table, snapshot: Snapshot) -> frozenset[str]:

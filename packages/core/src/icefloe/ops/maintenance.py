@@ -125,7 +125,9 @@ def dedupe_snapshots(metadata: TableMetadata) -> set[int]:
     chain does not reach: a rollback waiting for its replay), the whole chain and that
     snapshot: expiring them would leave a history that begins after the pipeline's snapshot,
     which the committer must take for another engine's expiry, and the replay would never
-    come (found by the commit-path simulation)."""
+    come (found by the commit-path simulation). A rewrite above a pipeline's newest snapshot
+    (its compaction's ``replace``) is kept with the chain until the pipeline's next commit,
+    which lists the files it took off (:func:`icefloe.commit.applied.with_removed`)."""
     groups = icefloe_groups(metadata)
     keep: set[int] = set()
     for name, ref in metadata.refs.items():
