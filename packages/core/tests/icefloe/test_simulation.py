@@ -2314,3 +2314,34 @@ def test_a_replay_commits_after_another_engine_expired_the_restored_snapshot() -
         machine.driver_replays(dead=False)
         machine.foreign_expire(keyed=False, pick=0)
         machine.teardown()
+
+
+def test_a_retired_quarantined_file_announced_again_stays_out() -> None:
+    """Found by the 40-rule search (``--schedules 250 --seed 24700 --steps 40``, after the
+    compaction fix above; shrunk by greedy step removal to twelve rules): batches quarantined
+    (their files outside the table's location), a rollback with replay, the driver's replay,
+    which reads the quarantined batches' records again and retires their entries when it
+    commits, then one of those quarantined files announced again under a new writer id. The
+    entry was deleted, so nothing knew the file: it was quarantined a second time while the
+    replay had committed its records (I1: in the table and in quarantine). A retired entry is
+    now kept as a tombstone (``icefloe.commit.quarantine.RETIRED``): the coordinator still
+    knows the path, the operator's list leaves it out."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=(ROWS, KEYED))
+        machine.misplaced_batch(rows=3)
+        changes = {0: False, 1: True}
+        machine.batch(Shape(writer=0, rows=5, tasks=1, dead=0, changes=changes))
+        machine.crash_in_compaction(when="during")
+        machine.misplaced_batch(rows=2)
+        shape = Shape(writer=0, rows=4, tasks=2, dead=0, changes={0: False, 3: False, 4: False})
+        machine.foreign_commit_between(keyed=True, shape=shape, what="append")
+        machine.misplaced_batch(rows=2)
+        machine.operator_rolls_back(dead=False, pick=5907, replay=True)
+        later = Shape(writer=0, rows=4, tasks=2, dead=0, changes={4: False, 2: False, 3: False})
+        machine.batch(later)
+        machine.zombie_cycle(heir_commits=False)
+        machine.driver_replays(dead=False)
+        machine.reannounce(pick=13883)
+        machine.commit_cycle(fail_deletes=False, unknown="after")
+        machine.teardown()

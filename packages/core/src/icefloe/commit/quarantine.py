@@ -34,7 +34,7 @@ import datetime as dt
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pyiceberg.catalog import Catalog
@@ -56,6 +56,12 @@ if TYPE_CHECKING:  # Arrow loads to write or read entries, not to find there are
     import pyarrow as pa
 
 DEFAULT_QUARANTINE_TABLE = "icefloe.quarantine"
+RETIRED = "Retired"
+"""``error_type`` of a retired entry: its file's records came back otherwise (a rollback's
+replay read them again). Kept as a tombstone, not deleted: the same file announced again
+(under any writer id) must not be quarantined or committed a second time, so the coordinator
+still knows its path; :meth:`Quarantine.list` leaves it out (nothing to recover) and
+``icefloe maintain`` may delete the file."""
 # a table property of the quarantine table per failing table: icefloe.failing.<group>/<table>
 # (pipeline names may hold dots, never a slash)
 _FAILING_PREFIX = "icefloe.failing."
@@ -180,12 +186,13 @@ class Quarantine:
 
     def all_paths(self) -> set[str]:
         """Paths of every quarantined file, of every pipeline and table: files that
-        ``icefloe maintain`` must never delete as orphans (the entry promises them back)."""
+        ``icefloe maintain`` must never delete as orphans (the entry promises them back).
+        Retired entries promise nothing: their files may go."""
         t = self._table(create=False)
         if t is None:
             return set()
-        scan = t.scan(selected_fields=("file_path",))
-        return set(scan.to_arrow().column("file_path").to_pylist())
+        rows = t.scan(selected_fields=("file_path", "error_type")).to_arrow().to_pylist()
+        return {r["file_path"] for r in rows if r["error_type"] != RETIRED}
 
     def add(self, entries: Sequence[QuarantineEntry]) -> list[QuarantineEntry]:
         """Record ``entries`` (one append), skipping files already recorded; returns the new."""
@@ -205,13 +212,18 @@ class Quarantine:
             t.append(_to_arrow(t, new))
         return new
 
-    def list(self, group_id: str, table_name: str | None = None) -> list[QuarantineEntry]:
-        """Entries of ``group_id`` (optionally one table), oldest first."""
+    def list(
+        self, group_id: str, table_name: str | None = None, retired: bool = False
+    ) -> list[QuarantineEntry]:
+        """Entries of ``group_id`` (optionally one table), oldest first; ``retired``: with the
+        retired ones (:data:`RETIRED`), which hold nothing to recover."""
         t = self._table(create=False)
         if t is None or t.current_snapshot() is None:  # none: no scan (and no Arrow) needed
             return []
         rows = t.scan(row_filter=_filter(group_id, table_name)).to_arrow().to_pylist()
         entries = [_from_row(r) for r in rows]
+        if not retired:
+            entries = [e for e in entries if e.error_type != RETIRED]
         return sorted(entries, key=lambda e: (e.quarantined_at, e.table_name, e.file_path))
 
     def mark_failing(self, group_id: str, table_name: str, failing: FailingTable) -> None:
@@ -245,15 +257,31 @@ class Quarantine:
             if key.startswith(prefix)
         }
 
-    def retire(self, group_id: str, table_name: str, paths: Iterable[str]) -> int:
-        """Delete the entries of ``paths`` (files whose records came back otherwise, e.g. with a
-        rollback's replay); returns how many there were."""
+    def retire(self, group_id: str, table_name: str, paths: Iterable[str], why: str = "") -> int:
+        """Mark the entries of ``paths`` retired (:data:`RETIRED`: files whose records came
+        back otherwise, e.g. with a rollback's replay, as ``why`` says), in one snapshot that
+        replaces them; returns how many there were. Why not delete them: the simulation found
+        a retired file announced again under a new writer id, quarantined a second time while
+        the replay had committed its records."""
         wanted = set(paths)
-        if not wanted:
+        t = self._table(create=False)
+        if not wanted or t is None:
             return 0
         # pyiceberg 0.12's expression classes declare a pydantic __init__ that mypy mis-reads
         listed = In(Reference("file_path"), wanted)  # type: ignore[call-arg,arg-type]
-        return self._delete(And(_filter(group_id, table_name), listed))
+        where = And(_filter(group_id, table_name), listed)
+        entries = [
+            e
+            for e in (_from_row(r) for r in t.scan(row_filter=where).to_arrow().to_pylist())
+            if e.error_type != RETIRED
+        ]
+        if not entries:
+            return 0
+        message = f"retired: {why or 'its records came back otherwise'}"[:_MAX_ERROR_CHARS]
+        tombstones = [replace(e, error_type=RETIRED, error_message=message) for e in entries]
+        t = self._writable()
+        t.overwrite(_to_arrow(t, tombstones), overwrite_filter=where)
+        return len(entries)
 
     def drop(
         self, group_id: str, table_name: str | None = None, file_path: str | None = None

@@ -667,7 +667,8 @@ class CommitCycle:
             for e in self._quarantine.list(self._group_id, table)
             if replays(rollback, e.source_offsets, e.channel_partition, e.channel_offset)
         ]
-        if self._quarantine.retire(self._group_id, table, paths):
+        why = f"the replay of a rollback of {table} (writer {rollback.writer_id}) holds its records"
+        if self._quarantine.retire(self._group_id, table, paths, why):
             log.warning(
                 "table %s: the replay of its rollback (writer %s), which this cycle %s, holds "
                 "the records of %d quarantined file(s) of the rolled-back range again; their "

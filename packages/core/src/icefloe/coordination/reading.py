@@ -417,7 +417,8 @@ class EventReader:
         :attr:`quarantined_batches`)."""
         if table not in self.quarantined:
             try:
-                entries = self._quarantine.list(self._group_id, table)
+                # retired entries too: their files, announced again, are not pending either
+                entries = self._quarantine.list(self._group_id, table, retired=True)
             except Exception as exc:
                 # worst case a file is screened again; its record is not duplicated
                 log.warning("cannot read the quarantine for %s: %s", table, exc)
