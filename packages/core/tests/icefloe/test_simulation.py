@@ -2345,3 +2345,33 @@ def test_a_retired_quarantined_file_announced_again_stays_out() -> None:
         machine.reannounce(pick=13883)
         machine.commit_cycle(fail_deletes=False, unknown="after")
         machine.teardown()
+
+
+@pytest.mark.xfail(strict=True, raises=InvariantError, reason="open: docs/reliability.md")
+def test_seed_24730_a_batch_replayed_into_a_recreated_table_beside_its_quarantined_copy() -> None:
+    """Found by the 40-rule search (``--schedules 250 --seed 24730 --steps 40``, shrunk by
+    Hypothesis to these rules) at the end of a session, not analysed: the rows of batch
+    ``w2#0`` (committed with another engine's append between screening and commit) end in the
+    table once and in the quarantine once (I1) after a drain and swap, a file announced again,
+    another engine dropping and recreating the table, and the Spark batch ``w2#0`` run again
+    in new files. Open: fails until fixed."""
+    machine = CommitPath()
+    empty = Shape(writer=0, rows=0, tasks=1, dead=0, changes={})
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=())
+        machine.batch(Shape(writer=0, rows=1, tasks=1, dead=0, changes={}))
+        machine.batch(empty)
+        machine.batch(empty)
+        shape = Shape(writer=2, rows=5, tasks=1, dead=0, changes={})
+        machine.foreign_commit_between(keyed=False, shape=shape, what="append")
+        for _ in range(4):
+            machine.batch(empty)
+        machine.crash_in_compaction(when="during")
+        machine.drain_and_swap(bounded=False)
+        machine.misplaced_batch(rows=1)
+        machine.reannounce(pick=18966)
+        machine.batch(empty)
+        machine.foreign_recreate(dead=False, partitioned=False)
+        machine.replayed_batch(tasks=1, writer=2)
+        machine.batch(empty)
+        machine.teardown()
