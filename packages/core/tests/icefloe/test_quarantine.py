@@ -16,6 +16,7 @@ from icefloe.cli.main import app
 from icefloe.commit.quarantine import (
     _SCHEMA,
     DEFAULT_QUARANTINE_TABLE,
+    RETIRED,
     FailingTable,
     Quarantine,
     QuarantineEntry,
@@ -48,6 +49,22 @@ def test_entries_are_recorded_once_per_pipeline_table_and_path(sqlite_catalog: S
     assert q.drop(GROUP, "db.a", "/x/1") == 1
     assert q.paths(GROUP, "db.a") == {"/x/2"}
     assert q.paths("other", "db.a") == {"/x/1"}
+
+
+def test_retired_entries_stay_known_but_unlisted(sqlite_catalog: SqlCatalog) -> None:
+    """A retired entry (a rollback's replay holds its records) is a tombstone: left out of the
+    list and of maintain's protection, its path still known, so the file announced again is
+    not quarantined twice. Retiring more paths later keeps the earlier tombstones."""
+    q = Quarantine(sqlite_catalog)
+    q.add([_entry("db.a", "/x/1"), _entry("db.a", "/x/2"), _entry("db.a", "/x/3")])
+    assert q.retire(GROUP, "db.a", ["/x/1"], "replayed") == 1
+    assert q.retire(GROUP, "db.a", ["/x/1", "/x/2"], "replayed") == 1
+    assert [e.file_path for e in q.list(GROUP)] == ["/x/3"]
+    retired = [e for e in q.list(GROUP, retired=True) if e.error_type == RETIRED]
+    assert sorted(e.file_path for e in retired) == ["/x/1", "/x/2"]
+    assert q.paths(GROUP, "db.a") == {"/x/1", "/x/2", "/x/3"}
+    assert q.all_paths() == {"/x/3"}
+    assert q.add([_entry("db.a", "/x/1")]) == []
 
 
 def test_entries_keep_the_source_offsets_their_batch_reached(sqlite_catalog: SqlCatalog) -> None:

@@ -270,18 +270,19 @@ class Quarantine:
         # pyiceberg 0.12's expression classes declare a pydantic __init__ that mypy mis-reads
         listed = In(Reference("file_path"), wanted)  # type: ignore[call-arg,arg-type]
         where = And(_filter(group_id, table_name), listed)
-        entries = [
-            e
-            for e in (_from_row(r) for r in t.scan(row_filter=where).to_arrow().to_pylist())
-            if e.error_type != RETIRED
-        ]
-        if not entries:
+        matched = [_from_row(r) for r in t.scan(row_filter=where).to_arrow().to_pylist()]
+        count = sum(e.error_type != RETIRED for e in matched)
+        if not count:
             return 0
         message = f"retired: {why or 'its records came back otherwise'}"[:_MAX_ERROR_CHARS]
-        tombstones = [replace(e, error_type=RETIRED, error_message=message) for e in entries]
+        # the overwrite replaces every matched row: earlier tombstones are written back as they were
+        tombstones = [
+            e if e.error_type == RETIRED else replace(e, error_type=RETIRED, error_message=message)
+            for e in matched
+        ]
         t = self._writable()
         t.overwrite(_to_arrow(t, tombstones), overwrite_filter=where)
-        return len(entries)
+        return count
 
     def drop(
         self, group_id: str, table_name: str | None = None, file_path: str | None = None
