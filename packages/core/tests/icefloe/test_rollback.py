@@ -599,6 +599,15 @@ def test_a_commit_under_the_memory_bound_records_the_offsets_of_its_batches(
     ]
 
 
+def _drain(pipe: Replaying) -> None:
+    """``icefloe drain`` of the stopped pipeline's table under a bound of 2 pending files."""
+    drainer = _run_on(pipe.catalog, pipe.backend.server, 2, lead_it=False)[2]
+    try:
+        drain(drainer, IcebergCommitter(pipe.catalog, "pipe"), [ROWS], 60.0, 0.0)
+    finally:
+        drainer.close()
+
+
 def test_under_the_memory_bound_files_waiting_for_a_replay_do_not_keep_it_unread(
     tmp_path: Path,
 ) -> None:
@@ -643,11 +652,36 @@ def test_a_drain_under_the_memory_bound_reads_on_to_the_replay_it_commits_with(
         pipe.replay(rollback.writer_id, lost.ids)
     finally:
         pipe.close()
-    drainer = _run_on(catalog, pipe.backend.server, 2, lead_it=False)[2]
+    _drain(pipe)
+    assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None
+    assert_exactly_once(catalog, ROWS, source.expected[ROWS])
+
+
+@pytest.mark.parametrize("drained", [False, True], ids=["running", "drained"])
+def test_files_waiting_for_a_replay_beyond_the_hard_cap_do_not_keep_it_unread(
+    tmp_path: Path, drained: bool
+) -> None:
+    """Found by the commit-path simulation (seed 24732 of 40 rules, a drain under a bound of
+    2 after two rollbacks): files of a rolled-back table counted against the hard cap (4 times
+    the bound), so once more of them than that came before the replay batch, reading stopped
+    for good and the replay that would commit them was never read (I4; the drain spun until
+    its timeout). They commit only with that batch: they count against no bound now."""
+    pipe = Replaying.open(tmp_path, max_pending_files=2)
+    catalog, source = pipe.catalog, pipe.source
     try:
-        drain(drainer, IcebergCommitter(catalog, "pipe"), [ROWS], 60.0, 0.0)
+        first, lost = pipe.two_commits()
+        rollback = IcebergCommitter(catalog, "pipe").roll_back(ROWS, first)
+        assert rollback is not None
+        live = [source.publish(pipe.writer, seq) for seq in range(2, 12)]
+        assert sum(b.file_count for b in live) > 4 * 2  # beyond the hard cap
+        pipe.replay(rollback.writer_id, lost.ids)
+        if not drained:
+            replay_done = IcebergCommitter(catalog, "pipe").rollback
+            drive(pipe.coordinator, lambda: replay_done(ROWS) is None, "the replay's commit", 20)
     finally:
-        drainer.close()
+        pipe.close()
+    if drained:
+        _drain(pipe)
     assert IcebergCommitter(catalog, "pipe").rollback(ROWS) is None
     assert_exactly_once(catalog, ROWS, source.expected[ROWS])
 
@@ -666,12 +700,8 @@ def test_a_drain_fails_when_the_channel_holds_no_replay_of_a_rolled_back_table(
             pipe.source.publish(pipe.writer, seq)
     finally:
         pipe.close()
-    drainer = _run_on(catalog, pipe.backend.server, 2, lead_it=False)[2]
-    try:
-        with pytest.raises(DrainError, match="RollbackPendingError"):
-            drain(drainer, IcebergCommitter(catalog, "pipe"), [ROWS], 60.0, 0.0)
-    finally:
-        drainer.close()
+    with pytest.raises(DrainError, match="RollbackPendingError"):
+        _drain(pipe)
 
 
 def test_rows_a_rollback_removed_stay_out_when_their_files_are_announced_again(

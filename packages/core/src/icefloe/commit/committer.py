@@ -81,7 +81,7 @@ from icefloe.commit.dedupe import APPLIED_KEY, CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.merge import Merge, SmallFileMerger, merged_originals
 from icefloe.commit.ownership import Ownership
-from icefloe.commit.policy import TablePolicies
+from icefloe.commit.policy import TablePolicies, backoff_s
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult, table_name
 from icefloe.commit.retirement import SideFiles, next_boundary
 from icefloe.commit.rollback import Rollback, detect, is_replay_writer, lost_channel_range
@@ -937,7 +937,7 @@ class IcebergCommitter:
 
     def _backoff(self, attempt: int) -> None:
         # jittered exponential backoff, so competing committers do not retry in lockstep
-        wait = min(self._retry_wait_s * 2 ** (attempt - 1), self._max_retry_wait_s)
+        wait = backoff_s(self._retry_wait_s, self._max_retry_wait_s, attempt)
         time.sleep(wait * random.uniform(0.5, 1.0))
 
 

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 MAIN_BRANCH = "main"
 
 
+def backoff_s(base_s: float, max_s: float, failures: int) -> float:
+    """``base_s`` doubled per failure after the first, at most ``max_s``. The exponent stops
+    at 64 (far past any cap): ``base_s * 2 ** n`` overflows a float from n = 1,024, which a
+    table retried every second reaches in 17 minutes."""
+    return min(base_s * 2.0 ** min(max(failures - 1, 0), 64), max_s)
+
+
 @dataclass(frozen=True)
 class TablePolicy:
     """One table's commit settings."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from icefloe import metrics
 from icefloe.channel import CoordinatorChannel
 from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.policy import backoff_s
 from icefloe.commit.quarantine import FailingTable, Quarantine, QuarantineEntry
 from icefloe.commit.request import PendingFile, TableCommitRequest, TableCommitResult
 from icefloe.commit.rollback import Rollback, is_replay_writer, replays
@@ -570,7 +571,7 @@ class CommitCycle:
         # a rolled-back table waits for its replay, which comes soon: no growing backoff
         waiting = isinstance(exc, RollbackPendingError)
         trouble.replay_pending = waiting
-        wait = min(s.table_retry_base_s * 2 ** (trouble.failures - 1), s.table_retry_max_s)
+        wait = backoff_s(s.table_retry_base_s, s.table_retry_max_s, trouble.failures)
         if waiting:
             wait = s.table_retry_base_s
         trouble.retry_at = time.monotonic() + wait

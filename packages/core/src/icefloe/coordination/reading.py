@@ -174,17 +174,20 @@ class EventReader:
         Files of tables backing off after a failure count only against a hard cap of
         ``_HARD_CAP`` times the bound: below it the other tables keep being read and committed
         while one table fails; at it memory wins and reading waits (a permanently failing
-        table's files are quarantined after its attempts, which frees it). So do the files of a
-        rolled-back table waiting for its replay batch: they commit only with that batch, which
-        only reading brings (counted as ready, they kept it unread for good).
+        table's files are quarantined after its attempts, which frees it). The files of a
+        rolled-back table waiting for its replay batch count against no bound: they commit
+        only with that batch, which only reading brings (counted as ready, or against the hard
+        cap once more of them came first, they kept it unread for good). They are what the
+        table received before the replay was published (the runner publishes it within
+        ``spark.rollback_check_interval_s``); a replay that never comes is the failing alarm's
+        case (``quarantine_after_failures``), resolved by the operator.
         """
         s = self._settings
         if s.max_pending_files is None and s.max_pending_bytes is None:
             return False
-        every = self.pending_size(self.pending)
-        ready = self.pending_size(
-            t for t in self.pending if not (self.backing_off(t) or self.awaiting_replay(t))
-        )
+        held = [t for t in self.pending if not self.awaiting_replay(t)]
+        every = self.pending_size(held)
+        ready = self.pending_size(t for t in held if not self.backing_off(t))
         for (files, size), factor in ((ready, 1), (every, _HARD_CAP)):
             if s.max_pending_files is not None and files >= s.max_pending_files * factor:
                 return True
