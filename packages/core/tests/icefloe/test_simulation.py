@@ -19,7 +19,9 @@ reader that is not the committer (pyarrow over the files the snapshots list, pos
 applied) checks:
 
 * **I1** every record a writer published is in the table exactly once, or in quarantine
-  exactly once (nowhere when a rollback without replay removed it);
+  exactly once (nowhere when a rollback without replay removed it or another engine dropped
+  its table; a dropped table's copy may stay quarantined beside the rows a batch run again
+  committed to the new table: :meth:`World.revived_beside_stale_copy`);
 * **I2** no file referenced by any snapshot of any ref, or listed in quarantine (until a
   rollback's replay re-commits its records and retires its entry), was deleted;
 * **I3** a keyed table equals the model's final state (and a keyed batch is quarantined whole
