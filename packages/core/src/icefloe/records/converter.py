@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
@@ -40,7 +41,13 @@ from icefloe.records.changes import (
     last_per_key,
     row_images,
 )
-from icefloe.records.conform import conform, mapped_names, names_of, table_name_mapping
+from icefloe.records.conform import (
+    ConformTarget,
+    conform,
+    conform_target,
+    names_of,
+    table_target,
+)
 
 if TYPE_CHECKING:
     from pyiceberg.table import Table
@@ -79,10 +86,19 @@ class TargetTable:
     config: TableConfig
     schema: Schema
     name_mapping: NameMapping | None = None
+    known: ConformTarget | None = dataclass_field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, config: TableConfig, table: Table) -> TargetTable:
-        return cls(config, table.schema(), table_name_mapping(table))
+        """The table as it is now; what conforming to it needs is derived once per table
+        version (:func:`icefloe.records.conform.table_target`), not per task."""
+        target = table_target(table)
+        return cls(config, table.schema(), target.name_mapping, target)
+
+    @cached_property
+    def target(self) -> ConformTarget:
+        """The schema in Arrow and every name of each field."""
+        return self.known or conform_target(self.schema, self.name_mapping)
 
 
 def decode_hint(
@@ -93,9 +109,7 @@ def decode_hint(
     fields). Conversion to each table's exact schema is :func:`conform`'s job."""
     fields: dict[str, pa.Field] = {}
     for t in targets:
-        arrow = schema_to_pyarrow(t.schema)
-        names = mapped_names(t.name_mapping or t.schema.name_mapping)
-        hinted = _hint_fields(t.schema.fields, list(arrow), names)
+        hinted = _hint_fields(t.schema.fields, list(t.target.arrow), t.target.names)
         by_name = {f.name: f for f in hinted}
         for source, column in t.config.rename.items():  # decode the source field as its column
             if column in by_name:
@@ -314,6 +328,7 @@ class RecordConverter:
             case_insensitive=self.case_insensitive,
             context=ctx,
             name_mapping=t.name_mapping,
+            target=t.target if schema is None else None,
         )
 
     def _changes(
