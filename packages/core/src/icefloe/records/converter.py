@@ -11,7 +11,7 @@ the batch, or, for the ``[errors]`` policies that go on, is set aside with its e
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from functools import cached_property
@@ -151,13 +151,26 @@ def kafka_context(batch: pa.RecordBatch | pa.Table, locate: bool = True) -> Deco
     )
 
 
-def filter_context(context: DecodeContext, mask: pa.Array) -> DecodeContext:
+def _each(context: DecodeContext, fn: Callable[[pa.Array], pa.Array]) -> DecodeContext:
+    """``context`` with ``fn`` applied to each of its columns."""
     return DecodeContext(
-        topics=context.topics.filter(mask),
-        partitions=context.partitions.filter(mask),
-        offsets=context.offsets.filter(mask),
+        topics=fn(context.topics),
+        partitions=fn(context.partitions),
+        offsets=fn(context.offsets),
         locate=context.locate,
     )
+
+
+def filter_context(context: DecodeContext, mask: pa.Array) -> DecodeContext:
+    return _each(context, lambda a: a.filter(mask))
+
+
+def take_context(context: DecodeContext, indices: pa.Array) -> DecodeContext:
+    return _each(context, lambda a: a.take(indices))
+
+
+def slice_context(context: DecodeContext, start: int, n: int) -> DecodeContext:
+    return _each(context, lambda a: a.slice(start, n))
 
 
 # Options of ``source.format_options`` that belong to conversion, not to the codec.
@@ -294,22 +307,10 @@ class RecordConverter:
         """Rows per table and, per keyed table, one key row per change (with the delete flag)
         in record order, the last change per key not yet chosen: :meth:`convert_tolerant`
         converts a batch in parts and must choose over all of them."""
-        from icefloe.records.routing import route_masks, unrouted_problem
-
         decoded, context = self.decode(batch, locate)
-        configs = [t.config for t in self.targets]
-        masks = route_masks(decoded, configs, self.case_insensitive)
-        unrouted = unrouted_problem(decoded, masks, configs, self.case_insensitive)
-        if unrouted is not None:
-            problem = f"{unrouted[1]}{self.route_note}"
-            raise record_error(context, unrouted[0], None, problem, RecordRouteError)
         out: dict[str, pa.Table] = {}
         keys: dict[str, pa.Table] = {}
-        for t in self.targets:
-            mask = masks[t.config.name]
-            rows, ctx = decoded, context
-            if mask is not None:
-                rows, ctx = decoded.filter(mask), filter_context(context, mask)
+        for t, (rows, ctx) in zip(self.targets, self._route(decoded, context), strict=True):
             try:
                 if t.config.keyed:
                     out[t.config.name], keys[t.config.name] = self._changes(t, rows, ctx)
@@ -318,6 +319,44 @@ class RecordConverter:
             except RecordConversionError as exc:
                 raise exc.with_(table=t.config.name) from None
         return out, keys
+
+    def _route(
+        self, decoded: pa.Table, context: DecodeContext
+    ) -> list[tuple[pa.Table, DecodeContext]]:
+        """Each target's rows and their context, in target order; RecordRouteError for the
+        first record no table takes. A fan-out by exact values (dynamic tables) is grouped
+        in one pass (:func:`~icefloe.records.routing.route_groups`), other routes by a mask
+        per table."""
+        from icefloe.records.routing import (
+            route_groups,
+            route_masks,
+            unrouted_at,
+            unrouted_problem,
+        )
+
+        configs = [t.config for t in self.targets]
+        ci = self.case_insensitive
+        groups = route_groups(decoded, configs, ci)
+        if groups is not None:
+            unrouted = (
+                None if groups.unrouted < 0 else unrouted_at(decoded, configs, groups.unrouted, ci)
+            )
+        else:
+            masks = route_masks(decoded, configs, ci)
+            unrouted = unrouted_problem(decoded, masks, configs, ci)
+        if unrouted is not None:
+            problem = f"{unrouted[1]}{self.route_note}"
+            raise record_error(context, unrouted[0], None, problem, RecordRouteError)
+        if groups is None:
+            return [
+                (decoded, context) if m is None else (decoded.filter(m), filter_context(context, m))
+                for m in (masks[c.name] for c in configs)
+            ]
+        rows, ctx = decoded.take(groups.order), take_context(context, groups.order)
+        return [
+            (rows.slice(start, n), slice_context(ctx, start, n))
+            for start, n in (groups.spans[c.name] for c in configs)
+        ]
 
     def _conform(
         self, t: TargetTable, rows: pa.Table, ctx: DecodeContext, schema: Schema | None = None
