@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
 import pytest
 from hypothesis import given
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 
 from icefloe.config import TableConfig
 from icefloe.errors import ConfigError
-from icefloe.records.routing import route, route_masks
+from icefloe.records.routing import route, route_groups, route_masks, unrouted_problem
 
 
 def test_routes_by_field_value_and_unrouted_tables_get_everything() -> None:
@@ -68,3 +70,53 @@ def test_each_row_goes_to_exactly_the_tables_that_list_its_value(
     for i, values in enumerate(routes):
         expected = [j for j, k in enumerate(kinds) if k in values]
         assert out[f"db.t{i}"].column("i").to_pylist() == expected
+
+
+@given(
+    st.lists(st.one_of(st.none(), st.sampled_from(["a", "b", "c", "d", "e"])), max_size=40),
+    st.lists(st.sampled_from(range(4)), min_size=4, max_size=4),
+)
+def test_grouped_routing_takes_the_rows_the_masks_take(
+    kinds: list[str | None], owners: list[int]
+) -> None:
+    """A fan-out by exact values ("a".."d" each listed by one table, "e" by none) grouped in
+    one pass gives each table the rows, in record order, and the first unrouted row that the
+    masks give."""
+    data = pa.table({"kind": pa.array(kinds, pa.string()), "i": list(range(len(kinds)))})
+    values: dict[int, list[str]] = {}
+    for value, owner in zip("abcd", owners, strict=True):
+        values.setdefault(owner, []).append(value)
+    tables = [
+        TableConfig(name=f"db.t{i}", route_field="kind", route_values=vs)
+        for i, vs in sorted(values.items())
+    ]
+    groups = route_groups(data, tables)
+    assert groups is not None
+    grouped = data.take(groups.order)
+    masks = route_masks(data, tables)
+    for t in tables:
+        start, n = groups.spans[t.name]
+        mask = masks[t.name]
+        assert mask is not None
+        want = data.filter(mask).column("i").to_pylist()
+        assert grouped.slice(start, n).column("i").to_pylist() == want
+    unrouted = unrouted_problem(data, masks, tables)
+    assert groups.unrouted == (-1 if unrouted is None else unrouted[0])
+
+
+def test_grouped_routing_is_only_for_one_table_per_value() -> None:
+    data = pa.table({"kind": ["a", "b"], "type": ["x", "y"]})
+
+    def table(name: str, **route: Any) -> TableConfig:
+        return TableConfig(name=name, **route)
+
+    a = table("db.a", route_field="kind", route_values=["a"])
+    assert route_groups(data, [a, table("db.b", route_field="kind", route_values=["b"])])
+    for other in (
+        table("db.all"),  # takes every row
+        table("db.b", route_field="kind", route_values=["a", "b"]),  # "a" goes to both
+        table("db.b", route_field="kind", route_regex="b"),
+        table("db.b", route_field="type", route_values=["y"]),
+        table("db.b", route_field="missing", route_values=["b"]),
+    ):
+        assert route_groups(data, [a, other]) is None

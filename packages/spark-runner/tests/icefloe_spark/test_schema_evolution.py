@@ -333,3 +333,29 @@ def test_written_files_carry_the_evolved_field_ids(catalog: Catalog) -> None:
     field = pq.read_schema(path).field("fresh")
     assert field.metadata[b"PARQUET:field_id"] == str(fresh_id).encode()
     assert pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
+
+
+def test_a_worker_reuses_a_table_version_while_the_catalog_names_it(catalog: Catalog) -> None:
+    """Issue 27: a task loads every table it writes; an unchanged one is looked up by its
+    metadata location instead of loaded again, and a change committed elsewhere is seen by
+    the next task (it fails if the version is reused without asking the catalog)."""
+    schema = Schema(NestedField(1, "type", StringType()), NestedField(2, "x", LongType()))
+    catalog.create_table("db.click", schema=schema)
+    config = config_from_dict(
+        {
+            "name": "p",
+            "source": {"topics": ["t"]},
+            "dynamic_tables": {"route_field": "type", "namespace": "db"},
+        }
+    )
+    resolver = TableResolver(catalog, config)
+    data = kafka_rows(encode([{"type": "click", "x": 1, "y": "a"}]))
+    first, _ = resolver.prepare(data)
+    second, _ = resolver.prepare(data)
+    assert second["db.click"] is not first["db.click"]  # a Table of its own per task
+    assert second["db.click"].metadata is first["db.click"].metadata  # not loaded again
+    with catalog.load_table("db.click").update_schema() as update:  # another writer
+        update.add_column("y", StringType())
+    third, converter = resolver.prepare(data)
+    assert third["db.click"].schema().column_names == ["type", "x", "y"]
+    assert converter.convert(data)["db.click"].column("y").to_pylist() == ["a"]

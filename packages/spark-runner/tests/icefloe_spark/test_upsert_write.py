@@ -345,3 +345,30 @@ def test_a_table_keyed_by_fields_nested_in_a_struct_takes_upserts_and_deletes(
         ("a", 1, "anna"),
         ("a", 2, "alf"),
     ]
+
+
+def test_a_dynamic_cdc_table_takes_a_batch_of_only_deletes(catalog: Catalog) -> None:
+    """An existing dynamic table whose records in a batch are all deletes: Debezium's delete
+    has no ``after`` image, so the rows its table would be created or evolved from are none.
+    The table was then left out of the task's tables and its deletes failed as unrouted; the
+    table exists, so it takes them (issue 27's resolver loads it without routing rows)."""
+    catalog.create_table("db.users", schema=SCHEMA)
+    config = config_from_dict(
+        {
+            "name": "p",
+            "source": {"topics": ["t"]},
+            "dynamic_tables": {
+                "route_field": "tenant",
+                "namespace": "db",
+                "mode": "cdc",
+                "id_columns": ["id"],
+            },
+        }
+    )
+    values = [
+        json.dumps({"op": "d", "before": {"id": 7}, "after": None, "tenant": "users"}).encode()
+    ]
+    out = run(catalog, config, kafka_rows(values))  # type: ignore[arg-type]
+    data, keys = split(out.files["db.users"])
+    assert data == []
+    assert read(keys) == [{"id": 7}]

@@ -10,12 +10,15 @@ find the first offending record and name it. The record converter
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from cachetools import LRUCache, cached
 from pyiceberg.io.pyarrow import schema_to_pyarrow
 from pyiceberg.schema import Schema
 from pyiceberg.table.name_mapping import MappedField, NameMapping
@@ -75,6 +78,41 @@ def table_name_mapping(table: Table) -> NameMapping | None:
     """The table's ``schema.name-mapping.default`` (with aliases), if it has one."""
     mapping: NameMapping | None = table.name_mapping()
     return mapping
+
+
+@dataclass(frozen=True)
+class ConformTarget:
+    """What conforming to a schema needs besides the rows: the schema in Arrow and every name
+    (aliases included) of each field. Derived once per table version (:func:`table_target`):
+    a task of a stream fanned out to 1,000 tables conforms a small share per table, and
+    deriving these per call was about half of its conform CPU (issue 27)."""
+
+    arrow: pa.Schema
+    names: Mapping[int, tuple[str, ...]]
+    name_mapping: NameMapping | None = None
+
+
+def conform_target(schema: Schema, name_mapping: NameMapping | None = None) -> ConformTarget:
+    """The target for ``schema`` with ``name_mapping`` (default: the schema's own names)."""
+    mapping = name_mapping if name_mapping is not None else schema.name_mapping
+    return ConformTarget(schema_to_pyarrow(schema), mapped_names(mapping), name_mapping)
+
+
+def _target_key(table: Table) -> tuple[Any, ...]:
+    from pyiceberg.table import TableProperties
+
+    meta = table.metadata
+    mapping_json = meta.properties.get(TableProperties.DEFAULT_NAME_MAPPING)
+    return (meta.table_uuid, meta.current_schema_id, mapping_json)
+
+
+# a worker writing for 1,000 tables keeps one target each
+@cached(LRUCache(4096), key=_target_key, lock=threading.Lock())
+def table_target(table: Table) -> ConformTarget:
+    """The table's current schema and name mapping as a :class:`ConformTarget`, kept per
+    (table uuid, schema id, name-mapping property): a table never reuses a schema id for
+    another schema, so a new version of either makes a new target."""
+    return conform_target(table.schema(), table_name_mapping(table))
 
 
 # --------------------------------------------------------------------------- casts
@@ -414,6 +452,7 @@ def conform(
     case_insensitive: bool = False,
     context: DecodeContext | None = None,
     name_mapping: NameMapping | None = None,
+    target: ConformTarget | None = None,
 ) -> pa.Table:
     """``table`` converted to exactly ``schema_to_pyarrow(iceberg_schema)``.
 
@@ -423,11 +462,13 @@ def conform(
     several matches are coalesced in that order. Missing optional fields become nulls; a
     missing or null required field, or a value that does not cast safely, raises
     RecordConversionError for the first such row (``context`` gives its topic, partition,
-    offset). Extra columns are dropped.
+    offset). Extra columns are dropped. ``target``, when given, is
+    ``conform_target(iceberg_schema, name_mapping)`` derived before (:func:`table_target`).
     """
-    target = schema_to_pyarrow(iceberg_schema)
-    mapping = name_mapping if name_mapping is not None else iceberg_schema.name_mapping
-    conv = _Conformer(mapped_names(mapping), case_insensitive)
+    if target is None:
+        target = conform_target(iceberg_schema, name_mapping)
+    conv = _Conformer(target.names, case_insensitive)
+    arrow = target.arrow
     if table.num_rows <= _COMBINE_ROWS and len(table.to_batches()) > 1:
         # one table's share of a batch routed to many keeps the decoder's chunking (a chunk
         # per ~1 MB of JSON), and every chunk costs a round of per-field work: at 200 tables
@@ -438,11 +479,11 @@ def conform(
     for batch in table.to_batches() or [pa.RecordBatch.from_pylist([], table.schema)]:
         columns = list(zip(batch.schema.names, batch.columns, strict=True))
         try:
-            arrays = conv.fields(columns, iceberg_schema.fields, list(target), len(batch), None, "")
+            arrays = conv.fields(columns, iceberg_schema.fields, list(arrow), len(batch), None, "")
         except _MisfitError as m:
             raise record_error(
                 context, base + m.row, m.path, m.problem, RecordConformError
             ) from None
-        batches.append(pa.RecordBatch.from_arrays(arrays, schema=target))
+        batches.append(pa.RecordBatch.from_arrays(arrays, schema=arrow))
         base += len(batch)
-    return pa.Table.from_batches(batches, schema=target)
+    return pa.Table.from_batches(batches, schema=arrow)

@@ -11,9 +11,10 @@ the batch, or, for the ``[errors]`` policies that go on, is set aside with its e
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
@@ -40,7 +41,13 @@ from icefloe.records.changes import (
     last_per_key,
     row_images,
 )
-from icefloe.records.conform import conform, mapped_names, names_of, table_name_mapping
+from icefloe.records.conform import (
+    ConformTarget,
+    conform,
+    conform_target,
+    names_of,
+    table_target,
+)
 
 if TYPE_CHECKING:
     from pyiceberg.table import Table
@@ -79,10 +86,19 @@ class TargetTable:
     config: TableConfig
     schema: Schema
     name_mapping: NameMapping | None = None
+    known: ConformTarget | None = dataclass_field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, config: TableConfig, table: Table) -> TargetTable:
-        return cls(config, table.schema(), table_name_mapping(table))
+        """The table as it is now; what conforming to it needs is derived once per table
+        version (:func:`icefloe.records.conform.table_target`), not per task."""
+        target = table_target(table)
+        return cls(config, table.schema(), target.name_mapping, target)
+
+    @cached_property
+    def target(self) -> ConformTarget:
+        """The schema in Arrow and every name of each field."""
+        return self.known or conform_target(self.schema, self.name_mapping)
 
 
 def decode_hint(
@@ -93,9 +109,7 @@ def decode_hint(
     fields). Conversion to each table's exact schema is :func:`conform`'s job."""
     fields: dict[str, pa.Field] = {}
     for t in targets:
-        arrow = schema_to_pyarrow(t.schema)
-        names = mapped_names(t.name_mapping or t.schema.name_mapping)
-        hinted = _hint_fields(t.schema.fields, list(arrow), names)
+        hinted = _hint_fields(t.schema.fields, list(t.target.arrow), t.target.names)
         by_name = {f.name: f for f in hinted}
         for source, column in t.config.rename.items():  # decode the source field as its column
             if column in by_name:
@@ -137,13 +151,26 @@ def kafka_context(batch: pa.RecordBatch | pa.Table, locate: bool = True) -> Deco
     )
 
 
-def filter_context(context: DecodeContext, mask: pa.Array) -> DecodeContext:
+def _each(context: DecodeContext, fn: Callable[[pa.Array], pa.Array]) -> DecodeContext:
+    """``context`` with ``fn`` applied to each of its columns."""
     return DecodeContext(
-        topics=context.topics.filter(mask),
-        partitions=context.partitions.filter(mask),
-        offsets=context.offsets.filter(mask),
+        topics=fn(context.topics),
+        partitions=fn(context.partitions),
+        offsets=fn(context.offsets),
         locate=context.locate,
     )
+
+
+def filter_context(context: DecodeContext, mask: pa.Array) -> DecodeContext:
+    return _each(context, lambda a: a.filter(mask))
+
+
+def take_context(context: DecodeContext, indices: pa.Array) -> DecodeContext:
+    return _each(context, lambda a: a.take(indices))
+
+
+def slice_context(context: DecodeContext, start: int, n: int) -> DecodeContext:
+    return _each(context, lambda a: a.slice(start, n))
 
 
 # Options of ``source.format_options`` that belong to conversion, not to the codec.
@@ -280,22 +307,10 @@ class RecordConverter:
         """Rows per table and, per keyed table, one key row per change (with the delete flag)
         in record order, the last change per key not yet chosen: :meth:`convert_tolerant`
         converts a batch in parts and must choose over all of them."""
-        from icefloe.records.routing import route_masks, unrouted_problem
-
         decoded, context = self.decode(batch, locate)
-        configs = [t.config for t in self.targets]
-        masks = route_masks(decoded, configs, self.case_insensitive)
-        unrouted = unrouted_problem(decoded, masks, configs, self.case_insensitive)
-        if unrouted is not None:
-            problem = f"{unrouted[1]}{self.route_note}"
-            raise record_error(context, unrouted[0], None, problem, RecordRouteError)
         out: dict[str, pa.Table] = {}
         keys: dict[str, pa.Table] = {}
-        for t in self.targets:
-            mask = masks[t.config.name]
-            rows, ctx = decoded, context
-            if mask is not None:
-                rows, ctx = decoded.filter(mask), filter_context(context, mask)
+        for t, (rows, ctx) in zip(self.targets, self._route(decoded, context), strict=True):
             try:
                 if t.config.keyed:
                     out[t.config.name], keys[t.config.name] = self._changes(t, rows, ctx)
@@ -304,6 +319,44 @@ class RecordConverter:
             except RecordConversionError as exc:
                 raise exc.with_(table=t.config.name) from None
         return out, keys
+
+    def _route(
+        self, decoded: pa.Table, context: DecodeContext
+    ) -> list[tuple[pa.Table, DecodeContext]]:
+        """Each target's rows and their context, in target order; RecordRouteError for the
+        first record no table takes. A fan-out by exact values (dynamic tables) is grouped
+        in one pass (:func:`~icefloe.records.routing.route_groups`), other routes by a mask
+        per table."""
+        from icefloe.records.routing import (
+            route_groups,
+            route_masks,
+            unrouted_at,
+            unrouted_problem,
+        )
+
+        configs = [t.config for t in self.targets]
+        ci = self.case_insensitive
+        groups = route_groups(decoded, configs, ci)
+        if groups is not None:
+            unrouted = (
+                None if groups.unrouted < 0 else unrouted_at(decoded, configs, groups.unrouted, ci)
+            )
+        else:
+            masks = route_masks(decoded, configs, ci)
+            unrouted = unrouted_problem(decoded, masks, configs, ci)
+        if unrouted is not None:
+            problem = f"{unrouted[1]}{self.route_note}"
+            raise record_error(context, unrouted[0], None, problem, RecordRouteError)
+        if groups is None:
+            return [
+                (decoded, context) if m is None else (decoded.filter(m), filter_context(context, m))
+                for m in (masks[c.name] for c in configs)
+            ]
+        rows, ctx = decoded.take(groups.order), take_context(context, groups.order)
+        return [
+            (rows.slice(start, n), slice_context(ctx, start, n))
+            for start, n in (groups.spans[c.name] for c in configs)
+        ]
 
     def _conform(
         self, t: TargetTable, rows: pa.Table, ctx: DecodeContext, schema: Schema | None = None
@@ -314,6 +367,7 @@ class RecordConverter:
             case_insensitive=self.case_insensitive,
             context=ctx,
             name_mapping=t.name_mapping,
+            target=t.target if schema is None else None,
         )
 
     def _changes(

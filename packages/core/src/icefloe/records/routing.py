@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -86,6 +88,53 @@ def route_masks(
     return out
 
 
+@dataclass(frozen=True)
+class RouteGroups:
+    """The rows grouped by the one table each goes to: ``order`` lists the row numbers table by
+    table (each table's in record order), ``spans`` gives each table's (start, count) in
+    ``order``; ``unrouted`` is the first row no table takes (-1: none)."""
+
+    order: pa.Array
+    spans: dict[str, tuple[int, int]]
+    unrouted: int
+
+
+def route_groups(
+    table: pa.Table, tables: Sequence[TableConfig], case_insensitive: bool = False
+) -> RouteGroups | None:
+    """The rows grouped by table in one pass, when each row goes to at most one table by exact
+    values of one field (a dynamic fan-out: a table per value); None otherwise (a table without
+    a route, a regex, several route fields, a value two tables list, or a missing field:
+    :func:`route_masks` then routes, and names a configuration error).
+
+    Why: a mask per table is a pass over the whole batch per table, and so is taking each
+    table's rows out of it; at 1,000 tables that was ~2 ms per table of a 125,000-record task
+    (issue 27). This is one ``index_in`` over the batch and a stable sort of row numbers."""
+    if not tables or any(t.route_regex is not None or not t.route_values for t in tables):
+        return None
+    fields = {t.route_field for t in tables}
+    values = [v for t in tables for v in t.route_values]
+    if len(fields) != 1 or None in fields or len(set(values)) != len(values):
+        return None
+    field = next(iter(fields))
+    assert field is not None
+    col = _column(table, field, case_insensitive)
+    if col is None:
+        return None
+    index = pc.index_in(col, value_set=pa.array(values, pa.string()))  # null: no table
+    found = np.asarray(pc.fill_null(index, -1).to_numpy(zero_copy_only=False), dtype=np.int64)
+    owner = np.repeat(np.arange(len(tables)), [len(t.route_values) for t in tables])
+    which = np.where(found >= 0, owner[np.maximum(found, 0)], len(tables))  # unrouted: last
+    missing = np.flatnonzero(found < 0)
+    counts = np.bincount(which, minlength=len(tables) + 1)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    return RouteGroups(
+        order=pa.array(np.argsort(which, kind="stable")),
+        spans={t.name: (int(starts[i]), int(counts[i])) for i, t in enumerate(tables)},
+        unrouted=int(missing[0]) if len(missing) else -1,
+    )
+
+
 def dynamic_values(
     table: pa.Table, dynamic: DynamicTablesConfig, case_insensitive: bool = False
 ) -> dict[str, list[str]]:
@@ -119,6 +168,13 @@ def unrouted_problem(
     row = int(pc.index(taken, False).as_py())
     if row < 0:
         return None
+    return unrouted_at(table, tables, row, case_insensitive)
+
+
+def unrouted_at(
+    table: pa.Table, tables: Sequence[TableConfig], row: int, case_insensitive: bool = False
+) -> tuple[int, str]:
+    """``row``, which no table takes, and why (see :func:`unrouted_problem`)."""
     return row, f"no table takes the record ({_shown(table, tables, row, case_insensitive)})"
 
 

@@ -29,6 +29,8 @@ from pyiceberg.types import (
     TimestamptzType,
 )
 
+from icefloe.commit.caches import SharedCache
+from icefloe.commit.versions import current_location, with_metadata
 from icefloe.config import PipelineConfig, TableConfig
 from icefloe.errors import ConfigError, KeyedTableError
 from icefloe.ops.maintenance import recommended_properties
@@ -57,6 +59,9 @@ DEAD_LETTER_SCHEMA = Schema(
 raw bytes, so it can be inspected, fixed and replayed."""
 
 FORMAT_VERSION = "format-version"
+# table versions a worker's resolver keeps (a version is the parsed metadata: bounded, as the
+# committer's are)
+_KNOWN_TABLES = 4096
 
 _PARTITION = re.compile(r"^\s*(\w+)\s*\(\s*(?:(\d+)\s*,\s*)?([\w.]+)\s*\)\s*$")
 _WITH_ARG = ("bucket", "truncate")
@@ -291,6 +296,25 @@ class TableResolver:
         self.config = config
         self.declared = record_schema(config, plugins)
         self.base = RecordConverter.from_config(config.source, [], plugins)
+        # the version of each table last loaded, reused while the catalog names it still
+        self._known: SharedCache[str, Table] = SharedCache(_KNOWN_TABLES)
+
+    def _load(self, name: str) -> Table:
+        """The table as the catalog names it now (NoSuchTableError when it does not exist).
+
+        Why not always ``load_table``: a task loads every table it writes, and at 1,000
+        dynamic tables loading (the catalog's lookup, reading and parsing metadata.json) was
+        more than half of a task's per-table CPU (issue 27). A catalog that can tell a table's
+        metadata location by one lookup (:func:`icefloe.commit.versions.current_location`)
+        is asked for it, and while it names the version loaded before, that version is used
+        (a metadata location names one immutable metadata file); other catalogs load as
+        before."""
+        known = self._known.get(name)
+        if known is not None and current_location(self.catalog, name) == known.metadata_location:
+            return with_metadata(known, known.metadata, known.metadata_location)
+        table = self.catalog.load_table(name)
+        self._known.put(name, with_metadata(table, table.metadata, table.metadata_location))
+        return table
 
     def _extra_tables(self) -> list[str]:
         errors = self.config.errors
@@ -304,12 +328,12 @@ class TableResolver:
         tables: dict[str, Table] = {}
         for t in self.config.tables:
             try:
-                tables[t.name] = self.catalog.load_table(t.name)
+                tables[t.name] = self._load(t.name)
             except NoSuchTableError:
                 if not t.auto_create:
                     raise
         for name in self._extra_tables():
-            tables[name] = self.catalog.load_table(name)
+            tables[name] = self._load(name)
         configs = list(self.config.tables)
         dynamic = self.config.dynamic_tables
         busy = dynamic is not None or any(
@@ -355,6 +379,14 @@ class TableResolver:
             for cfg in configs:
                 if cfg.name in tables and not cfg.evolve_schema:
                     continue
+                if cfg.name in named and not cfg.evolve_schema:
+                    # an existing dynamic table is neither created nor evolved: its rows are
+                    # not needed (a mask over the whole part per table was ~3 ms a table at
+                    # 1,000 tables)
+                    existing = self._existing(cfg.name)
+                    if existing is not None:
+                        tables[cfg.name] = existing
+                        continue
                 try:
                     mask = route_masks(part, [cfg], ci)[cfg.name]
                 except ConfigError:  # no record of this part has the route field
@@ -387,11 +419,17 @@ class TableResolver:
             ),
         )
 
+    def _existing(self, name: str) -> Table | None:
+        try:
+            return self._load(name)
+        except NoSuchTableError:
+            return None
+
     def _load_or_create(self, cfg: TableConfig, rows: pa.Table) -> Table | None:
         """The table, created from ``rows`` when missing and ``auto_create``; None when it
         cannot be had (its records then go to the error policy as unrouted)."""
         try:
-            return self.catalog.load_table(cfg.name)
+            return self._load(cfg.name)
         except NoSuchTableError:
             if not cfg.auto_create:
                 return None
@@ -415,4 +453,4 @@ class TableResolver:
             return None
         else:
             log.info("created table %s from its records", cfg.name)
-        return self.catalog.load_table(cfg.name)
+        return self._load(cfg.name)
