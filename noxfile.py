@@ -158,6 +158,7 @@ def bench_soak(session: nox.Session) -> None:
 # every script in benchmarks/ with its smallest load: what `bench-smoke` runs
 BENCH_SMOKE = {
     "bench_coordinator.py": "--backend kafka --writers 2 --files 4 --cycles 2 --processes 1",
+    "bench_driver.py": "--backend kafka --tables 2 --files 4 --rounds 2 --commit",
     "bench_e2e.py": "--records 2000 --warmup 200 --partitions 2 --write 1000",
     "bench_health.py": "--repeats 1 --only kafka",  # the kafka cases need no other server
     "bench_merge.py": "--tasks 2 --partitions 2 --records 200 --cycles 1",

@@ -8,14 +8,15 @@ A Spark driver publishes each micro-batch's files (a DataWritten per table, thro
 :class:`~icefloe.coordination.writer.WriterClient`) and hosts the coordinator, which reads
 them back, keeps them pending and, at a cycle, screens and commits them. This script runs
 those steps on the real code, one writer and the coordinator in this process, on a real
-backend (``--backend``, the machine's Redis by default) and a SQLite catalog of ``--tables``
-tables (created beforehand, as icefloe creates dynamic tables), and reports each step's CPU
-(``time.process_time``, every thread of the process) per file:
+backend (``--backend``: the machine's Redis by default, its PostgreSQL, or an embedded Kafka
+broker) and a SQLite catalog of ``--tables`` tables (created beforehand, as icefloe creates
+dynamic tables), and reports each step's CPU (``time.process_time``, every thread of the
+process) per file:
 
 * ``publish``: :meth:`WriterClient.publish` of one batch of ``--files`` files spread
   round-robin over the tables (building the events, encoding them, the backend's call);
-* ``read``: the coordinator stepping until all of them are pending (reading, decoding,
-  screening each event and keeping its files);
+* ``read``: the coordinator stepping until all of them are pending (reading and decoding
+  the events, the reader's bookkeeping of each event and its files);
 * ``commit`` (``--commit``): one ``commit_now()`` over every pending file, Iceberg commits
   included, so most of it is per table, not per file.
 
@@ -51,11 +52,12 @@ from icefloe.testing.fixtures import (
     write_rows,
 )
 from icefloe.testing.harness import drive, lead
+from icefloe_kafka.embedded import EmbeddedKafkaBroker
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="redis", choices=("redis", "postgres"))
+    parser.add_argument("--backend", default="redis", choices=("redis", "postgres", "kafka"))
     parser.add_argument("--tables", type=int, default=1000)
     parser.add_argument("--files", type=int, default=1000, help="files per batch")
     parser.add_argument("--rounds", type=int, default=3)
@@ -74,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         locations[name] = create_rows_table(catalog, name).location()
     template = write_rows(catalog.load_table(names[0]), range(10), "template", 0)[0]
     group = f"bench-{uuid.uuid4().hex[:8]}"
-    options = backend_options(args.backend, None)
+    broker = (
+        EmbeddedKafkaBroker(log_path=work / "broker.log").start()
+        if args.backend == "kafka"
+        else None
+    )
+    options = backend_options(args.backend, broker.bootstrap_servers if broker else None)
     backend = open_backend(args.backend, options, group)
     writer = WriterClient(backend.writer("w00000"), group, "w00000")
     writer.start()
@@ -134,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         coordinator.close()
         writer.close()
         backend.close()
+        if broker is not None:
+            broker.stop()
         shutil.rmtree(work, ignore_errors=True)
     print(
         f"\nbackend={args.backend} tables={args.tables} files={args.files} rounds={args.rounds} "
