@@ -904,36 +904,6 @@ def test_a_table_failing_for_more_than_a_thousand_cycles_still_backs_off(
     assert_every_table_exact(make, source)
 
 
-def test_the_commit_interval_runs_from_one_cycle_start_to_the_next(
-    make: PipelineParts, source: RowSource
-) -> None:
-    """``commit_interval_s`` is the period of cycles, as Kafka Connect's ``commit.interval``
-    is: a cycle longer than the interval is followed by the next at once. Counted from a
-    cycle's end, the period was the interval plus the cycle: at 1,000 tables (cycles of 5-13 s)
-    a 10 s interval meant cycles 28 s apart (docs/benchmarks.md, issue 27)."""
-    table = TABLES[0]
-
-    def slow(t: str) -> None:
-        if t == table:
-            time.sleep(0.6)
-
-    w = make.writer("w")
-    coord = make.coordinator(
-        hooks=CoordinatorHooks(before_table_commit=slow), commit_interval_s=0.5
-    )
-    lead(coord)
-    wait_pending(coord, source.publish(w, 0).file_count)
-    first: CycleResult | None = None
-    deadline = time.monotonic() + 30
-    while first is None and time.monotonic() < deadline:
-        first = coord.step(0.05)
-    assert first is not None
-    assert first.failed == {}
-    # more than the interval has passed since that cycle started: the next is due now
-    assert coord.step(0.01) is not None
-    assert_every_table_exact(make, source)
-
-
 def test_failing_table_backs_off_instead_of_spinning_cycles(
     make: PipelineParts, source: RowSource, group_id: str
 ) -> None:

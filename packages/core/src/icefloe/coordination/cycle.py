@@ -135,16 +135,13 @@ class CommitCycle:
         reader.backing_off = self.backing_off
         reader.awaiting_replay = self.awaiting_replay
         self.stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
-        # when the last cycle started (or the clock restarted): the interval is the period of
-        # cycles, as Kafka Connect's commit.interval is, so a cycle longer than the interval
-        # is followed by the next at once instead of the interval after its end
-        self.last_start = time.monotonic()
+        self.last_end = time.monotonic()
         # no cycle of this leadership has committed a file yet, or the last one committed none
         self.idle = True
 
     def restart_clock(self) -> None:
         """The interval counts from now (after recovery, or after losing leadership)."""
-        self.last_start = time.monotonic()
+        self.last_end = time.monotonic()
 
     def failing(self) -> dict[str, int]:
         """Tables failing ``quarantine_after_failures`` times in a row or more: failures."""
@@ -166,7 +163,7 @@ class CommitCycle:
 
     def due(self) -> bool:
         s = self._settings
-        if time.monotonic() - self.last_start >= s.commit_interval_s:
+        if time.monotonic() - self.last_end >= s.commit_interval_s:
             return True
         # files of tables backing off do not count: they must not make cycles spin
         files, size = self._reader.pending_size(
@@ -185,7 +182,6 @@ class CommitCycle:
         """A cycle; without ``wait_for_writers`` it commits what was read at once, as a
         partial cycle, without asking the writers (they are stopped: ``icefloe drain``)."""
         commit_id = str(uuid.uuid4())
-        self.last_start = time.monotonic()
         reader = self._reader
         expected = reader.prune_writers()
         if not wait_for_writers:
@@ -280,6 +276,7 @@ class CommitCycle:
             self._channel.broadcast(Event(self._group_id, CommitComplete(commit_id, vtts)))
         if reader.stored:
             self._channel.prune(reader.stored)
+        self.last_end = time.monotonic()
         self.idle = not any(r.data_files for r in results)
         eventful = not self.idle or failed or deferred or any(quarantined.values())
         cycles_log.log(
