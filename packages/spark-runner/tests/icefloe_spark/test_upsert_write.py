@@ -347,11 +347,12 @@ def test_a_table_keyed_by_fields_nested_in_a_struct_takes_upserts_and_deletes(
     ]
 
 
-def test_a_dynamic_cdc_table_takes_a_batch_of_only_deletes(catalog: Catalog) -> None:
+@pytest.mark.parametrize("evolve", [False, True], ids=["fixed-schema", "evolve-schema"])
+def test_a_dynamic_cdc_table_takes_a_batch_of_only_deletes(catalog: Catalog, evolve: bool) -> None:
     """An existing dynamic table whose records in a batch are all deletes: Debezium's delete
     has no ``after`` image, so the rows its table would be created or evolved from are none.
     The table was then left out of the task's tables and its deletes failed as unrouted; the
-    table exists, so it takes them (issue 27's resolver loads it without routing rows)."""
+    table exists, so it takes them, whether it evolves its schema or not."""
     catalog.create_table("db.users", schema=SCHEMA)
     config = config_from_dict(
         {
@@ -362,6 +363,7 @@ def test_a_dynamic_cdc_table_takes_a_batch_of_only_deletes(catalog: Catalog) -> 
                 "namespace": "db",
                 "mode": "cdc",
                 "id_columns": ["id"],
+                "evolve_schema": evolve,
             },
         }
     )

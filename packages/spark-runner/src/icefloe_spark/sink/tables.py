@@ -394,6 +394,12 @@ class TableResolver:
                 routed = part if mask is None else part.filter(mask)
                 rows = renamed(schema_rows(routed, cfg), cfg.rename)
                 if rows.num_rows == 0:
+                    # no row image (a batch of only Debezium deletes): nothing to create or
+                    # evolve the table from, but an existing table takes the batch's keys
+                    if cfg.name in named and cfg.name not in tables:
+                        existing = self._existing(cfg.name)
+                        if existing is not None:
+                            tables[cfg.name] = existing
                     continue
                 table = tables.get(cfg.name) or self._load_or_create(cfg, rows)
                 if table is None:
