@@ -78,8 +78,8 @@ class KnownVersions:
     """Per table: the metadata location and metadata of the version last loaded or committed,
     and whether the current cycle's screening just loaded it."""
 
-    def __init__(self) -> None:
-        self._known: SharedCache[str, Table] = SharedCache(_CACHE_SIZE)
+    def __init__(self, maxsize: int = _CACHE_SIZE) -> None:
+        self._known: SharedCache[str, Table] = SharedCache(maxsize)
         # tables whose screening just loaded them (each table is committed by one thread at
         # a time, and set.add/discard are atomic: no lock needed)
         self._screened: set[str] = set()

@@ -185,9 +185,9 @@ class EventReader:
         s = self._settings
         if s.max_pending_files is None and s.max_pending_bytes is None:
             return False
-        held = [t for t in self.pending if not self.awaiting_replay(t)]
-        every = self.pending_size(held)
-        ready = self.pending_size(t for t in held if not self.backing_off(t))
+        counted = [t for t in self.pending if not self.awaiting_replay(t)]
+        every = self.pending_size(counted)
+        ready = self.pending_size(t for t in counted if not self.backing_off(t))
         for (files, size), factor in ((ready, 1), (every, _HARD_CAP)):
             if s.max_pending_files is not None and files >= s.max_pending_files * factor:
                 return True

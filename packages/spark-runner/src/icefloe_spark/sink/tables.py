@@ -29,8 +29,7 @@ from pyiceberg.types import (
     TimestamptzType,
 )
 
-from icefloe.commit.caches import SharedCache
-from icefloe.commit.versions import current_location, with_metadata
+from icefloe.commit.versions import KnownVersions
 from icefloe.config import PipelineConfig, TableConfig
 from icefloe.errors import ConfigError, KeyedTableError
 from icefloe.ops.maintenance import recommended_properties
@@ -297,7 +296,7 @@ class TableResolver:
         self.declared = record_schema(config, plugins)
         self.base = RecordConverter.from_config(config.source, [], plugins)
         # the version of each table last loaded, reused while the catalog names it still
-        self._known: SharedCache[str, Table] = SharedCache(_KNOWN_TABLES)
+        self._known = KnownVersions(_KNOWN_TABLES)
 
     def _load(self, name: str) -> Table:
         """The table as the catalog names it now (NoSuchTableError when it does not exist).
@@ -307,13 +306,12 @@ class TableResolver:
         more than half of a task's per-table CPU (issue 27). A catalog that can tell a table's
         metadata location by one lookup (:func:`icefloe.commit.versions.current_location`)
         is asked for it, and while it names the version loaded before, that version is used
-        (a metadata location names one immutable metadata file); other catalogs load as
-        before."""
-        known = self._known.get(name)
-        if known is not None and current_location(self.catalog, name) == known.metadata_location:
-            return with_metadata(known, known.metadata, known.metadata_location)
-        table = self.catalog.load_table(name)
-        self._known.put(name, with_metadata(table, table.metadata, table.metadata_location))
+        (a metadata location names one immutable metadata file; the committer's
+        :class:`~icefloe.commit.versions.KnownVersions` rule); other catalogs load as before."""
+        table = self._known.reusable(self.catalog, name, after_screen=False)
+        if table is None:
+            table = self.catalog.load_table(name)
+            self._known.remember(name, table)
         return table
 
     def _extra_tables(self) -> list[str]:
