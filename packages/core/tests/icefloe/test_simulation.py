@@ -1370,8 +1370,10 @@ class CommitPath(World):
         again = Batch(client.writer_id, seq, {}, dict(original.rows), dict(original.changes))
         files = self.write_content(again, tasks).files
         positions = [SourcePosition(SOURCE, int(client.writer_id[1:]), seq + 1, None)]
+        # the UUIDs of the tables written for, as every publish of the Spark sink carries
+        uuids = {n: str(self.catalog.load_table(n).metadata.table_uuid) for n in files}
         with contextlib.suppress(WriterFencedError):
-            if client.publish(seq, files, positions):
+            if client.publish(seq, files, positions, uuids):
                 # rows the batch committed to a table another engine dropped since: only the
                 # dropped table knew it took them, the new one commits them again (written
                 # for it: nothing refuses them), as a source re-read after a recreate does
@@ -2302,6 +2304,27 @@ def test_a_refused_replay_leaves_a_quarantined_record_in_one_place() -> None:
         machine.operator_rolls_back(dead=False, pick=0, replay=True)
         machine.driver_replays(dead=False)
         machine.foreign_repartition(keyed=False)
+        machine.teardown()
+
+
+def test_a_replay_into_a_table_recreated_under_the_leader_is_committed_or_quarantined() -> None:
+    """Found by the 40-rule search (``--schedules 250 --seed 25002 --steps 40``, shrunk by
+    hand from eight rules): a batch, drain and swap, a leader of the new channel commits
+    (reading what the table holds), another engine drops the table and creates it again, the
+    writer publishes its first batch again (the new channel never saw it), and the same leader
+    reads it. The leader skipped it as held by the dropped table: its row in neither the new
+    table nor quarantine (I1). A file written for another table UUID than the held state was
+    read from now makes the leader read that state again."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=())
+        machine.batch(shape=Shape(writer=1, rows=1, tasks=1, dead=0, changes={}))
+        machine.drain_and_swap(bounded=False)
+        machine.batch(shape=Shape(writer=0, rows=1, tasks=1, dead=0, changes={}))
+        machine.commit_cycle(unknown=None, fail_deletes=False)
+        machine.foreign_recreate(dead=False, partitioned=False)
+        machine.replayed_batch(tasks=1, writer=1)
+        machine.commit_cycle(unknown=None, fail_deletes=False)
         machine.teardown()
 
 

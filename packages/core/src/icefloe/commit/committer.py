@@ -59,6 +59,7 @@ import json
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -340,10 +341,18 @@ class IcebergCommitter:
 
         Raises :class:`~icefloe.errors.ChannelChangedError` when the table's last commit came
         through another channel that was not drained."""
+        return self.incarnation_boundary(table, channel_id)[1]
+
+    def incarnation_boundary(
+        self, table: str, channel_id: str | None
+    ) -> tuple[uuid.UUID, CommitBoundary]:
+        """:meth:`boundary`, with the UUID of the table it was read from: what a dropped
+        table held says nothing about the table created again under its name."""
         loaded = self._load(table)
         head, _ = self._branch_head(loaded)
         state = self._for_channel(loaded, self._own_state(loaded, head), channel_id)
-        return CommitBoundary(channel_id=channel_id) if state is None else state.boundary
+        boundary = CommitBoundary(channel_id=channel_id) if state is None else state.boundary
+        return loaded.metadata.table_uuid, boundary
 
     def mark_drained(self, table: str, channel_id: str) -> bool:
         """Record that ``channel_id`` holds nothing uncommitted for this group, so the pipeline

@@ -215,7 +215,7 @@ def _refusal(table: Table, f: PendingFile, rules: _FileRules) -> RefusedFileErro
     if (
         f.table_uuid is not None
         and f.table_uuid != rules.table_uuid
-        and not _same_uuid(f.table_uuid, metadata.table_uuid)
+        and not same_uuid(f.table_uuid, metadata.table_uuid)
     ):
         return TableMismatchError(
             f"table '{table_name(table)}' has UUID {metadata.table_uuid}, but {path} was "
@@ -338,7 +338,9 @@ def _field_ids(schema: pa.Schema) -> set[int]:
     return found
 
 
-def _same_uuid(text: str, table_uuid: uuid.UUID) -> bool:
+def same_uuid(text: str, table_uuid: uuid.UUID | None) -> bool:
+    """Whether ``text`` (a UUID as an event carries it, in any spelling) names
+    ``table_uuid``."""
     try:
         return uuid.UUID(text) == table_uuid
     except ValueError:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from icefloe.commit.dedupe import CommitBoundary
 from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile
 from icefloe.commit.rollback import is_replay_writer
+from icefloe.commit.screening import same_uuid
 from icefloe.coordination.backlog import READ_TO_END_S, backlog, short_of
 from icefloe.coordination.settings import POLL_S, CoordinatorSettings
 from icefloe.coordination.writer import merge_positions
@@ -145,6 +147,8 @@ class EventReader:
         # a commit records them for the batches it holds, the writer gone or not)
         self._sources: dict[tuple[str, int], SourcePosition] = {}
         self._boundaries: dict[str, CommitBoundary] = {}
+        self._incarnations: dict[str, uuid.UUID] = {}  # table -> UUID its boundary is of
+        self._reread: set[tuple[str, str]] = set()  # (table, UUID) read again for, once each
         self.quarantined: dict[str, set[str]] = {}  # table -> quarantined paths
         # table -> (writer_id, batch_seq) of quarantined files: batches decided already
         self.quarantined_batches: dict[str, set[tuple[str, int]]] = {}
@@ -359,7 +363,7 @@ class EventReader:
             for f in dw.files
             if f.path not in quarantined
         ]
-        if not files or self.boundary(dw.table).covers(files[0]):
+        if not files or self._holds(dw.table, dw.table_uuid, files[0]):
             return  # the table already holds this batch (all its files share one place)
         replay = len(files) == len(dw.files)  # none of these files is the quarantined one
         if replay and (writer_id, seq) in self.quarantined_batches[dw.table]:
@@ -381,6 +385,23 @@ class EventReader:
             f.meta.file_size_in_bytes for f in files
         )
 
+    def _holds(self, table: str, table_uuid: str | None, first: PendingFile) -> bool:
+        """Whether ``table`` holds the batch announced at ``first``. Files written for
+        another table UUID than the boundary was read from make it read again, once per
+        UUID: the table may have been dropped and created again (by another engine) since,
+        and what the dropped table held covers nothing in the new one (a replay published
+        after a backend swap would otherwise be skipped, its records in neither)."""
+        boundary = self.boundary(table)
+        if (
+            table_uuid is not None
+            and not same_uuid(table_uuid, self._incarnations.get(table))
+            and (table, table_uuid) not in self._reread
+        ):
+            self._reread.add((table, table_uuid))
+            del self._boundaries[table]
+            boundary = self.boundary(table)
+        return boundary.covers(first)
+
     def boundary(self, table: str) -> CommitBoundary:
         """What ``table`` holds already, read once per leadership from its snapshots.
 
@@ -389,13 +410,15 @@ class EventReader:
         (it was reset or rolled back): going on would drop new files as already committed."""
         if table not in self._boundaries:
             try:
-                boundary = self._committer.boundary(table, self.channel_id)
+                incarnation, boundary = self._committer.incarnation_boundary(table, self.channel_id)
+                self._incarnations[table] = incarnation
             except ChannelIdentityError:
                 raise
             except Exception as exc:
                 # skip nothing early; the commit itself reports the problem loudly
                 log.warning("cannot read icefloe state of %s: %s", table, exc)
                 boundary = CommitBoundary(channel_id=self.channel_id)
+                self._incarnations.pop(table, None)
             self._check_within_log(f"table '{table}'", boundary.positions)
             self._boundaries[table] = boundary
         return self._boundaries[table]
