@@ -9,7 +9,7 @@ deletes applied), not by the committer's code."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -21,12 +21,16 @@ from pyiceberg.table import Table
 from pyiceberg.transforms import BucketTransform
 from pyiceberg.types import LongType, NestedField, StringType
 
+from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.quarantine import Quarantine
+from icefloe.commit.request import PendingFile, TableCommitRequest
+from icefloe.commit.screening import Screening
+from icefloe.commit.summary import fencing_token_property
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings, CycleResult
 from icefloe.coordination.writer import WriterClient
 from icefloe.events import DataFileMeta, FileContent, SourcePosition
 from icefloe.plugins.manager import new_plugins
-from icefloe.records.datafiles import write_data_files, write_key_files
+from icefloe.records.datafiles import group_write_uuid, write_data_files, write_key_files
 from icefloe.testing.harness import lead, wait_pending
 from icefloe.testing.memory import MemoryBackend, MemoryServer
 
@@ -65,19 +69,27 @@ class KeyedPipe:
     def table(self) -> Table:
         return self.catalog.load_table(NAME)
 
-    def write(self, upserts: list[Row], deletes: tuple[Row, ...] = ()) -> list[DataFileMeta]:
+    def write(
+        self, upserts: list[Row], deletes: tuple[Row, ...] = (), owned: bool = False
+    ) -> list[DataFileMeta]:
         """A batch's files, written against the table as it is now (not published): the
-        rows of ``upserts``, and a key file with the identifier columns of all changes."""
+        rows of ``upserts``, and a key file with the identifier columns of all changes.
+        ``owned``: named for the pipeline, as write tasks name them (so a commit that applied
+        the key file deletes it)."""
         table = self.table()
+
+        def named() -> uuid.UUID | None:
+            return group_write_uuid(self.group_id) if owned else None
+
         schema = table.schema()
         arrow = schema_to_pyarrow(schema, include_field_ids=False)
         metas: list[DataFileMeta] = []
         if upserts:
             images = pa.Table.from_pylist([_row(r) for r in upserts], arrow)
-            metas += write_data_files(table, images)
+            metas += write_data_files(table, images, named())
         changes = pa.Table.from_pylist([_row(r) for r in [*upserts, *deletes]], arrow)
         keys = sorted(schema.identifier_field_names(), key=schema.column_names.index)
-        metas += write_key_files(table, changes.select(keys))
+        metas += write_key_files(table, changes.select(keys), named())
         return metas
 
     def publish(self, writer_id: str, seq: int, files: list[DataFileMeta]) -> None:
@@ -182,4 +194,54 @@ def test_a_keyed_batch_is_quarantined_whole_when_one_of_its_files_is_refused(
         for f in in_flight
     }
     assert pipe.quarantined() == expected
+    assert pipe.coordinator.pending_files() == {}
+
+
+def test_a_keyed_batch_a_deposed_committer_lands_during_the_heirs_screening_is_not_quarantined(
+    pipe: KeyedPipe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deposed leader's committer (a process or Spark task that outlives its leader) commits
+    a keyed batch and deletes its applied key file, right after the heir's screening loaded the
+    table. On that older version the batch is not committed and its key file is missing: only
+    a version loaded after the file was seen missing may refuse it, and that one holds the
+    batch as committed. Quarantined, its rows would be in the table and in quarantine."""
+    seeded = _seed(pipe)
+    batch = pipe.write([(1, "eu", "v1")], owned=True)
+    pipe.publish("w1", 1, batch)
+    wait_pending(pipe.coordinator, len(batch))
+    heir = pipe.coordinator._cycle._committer
+    deposed = IcebergCommitter(pipe.catalog, pipe.group_id)
+    token = int(pipe.table().metadata.properties[fencing_token_property(pipe.group_id)])
+    screen, load = heir.screen, heir._load
+    landed: list[int | None] = []
+    screened: list[tuple[tuple[PendingFile, ...], str | None]] = []
+
+    def screening(
+        table: str, files: Iterable[PendingFile], channel_id: str | None = None
+    ) -> Screening:
+        screened.append((tuple(files), channel_id))
+        return screen(table, screened[-1][0], channel_id)
+
+    def loaded_then_landed(name: str, after_screen: bool = False) -> Table:
+        loaded = load(name, after_screen)
+        if screened and not landed:  # the heir's screening loaded the table: now it lands
+            files, channel = screened[0]
+            positions = {f.partition: f.offset + 1 for f in files}
+            request = TableCommitRequest(NAME, "old", files, positions, {}, token, None, channel)
+            landed.append(deposed.commit(request).snapshot_id)
+        return loaded
+
+    monkeypatch.setattr(heir, "screen", screening)
+    monkeypatch.setattr(heir, "_load", loaded_then_landed)
+
+    result = pipe.commit(0)
+
+    assert len(landed) == 1
+    assert landed[0] is not None
+    key = next(m.path for m in batch if m.content == FileContent.EQUALITY_DELETES)
+    assert not pipe.table().io.new_input(key).exists()  # applied, then deleted
+    assert result.failed == {}
+    assert result.quarantined == {}
+    assert pipe.quarantined() == {}
+    assert pipe.rows() == [(1, "eu", "v1"), *seeded[1:]]  # the new image once, the old gone
     assert pipe.coordinator.pending_files() == {}

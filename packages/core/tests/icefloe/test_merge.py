@@ -261,6 +261,43 @@ def test_a_commit_retried_after_a_conflict_writes_its_merged_files_once(
     assert_exactly_once(sqlite_catalog, MERGED, [*range(120), 1000])
 
 
+def test_originals_a_deposed_leaders_merged_commit_deletes_during_the_heirs_screening_are_held(
+    sqlite_catalog: SqlCatalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deposed leader's committer commits merged files and deletes their originals right
+    after the heir's screening loaded the table: on that older version the originals are
+    neither committed nor there, yet they are no missing files (quarantined, a recovery would
+    add their rows twice): the version loaded after they were seen missing holds them."""
+    table = create_rows_table(sqlite_catalog, MERGED, BUCKETS)
+    files = tuple(
+        PendingFile(m, "w", seq, "0", seq)
+        for seq in range(2)
+        for m in write_rows(table, range(seq * 40, seq * 40 + 40), "w", seq, group_id="pipe")
+    )
+    request = TableCommitRequest(MERGED, "commit-1", files, {"0": 2}, {}, fencing_token=1)
+    deposed = IcebergCommitter(sqlite_catalog, "pipe", policies=POLICIES)
+    heir = IcebergCommitter(sqlite_catalog, "pipe", policies=POLICIES)
+    load = heir._load
+    landed: list[int | None] = []
+
+    def loaded_then_landed(name: str, after_screen: bool = False) -> Table:
+        loaded = load(name, after_screen)
+        if not landed:  # the heir's screening loaded the table: now the merged commit lands
+            landed.append(deposed.commit(request).added_files)
+        return loaded
+
+    monkeypatch.setattr(heir, "_load", loaded_then_landed)
+    screened = heir.screen(MERGED, files)
+
+    assert landed == [4]
+    assert not any(Path(f.meta.path.removeprefix("file://")).exists() for f in files)
+    assert screened.refused == ()
+    assert screened.accepted == files  # held as committed: the commit drops them
+    again = TableCommitRequest(MERGED, "commit-2", files, {"0": 2}, {}, fencing_token=2)
+    assert heir.commit(again).snapshot_id is None
+    assert_exactly_once(sqlite_catalog, MERGED, list(range(80)))
+
+
 @pytest.mark.parametrize("section", ["tables", "dynamic_tables"])
 def test_keyed_tables_cannot_merge_and_the_error_names_the_key(section: str) -> None:
     table = {"mode": "cdc", "id_columns": ["id"], "merge_small_files": True}

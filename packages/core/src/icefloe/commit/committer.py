@@ -110,6 +110,7 @@ from icefloe.errors import (
     ChannelChangedError,
     CommitError,
     CommitHistoryLostError,
+    DataFileMissingError,
     RollbackNotReplayableError,
     RollbackPendingError,
     StaleFencingTokenError,
@@ -394,11 +395,34 @@ class IcebergCommitter:
         files the branch holds (:meth:`~icefloe.commit.livefiles.LiveFiles.held`; announced
         again under another writer id: a file already in the table, or taken off it, is no
         refused file, and quarantining it would invite adding it twice).
+        A file is refused as missing only on a version loaded after it was seen missing: a
+        committer of a deposed leader may commit it (or the batch of a missing key file, or
+        the merged file of a missing original) and delete it right after an older version was
+        loaded, and the newer version then holds it as committed.
         Raises TableMissingError, CommitHistoryLostError or ChannelChangedError for the whole
         table."""
         files = tuple(files)
         loaded = self._load(table)
-        self._versions.screened(table)  # the commit that follows may use this version
+        seen_missing: set[str] = set()  # files seen missing before ``loaded`` was loaded
+        while True:
+            self._versions.screened(table)  # the commit that follows may use this version
+            verdict = self._screen(table, loaded, files, channel_id)
+            missing = {
+                f.meta.path for f, e in verdict.refused if isinstance(e, DataFileMissingError)
+            }
+            if missing <= seen_missing:
+                return verdict
+            # rare (a file deleted once its commit landed, or lost): judge it again on a
+            # version not older than its disappearance; each round sees a new file missing,
+            # so this ends
+            seen_missing |= missing
+            self._versions.forget(table)
+            loaded = self._load(table)
+
+    def _screen(
+        self, table: str, loaded: Table, files: tuple[PendingFile, ...], channel_id: str | None
+    ) -> Screening:
+        """:meth:`screen` against one loaded version of the table."""
         head, _ = self._branch_head(loaded)
         state = self._for_channel(loaded, self._own_state(loaded, head), channel_id)
         held = self._live_files.held(loaded, head, {f.meta.path for f in files})
