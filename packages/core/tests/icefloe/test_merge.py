@@ -17,9 +17,10 @@ from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.table import Table
 from pyiceberg.transforms import BucketTransform
+from pyiceberg.types import StringType
 
 from icefloe.commit.committer import IcebergCommitter
-from icefloe.commit.merge import groups
+from icefloe.commit.merge import groups, merged_name
 from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.request import PendingFile, TableCommitRequest
@@ -29,9 +30,11 @@ from icefloe.coordination.writer import WriterClient
 from icefloe.errors import ConfigError
 from icefloe.events import DataFileMeta, FileContent, PartitionValue
 from icefloe.ops.maintenance import remove_orphan_files
+from icefloe.records import datafiles
 from icefloe.testing.fixtures import (
     assert_exactly_once,
     create_rows_table,
+    data_file_ids,
     group_snapshots,
     rows_table,
     write_rows,
@@ -296,6 +299,73 @@ def test_originals_a_deposed_leaders_merged_commit_deletes_during_the_heirs_scre
     again = TableCommitRequest(MERGED, "commit-2", files, {"0": 2}, {}, fencing_token=2)
     assert heir.commit(again).snapshot_id is None
     assert_exactly_once(sqlite_catalog, MERGED, list(range(80)))
+
+
+def test_overlapping_runs_of_one_commit_never_overwrite_the_merged_file_that_landed(
+    sqlite_catalog: SqlCatalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two attempts of one Spark commit task (a speculative copy, or a zombie beside its retry)
+    run the same request at once. B read the originals and is writing its last merged file
+    when the schema evolves and A merges, lands and deletes the originals. B must not write over
+    the files A's snapshot names: after a schema change its bytes differ from what A's
+    manifest records (and killed mid-write it would leave them truncated). B's own files are
+    orphans that ``icefloe maintain`` removes."""
+    table = create_rows_table(sqlite_catalog, MERGED, BUCKETS)
+    files = [
+        PendingFile(m, "w", seq, "0", seq)
+        for seq in range(3)
+        for m in write_rows(table, range(seq * 40, seq * 40 + 40), "w", seq, group_id="pipe")
+    ]
+    request = TableCommitRequest(MERGED, "commit-1", tuple(files), {"0": 3}, {}, fencing_token=1)
+    a = IcebergCommitter(sqlite_catalog, "pipe", retry_wait_s=0.001, policies=POLICIES)
+    b = IcebergCommitter(sqlite_catalog, "pipe", retry_wait_s=0.001, policies=POLICIES)
+    landed: dict[str, tuple[int, bytes]] = {}  # A's committed files: manifest size, bytes
+    real_write = datafiles.write_data_files
+    b_writes = 0
+
+    def a_lands_while_b_merges(*args: Any, **kwargs: Any) -> Any:
+        nonlocal b_writes
+        b_writes += 1  # B's four (a group per bucket), then A's, which run in B's fourth
+        if b_writes == 4:  # B's last: it has read every original
+            with sqlite_catalog.load_table(MERGED).update_schema() as update:
+                update.add_column("note", StringType())
+            assert a.commit(request, "spark-task-0").snapshot_id is not None
+            for task in sqlite_catalog.load_table(MERGED).scan().plan_files():
+                path = task.file.file_path
+                landed[path] = (task.file.file_size_in_bytes, local(path).read_bytes())
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr("icefloe.commit.merge.write_data_files", a_lands_while_b_merges)
+    originals = {f.meta.path for f in files}
+    assert b.commit(request, "spark-task-1").snapshot_id is None  # A's commit holds them
+    monkeypatch.undo()
+
+    assert len(landed) == 4
+    assert not originals & landed.keys()  # A merged them and deleted them
+    for path, (size, content) in landed.items():
+        assert local(path).stat().st_size == size, f"{path} rewritten after it was committed"
+        assert local(path).read_bytes() == content
+    table = sqlite_catalog.load_table(MERGED)
+    assert committed_files(table) == landed.keys()
+    assert data_file_ids(table) == list(range(120))  # pyarrow over the committed files
+    assert_exactly_once(sqlite_catalog, MERGED, range(120))  # a pyiceberg scan
+    orphans = data_files(table) - committed_files(table)
+    assert len(orphans) == 4  # B's merged files, under names of its own
+    removed = remove_orphan_files(table, int(time.time() * 1000) + 60_000)
+    assert {f"file://{p}" for p in removed.deleted} == orphans
+    assert data_file_ids(sqlite_catalog.load_table(MERGED)) == list(range(120))
+
+
+def test_merged_names_keep_the_only_run_and_tell_attempts_apart() -> None:
+    group = [meta("s3://w/a.parquet", 1), meta("s3://w/b.parquet", 1)]
+    names = {merged_name("c", group, attempt) for attempt in ("", "spark-task-0", "spark-task-1")}
+    assert len(names) == 3
+    # the only run of a commit keeps the names merged files always had
+    assert str(merged_name("c", group)) == "83e7fad9-4964-5a4f-9620-83148cbbc110"
+
+
+def local(uri: str) -> Path:
+    return Path(uri.removeprefix("file://"))
 
 
 @pytest.mark.parametrize("section", ["tables", "dynamic_tables"])

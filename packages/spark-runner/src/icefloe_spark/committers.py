@@ -21,9 +21,13 @@ Exactly once holds as with committer processes: each commit carries the leader's
 token (a deposed leader's job is refused per table) and commit id, and a table's files stay
 pending until its answer is back. A task that dies (its worker killed, its executor lost) is
 retried by Spark (``spark.task.maxFailures``; the retry finds a commit that landed by its
-commit id, or the table's boundary, and does not make it again); a job that fails for good
-fails every table of its round with :class:`~icefloe.errors.CommitterProcessError`: they
-stay pending, back off and are committed (or found committed) by a later cycle.
+commit id, or the table's boundary, and does not make it again). Unlike a committer process, a
+task may run twice at once (a speculative copy; a zombie attempt on an executor the driver
+declared lost, beside its retry): each attempt merges small files under names of its own
+(:func:`task_attempt`), so one never overwrites a merged file the other committed. A job that
+fails for good fails every table of its round with
+:class:`~icefloe.errors.CommitterProcessError`: they stay pending, back off and are committed
+(or found committed) by a later cycle.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from pyspark import SparkContext
+from pyspark import SparkContext, TaskContext
 from pyspark.sql import SparkSession
 
 from icefloe.coordination.processes import CommitAnswer, CommitTask, CommitWorker, WorkerSpec
@@ -232,11 +236,20 @@ def warm_slices(key: str, spec: WorkerSpec, items: Iterable[int]) -> Iterator[in
     return iter(items)
 
 
+def task_attempt(context: TaskContext | None) -> str:
+    """How this Spark task attempt names its runs of commits ("" outside a task): by its task
+    attempt id, which no other attempt of the application shares. Attempt numbers would not
+    do: they restart in every stage, and a cycle's second round (the tables screened again) is
+    a job of its own with the same commit id, whose attempts may overlap the first round's."""
+    return "" if context is None else f"spark-task-{context.taskAttemptId()}"
+
+
 def commit_slices(
     key: str, spec: WorkerSpec, slices: Iterable[Slice]
 ) -> Iterator[tuple[int, CommitAnswer]]:
     """A Spark task's body: commit its slice's tables one after another."""
     worker = _committer(key, spec)
+    attempt = task_attempt(TaskContext.get())
     for tables in slices:
         for i, task in tables:
-            yield i, worker.run(task)
+            yield i, worker.run(task, attempt)

@@ -10,21 +10,29 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
+from pyspark import TaskContext
 from pyspark.sql import SparkSession
 
+from icefloe.commit.merge import merged_name
+from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.config import config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
 from icefloe.coordination.processes import CommitTask, WorkerSpec
+from icefloe.coordination.settings import CatalogSpec
 from icefloe.errors import ConfigError
 from icefloe.events import DataFileMeta
+from icefloe.testing.fixtures import create_rows_table, sqlite_catalog_properties, write_rows
 from icefloe.testing.harness import CommittersPipeline, KillCommitter
 from icefloe.testing.memory import MemoryServer
-from icefloe_spark.committers import SparkCommitters, spread
+from icefloe_spark import committers
+from icefloe_spark.committers import SparkCommitters, commit_slices, spread, task_attempt
 from icefloe_spark.runtime import jvm
 
 TABLES = tuple(f"sparkc.t{i}" for i in range(5))
@@ -118,6 +126,50 @@ def test_tables_are_spread_over_the_tasks_largest_first() -> None:
     ]
     assert sorted(i for s in slices for i, _ in s) == list(range(6))
     assert len(spread(tasks[:1], 4)) == 1
+
+
+class _Attempt:
+    """Spark's TaskContext as a commit task sees it (only what the task asks)."""
+
+    def __init__(self, task_attempt_id: int) -> None:
+        self._id = task_attempt_id
+
+    def taskAttemptId(self) -> int:  # noqa: N802  (Spark's name)
+        return self._id
+
+
+def test_a_commit_task_merges_under_names_of_its_own_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two attempts of one commit task may run at once (speculation, a zombie beside its
+    retry): the task passes its attempt to the committer, so its merged files are named for
+    it and never overwrite those another attempt committed. Pure logic: no Spark, Spark's
+    TaskContext stood in for; a real SQLite catalog and real files."""
+    properties = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = CatalogSpec("c", properties)
+    table = create_rows_table(catalog.load(), "db.m")
+    files = tuple(
+        PendingFile(m, "w", seq, "0", seq)
+        for seq in range(2)
+        for m in write_rows(table, [seq], "w", seq, group_id="pipe")
+    )
+    request = TableCommitRequest("db.m", "commit-1", files, {"0": 2}, {}, fencing_token=1)
+    policies = TablePolicies(TablePolicy(merge_small_files=True))
+    spec = WorkerSpec(catalog, "pipe", "main", policies)
+    monkeypatch.setattr(committers, "_committers", OrderedDict())
+    context = _Attempt(7)
+    monkeypatch.setattr(TaskContext, "get", staticmethod(lambda: context))
+
+    answers = dict(commit_slices("k", spec, [[(0, CommitTask(request, screen=True))]]))
+    result = answers[0].result
+    assert result is not None, answers[0].error
+    assert (result.data_files, result.added_files) == (2, 1)
+    (committed,) = [t.file.file_path for t in catalog.load().load_table("db.m").scan().plan_files()]
+    group = [f.meta for f in files]
+    assert str(merged_name("commit-1", group, "spark-task-7")) in committed
+    other = cast(TaskContext, _Attempt(8))
+    assert task_attempt(other) != task_attempt(cast(TaskContext, context))  # other names
+    assert task_attempt(None) == ""  # not in a Spark task: the names of the only run
 
 
 def test_spark_tasks_commit_each_table_once_per_cycle(pipe: _Pipeline) -> None:

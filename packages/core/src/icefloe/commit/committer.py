@@ -428,9 +428,11 @@ class IcebergCommitter:
         held = self._live_files.held(loaded, head, {f.meta.path for f in files})
         return screening.screen(loaded, files, _boundary(state), self._policies(table), held)
 
-    def commit(self, request: TableCommitRequest) -> TableCommitResult:
+    def commit(self, request: TableCommitRequest, run_attempt: str = "") -> TableCommitResult:
         """Append the request's new files to its table in one snapshot (or none if nothing
-        is new).
+        is new). ``run_attempt`` names this run of the request when another run of it may
+        overlap (a Spark commit task's attempt): merged small files get names of its own, so
+        a run never overwrites one another run committed ("": the only run at a time).
 
         Raises StaleFencingTokenError, TableMismatchError, FileOutsideTableError or
         CommitError, and then committed nothing; only after a catalog reported an unknown
@@ -441,7 +443,7 @@ class IcebergCommitter:
         last_error: Exception | None = None
         policy = self._policies(request.table)
         merger = (
-            SmallFileMerger(request.commit_id, policy.target_file_size_bytes)
+            SmallFileMerger(request.commit_id, policy.target_file_size_bytes, run_attempt)
             if policy.merge_small_files
             else None
         )

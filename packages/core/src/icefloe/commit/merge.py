@@ -14,10 +14,14 @@ The rules that keep exactly-once:
   channel order, packed up to the target; a group of one file stays as it is. Files are read
   with pyiceberg's own scan, projected onto the table's current schema (so files written under
   an older schema merge too) and written with pyiceberg's writer into the table's location.
-* Names come from the commit id and the group's source paths (a uuid5 as pyiceberg's write
-  uuid): an attempt repeated with the same group rewrites the same names, never a second copy.
-  A crashed cycle's merged files are never committed (its retry is a new cycle, with a new
-  commit id) and are orphans for ``icefloe maintain``.
+* Names come from the commit id, the group's source paths and the run's attempt (a uuid5 as
+  pyiceberg's write uuid): a commit retried after a conflict rewrites nothing (the merger
+  keeps what it wrote). A run that may overlap another run of the same request (a Spark
+  commit task: a speculative copy, or a zombie attempt on an executor declared lost) names its
+  attempt, so it never overwrites a merged file the other run committed (with other bytes
+  after a schema change, or truncated if killed mid-write). A crashed cycle's merged files,
+  and those of a run that did not land, are never committed (a retry is a new cycle, with a
+  new commit id, or finds the landed commit) and are orphans for ``icefloe maintain``.
 * Only files the pipeline provably owns are merged (:mod:`icefloe.commit.ownership`: named
   for this pipeline, under the table's data location, really data, named by no snapshot of
   any ref). Any other announced file is committed by reference, as announced: nothing is
@@ -79,18 +83,23 @@ def groups(
     return [g for g in done if len(g) > 1], kept
 
 
-def merged_name(commit_id: str, group: Sequence[DataFileMeta]) -> uuid.UUID:
-    """The write uuid of a group's merged files: the same for the same commit and sources."""
-    return uuid.uuid5(_NAMESPACE, "\n".join([commit_id, *(m.path for m in group)]))
+def merged_name(commit_id: str, group: Sequence[DataFileMeta], attempt: str = "") -> uuid.UUID:
+    """The write uuid of a group's merged files: the same for the same commit, sources and
+    ``attempt`` ("": the only run of the commit, whose names stay as they always were)."""
+    # commit ids hold no newline: a first line naming an attempt is no other run's first line
+    first = f"{commit_id}\nattempt {attempt}" if attempt else commit_id
+    return uuid.uuid5(_NAMESPACE, "\n".join([first, *(m.path for m in group)]))
 
 
 class SmallFileMerger:
     """Merges one commit request's small files; remembers the files each group was merged
-    into, so a commit attempt repeated after a conflict rewrites nothing."""
+    into, so a commit attempt repeated after a conflict rewrites nothing. ``attempt`` names
+    this run of the request when another may run at the same time (see :func:`merged_name`)."""
 
-    def __init__(self, commit_id: str, target_file_size: int) -> None:
+    def __init__(self, commit_id: str, target_file_size: int, attempt: str = "") -> None:
         self._commit_id = commit_id
         self._target = target_file_size
+        self._attempt = attempt
         self._written: dict[uuid.UUID, tuple[DataFileMeta, ...]] = {}
 
     def merge(self, table: Table, files: Sequence[DataFileMeta], ownership: Ownership) -> Merge:
@@ -106,7 +115,7 @@ class SmallFileMerger:
         replaced: list[str] = []
         build = DataFileBuilder(table.metadata).build
         for group in to_merge:
-            name = merged_name(self._commit_id, group)
+            name = merged_name(self._commit_id, group, self._attempt)
             written = self._written.get(name)
             if written is None:
                 scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())

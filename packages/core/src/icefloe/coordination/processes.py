@@ -141,12 +141,14 @@ class CommitWorker:
         if self.hook is not None:
             self.hook("before_commit", self.table)
 
-    def run(self, task: CommitTask) -> CommitAnswer:
+    def run(self, task: CommitTask, run_attempt: str = "") -> CommitAnswer:
+        """Screen and commit ``task``; ``run_attempt`` names this run when another run of the
+        task may overlap it (:meth:`~icefloe.commit.committer.IcebergCommitter.commit`)."""
         started = time.monotonic()
-        answer = self._run(task)
+        answer = self._run(task, run_attempt)
         return dataclasses.replace(answer, seconds=time.monotonic() - started)
 
-    def _run(self, task: CommitTask) -> CommitAnswer:
+    def _run(self, task: CommitTask, run_attempt: str) -> CommitAnswer:
         request = task.request
         self.table = request.table
         try:
@@ -155,7 +157,7 @@ class CommitWorker:
                 screening = self.committer.screen(request.table, files, request.channel_id)
                 if screening.refused or any(is_replay_writer(f.writer_id) for f in files):
                     return CommitAnswer(verdicts=Verdicts.of(files, screening))
-            result = self.committer.commit(request)
+            result = self.committer.commit(request, run_attempt)
         except Exception as exc:
             return CommitAnswer(error=_portable(exc))
         if self.hook is not None:
