@@ -25,7 +25,7 @@ from pyiceberg.table import Table, TableProperties
 from pyiceberg.transforms import DayTransform, IdentityTransform
 from pyiceberg.types import LongType, NestedField, StringType, TimestampType
 
-from icefloe.commit.committer import IcebergCommitter
+from icefloe.commit.committer import IcebergCommitter, _write_side_file
 from icefloe.commit.dedupe import POSITIONS_KEY, WATERMARKS_KEY, CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.request import PendingFile, TableCommitRequest
@@ -1156,3 +1156,20 @@ def test_commits_after_a_manifest_merge_do_not_decode_the_merged_manifest(
     again = pending(first, table, writer="w2", offset=20)
     assert committer.commit(request(again, {"0": 21})).snapshot_id is None
     assert ids_in(catalog) == list(range(12))
+
+
+def test_a_side_file_already_written_with_its_content_is_not_rewritten(table: Table) -> None:
+    """Another run of the same commit (a Spark commit task's speculative copy) may have landed
+    a snapshot naming the side file: rewriting it in place would show readers a partial file
+    (for good if killed mid-write). A partial file of a run that died is replaced."""
+    location = f"{table.location()}/metadata/icefloe-applied-test.json"
+    path = Path(location.removeprefix("file://"))
+    content = b'{"keys": ["a"]}'
+    _write_side_file(table, location, content)
+    before = path.stat()
+    _write_side_file(table, location, content)
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    path.write_bytes(content[:5])  # a run killed mid-write
+    _write_side_file(table, location, content)
+    assert path.read_bytes() == content

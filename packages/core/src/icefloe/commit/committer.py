@@ -978,8 +978,17 @@ class IcebergCommitter:
 
 def _write_side_file(table: Table, location: str, content: bytes) -> None:
     """Write a side file the next commit names, before that commit; named by its content, so a
-    retry rewrites the same file, and one left by a failed attempt is an orphan for
-    `icefloe maintain`."""
+    retry writes the same file, and one left by a failed attempt is an orphan for
+    `icefloe maintain`. One already there with this content is left alone: another run of the
+    same commit (a Spark commit task's speculative copy) may have landed a snapshot naming it,
+    and rewriting it in place shows readers a partial file meanwhile (for good if the rewrite
+    is killed). Any other content there is a partial write of a run that died: replaced."""
+    try:
+        with table.io.new_input(location).open() as stream:
+            if stream.read() == content:
+                return
+    except FileNotFoundError:
+        pass
     with table.io.new_output(location).create(overwrite=True) as stream:
         stream.write(content)
 
