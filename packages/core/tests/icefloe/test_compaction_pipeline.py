@@ -25,8 +25,9 @@ from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.schema import Schema
 from pyiceberg.types import LongType, NestedField, StringType
 
-from icefloe.commit.compaction import COMPACTED_FILES_KEY, Thresholds, without_retries
+from icefloe.commit.compaction import COMPACTED_FILES_KEY, Thresholds
 from icefloe.commit.policy import TablePolicies, TablePolicy
+from icefloe.commit.versions import without_retries
 from icefloe.coordination.coordinator import (
     Coordinator,
     CoordinatorHooks,

@@ -712,6 +712,46 @@ def test_file_outside_the_table_is_quarantined_and_the_rest_committed(
     assert_every_table_exact(make, source)
 
 
+def test_a_zombie_cannot_quarantine_after_its_heir_took_over(
+    make: PipelineParts, source: RowSource, group_id: str
+) -> None:
+    """A leader deposed before it screened a table went on to quarantine a refused file of
+    it: an entry its heir, which had read the quarantine already, never knew of (found by the
+    simulation, seed 25004: the heir later committed that file too). The heir raises its
+    fence in the quarantine before reading anything; the zombie's write is refused, ends its
+    leadership and leaves no entry; the heir quarantines the file itself."""
+    table, other = TABLES
+    w = make.writer("w")
+    heirs: list[Coordinator] = []
+
+    def take_over_before_screening(_: str) -> None:
+        if not heirs:
+            heir = make.coordinator("heir", **_fault_settings())
+            lead(heir)  # once the zombie's lease expired: recovered, the stray file pending
+            heirs.append(heir)
+
+    zombie = make.coordinator(
+        "zombie", CoordinatorHooks(before_table_commit=take_over_before_screening)
+    )
+    lead(zombie)
+    good = source.batch("w", 0)
+    # a file of the other table announced for ``table``: outside its location, refused
+    stray = write_rows(make.catalog.load_table(other), [999_001, 999_002], "w", 0)
+    w.publish(0, {table: list(good.files[table]) + stray}, good.positions)
+    wait_pending(zombie, len(good.files[table]) + len(stray))
+    with pytest.raises(NotLeaderError):
+        zombie.commit_now()
+    assert not zombie.is_leader
+    assert Quarantine(make.catalog).list(group_id) == []  # the zombie wrote nothing
+    (heir,) = heirs
+    result = heir.commit_now()
+    assert result.failed == {}
+    assert result.quarantined == {table: len(stray)}
+    entries = Quarantine(make.catalog).list(group_id)
+    assert sorted(e.file_path for e in entries) == sorted(f.path for f in stray)
+    assert_exactly_once(make.catalog, table, good.ids[table])
+
+
 def test_files_of_a_dropped_and_recreated_table_are_quarantined(
     make: PipelineParts, source: RowSource, group_id: str
 ) -> None:

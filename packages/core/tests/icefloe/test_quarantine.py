@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.schema import Schema
+from pyiceberg.table import Table
 from typer.testing import CliRunner
 
 from icefloe.cli.main import app
+from icefloe.commit import quarantine as quarantine_module
 from icefloe.commit.quarantine import (
     _SCHEMA,
     DEFAULT_QUARANTINE_TABLE,
@@ -21,6 +25,8 @@ from icefloe.commit.quarantine import (
     Quarantine,
     QuarantineEntry,
 )
+from icefloe.commit.versions import without_retries
+from icefloe.errors import StaleFencingTokenError
 from icefloe.testing.fixtures import (
     make_sqlite_catalog,
     quarantine_entry,
@@ -167,3 +173,60 @@ def test_quarantine_settings_come_from_the_coordination_section() -> None:
     assert (settings.table_retry_base_s, settings.table_retry_max_s) == (0.5, 20.0)
     with pytest.raises(ConfigError, match=r"coordination\.quarantine_table"):
         config_from_dict({**base, "coordination": {"quarantine_table": "no-namespace"}})
+
+
+def test_a_deposed_leaders_writes_after_its_heirs_fence_are_refused(
+    sqlite_catalog: SqlCatalog,
+) -> None:
+    """Leader 1 is deposed; leader 2 raises its fence before reading the quarantine. Leader
+    1's entries and retirements are refused and change nothing, as is its fence raised
+    again; leader 2's writes land. Another channel's tokens (a drained one) fence nothing."""
+    q = Quarantine(sqlite_catalog)
+    q.fence(GROUP, 1, "ch")
+    assert q.add([_entry("db.a", "/x/1")], token=1, channel_id="ch") == [_entry("db.a", "/x/1")]
+    q.fence(GROUP, 2, "ch")
+    q.fence(GROUP, 2, "ch")  # raised already: nothing to do
+    with pytest.raises(StaleFencingTokenError):
+        q.add([_entry("db.a", "/x/2")], token=1, channel_id="ch")
+    with pytest.raises(StaleFencingTokenError):
+        q.retire(GROUP, "db.a", ["/x/1"], "replayed", token=1, channel_id="ch")
+    with pytest.raises(StaleFencingTokenError):
+        q.fence(GROUP, 1, "ch")
+    assert [(e.file_path, e.error_type) for e in q.list(GROUP, retired=True)] == [
+        ("/x/1", "FileOutsideTableError")
+    ]
+    assert q.add([_entry("db.a", "/x/3")], token=2, channel_id="ch") == [_entry("db.a", "/x/3")]
+    assert q.retire(GROUP, "db.a", ["/x/1"], "replayed", token=2, channel_id="ch") == 1
+    assert q.add([_entry("db.a", "/x/4", group="other")], token=1, channel_id="ch") != []
+    q.fence(GROUP, 1, "new")  # the pipeline moved to another channel, whose tokens restart
+    assert q.add([_entry("db.a", "/x/5")], token=1, channel_id="new") != []
+    assert q.paths(GROUP, "db.a") == {"/x/1", "/x/3", "/x/5"}
+
+
+def test_a_write_planned_before_the_fence_fails_rather_than_landing(
+    sqlite_catalog: SqlCatalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race the fence's empty snapshot closes: the deposed leader checked the token (its
+    own), then the heir raised its fence, then the deposed leader's append reached the
+    catalog. Planned on the version before the fence, it fails; planned again it finds the
+    heir's token and is refused. Any append of a version read before a fence fails."""
+    q = Quarantine(sqlite_catalog)
+    q.fence(GROUP, 1, "ch")
+    heir = Quarantine(sqlite_catalog)
+    planned = quarantine_module._to_arrow
+
+    def heir_fences_meanwhile(table: Table, entries: Iterable[QuarantineEntry]) -> pa.Table:
+        heir.fence(GROUP, 2, "ch")  # after the zombie's check, before its commit
+        return planned(table, entries)
+
+    monkeypatch.setattr(quarantine_module, "_to_arrow", heir_fences_meanwhile)
+    with pytest.raises(StaleFencingTokenError):
+        q.add([_entry("db.a", "/x/1")], token=1, channel_id="ch")
+    monkeypatch.undo()
+    assert q.list(GROUP) == []
+    stale = without_retries(sqlite_catalog.load_table(q.identifier))
+    heir.fence(GROUP, 3, "ch")
+    with pytest.raises(CommitFailedException):
+        stale.append(planned(stale, [_entry("db.a", "/x/2")]))
+    assert heir.add([_entry("db.a", "/x/3")], token=3, channel_id="ch") != []  # the heir's lands
+    assert heir.paths(GROUP, "db.a") == {"/x/3"}

@@ -2328,6 +2328,28 @@ def test_a_replay_into_a_table_recreated_under_the_leader_is_committed_or_quaran
         machine.teardown()
 
 
+def test_a_deposed_leaders_quarantine_entry_is_fenced_out() -> None:
+    """Found by the 40-rule search (``--seed 25004 --steps 40``, shrunk by greedy step
+    removal): a keyed batch, a partition-spec change, a zombie cycle: the deposed leader
+    resumed after its heir had recovered and quarantined the batch (old spec); the spec
+    changed back and the heir, whose pending files and quarantine view predated that entry,
+    committed it. The batch was in the table and in quarantine (I3), and recovering the entry
+    with ``add_files`` doubles it. A leader now raises a fence in the quarantine table before
+    it reads anything, and quarantine writes carry the writer's token: the zombie's is
+    refused (it ends its leadership), as a table commit is."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=())
+        machine.batch(shape=Shape(writer=2, rows=0, tasks=2, dead=1, changes={}))
+        keyed = Shape(writer=0, rows=0, tasks=2, dead=1, changes={1: False, 0: False, 2: True})
+        machine.batch(shape=keyed)
+        machine.foreign_repartition(keyed=True)
+        machine.zombie_cycle(heir_commits=False)
+        machine.foreign_repartition(keyed=True)
+        machine.zombie_cycle(heir_commits=False)
+        machine.teardown()
+
+
 def test_a_file_announced_again_after_a_compaction_crash_and_maintain_is_not_committed_again() -> (
     None
 ):

@@ -77,7 +77,7 @@ from pyiceberg.table.update.snapshot import ManageSnapshots
 
 from icefloe.commit import branches, fastappend, screening
 from icefloe.commit.applied import with_applied_keys, with_removed, with_rolled_back
-from icefloe.commit.compaction import Compactor, Thresholds, without_retries
+from icefloe.commit.compaction import Compactor, Thresholds
 from icefloe.commit.dedupe import APPLIED_KEY, CommitBoundary
 from icefloe.commit.livefiles import LiveFiles
 from icefloe.commit.merge import Merge, SmallFileMerger, merged_originals
@@ -104,7 +104,7 @@ from icefloe.commit.summary import (
     recorded_token,
     state_property,
 )
-from icefloe.commit.versions import KnownVersions
+from icefloe.commit.versions import KnownVersions, without_retries
 from icefloe.config import PipelineConfig
 from icefloe.errors import (
     ChannelChangedError,

@@ -51,14 +51,14 @@ from pyiceberg.manifest import (
     ManifestEntryStatus,
     ManifestFile,
 )
-from pyiceberg.table import FileScanTask, Table, TableProperties
+from pyiceberg.table import FileScanTask, Table
 from pyiceberg.table.snapshots import Operation, Snapshot, Summary
 from pyiceberg.table.update.snapshot import _OverwriteFiles
 from pyiceberg.typedef import EMPTY_DICT
 
 from icefloe.commit import branches
 from icefloe.commit.request import table_name
-from icefloe.commit.versions import with_metadata
+from icefloe.commit.versions import without_retries
 from icefloe.config import DEFAULT_TARGET_FILE_SIZE
 from icefloe.records.datafiles import DataFileBuilder, group_write_uuid, write_data_files
 
@@ -492,16 +492,3 @@ class Compactor:
 def _worth(part: PartitionState, thresholds: Thresholds) -> bool:
     """Whether a forced rewrite of the partition changes anything."""
     return bool(part.delete_files) or len(part.small(thresholds)) > 1
-
-
-def without_retries(table: Table) -> Table:
-    """``table`` with pyiceberg's own commit retries off (in this in-memory copy only).
-
-    Why: pyiceberg 0.12 retries a failed commit by re-applying the same changes to the
-    refreshed table; icefloe's commits must be planned again on the new head instead (the
-    committer's idempotency and fencing checks, a compaction's choice of files)."""
-    metadata = table.metadata
-    properties = {**metadata.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}
-    return with_metadata(
-        table, metadata.model_copy(update={"properties": properties}), table.metadata_location
-    )

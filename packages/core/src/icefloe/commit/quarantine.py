@@ -17,6 +17,14 @@ in between re-reads the event, finds the record and neither loses nor re-quarant
 (rows are keyed by pipeline, table and path). Operators list and drop entries with
 ``icefloe quarantine``.
 
+The coordinator's writes are fenced like its table commits: a new leader raises its fence
+(:meth:`Quarantine.fence`: its token as a table property, with an empty snapshot that moves
+``main``) before it reads anything, and :meth:`Quarantine.add` and :meth:`Quarantine.retire`
+with a token refuse (:class:`~icefloe.errors.StaleFencingTokenError`) when a newer one is
+recorded; a write planned before the fence fails the catalog's check of ``main``. Why: a
+deposed leader's entry that its heir's view of the quarantine misses lets the heir commit
+the same file (the simulation, seed 25004: rows in the table and in quarantine).
+
 An entry also records the source offsets its batch reached (``source_offsets``): a rollback's
 replay reads a source range again and retires the entries of the batches inside it
 (:func:`icefloe.commit.rollback.replays`), which channel offsets cannot tell across a backend
@@ -52,6 +60,9 @@ from pyiceberg.types import (
     TimestamptzType,
 )
 
+from icefloe.commit.versions import without_retries
+from icefloe.errors import StaleFencingTokenError
+
 if TYPE_CHECKING:  # Arrow loads to write or read entries, not to find there are none
     import pyarrow as pa
 
@@ -66,6 +77,10 @@ still knows its path; :meth:`Quarantine.list` leaves it out (nothing to recover)
 # (pipeline names may hold dots, never a slash)
 _FAILING_PREFIX = "icefloe.failing."
 _MAX_ERROR_CHARS = 2000  # a property, not a log: the start of a long message says enough
+# a table property of the quarantine table per pipeline: its newest leader's fencing token
+_FENCE_PREFIX = "icefloe.fence."
+_FENCE_SUMMARY_KEY = "icefloe.fence"  # in the summary of the empty snapshot that raised it
+_LAST = 9  # a fenced write's last attempt: commits that lost a race are planned again
 
 log = logging.getLogger("icefloe.quarantine")
 
@@ -179,10 +194,7 @@ class Quarantine:
     def paths(self, group_id: str, table_name: str) -> set[str]:
         """Paths of ``table_name``'s files quarantined by ``group_id``."""
         t = self._table(create=False)
-        if t is None:
-            return set()
-        scan = t.scan(row_filter=_filter(group_id, table_name), selected_fields=("file_path",))
-        return set(scan.to_arrow().column("file_path").to_pylist())
+        return set() if t is None else _paths(t, group_id, table_name)
 
     def all_paths(self) -> set[str]:
         """Paths of every quarantined file, of every pipeline and table: files that
@@ -194,23 +206,77 @@ class Quarantine:
         rows = t.scan(selected_fields=("file_path", "error_type")).to_arrow().to_pylist()
         return {r["file_path"] for r in rows if r["error_type"] != RETIRED}
 
-    def add(self, entries: Sequence[QuarantineEntry]) -> list[QuarantineEntry]:
-        """Record ``entries`` (one append), skipping files already recorded; returns the new."""
+    def add(
+        self,
+        entries: Sequence[QuarantineEntry],
+        token: int | None = None,
+        channel_id: str | None = None,
+    ) -> list[QuarantineEntry]:
+        """Record ``entries`` (one append), skipping files already recorded; returns the new.
+
+        With the writing leader's fencing ``token`` (issued by channel ``channel_id``): fenced
+        (:meth:`fence`), raises :class:`~icefloe.errors.StaleFencingTokenError` when a newer
+        leader of the entries' pipeline raised its fence, and writes nothing."""
         if not entries:
             return []
-        t = self._writable()
-        known: dict[tuple[str, str], set[str]] = {}
-        new: list[QuarantineEntry] = []
-        for e in entries:
-            key = (e.group_id, e.table_name)
-            if key not in known:
-                known[key] = self.paths(*key)
-            if e.file_path not in known[key]:
-                known[key].add(e.file_path)
-                new.append(e)
-        if new:
-            t.append(_to_arrow(t, new))
-        return new
+        groups = {e.group_id for e in entries}
+        for attempt in _attempts():
+            t = self._writable()
+            if token is not None:
+                t = self._fenced(t, groups, token, channel_id)
+            new = _unknown(t, entries)
+            if not new:
+                return []
+            try:
+                t.append(_to_arrow(t, new))
+            except CommitFailedException:
+                if token is None or attempt == _LAST:
+                    raise
+                continue  # planned again on the new version, fence checked again
+            return new
+        raise AssertionError("unreachable")
+
+    def fence(self, group_id: str, token: int, channel_id: str | None = None) -> None:
+        """Record ``token`` as the newest leader's of ``group_id`` (issued by ``channel_id``),
+        before that leader reads anything: from then on a write with an older token (a deposed
+        leader's, :meth:`add` and :meth:`retire` with their token) is refused, so every entry
+        an older leader wrote is one the new leader reads.
+
+        How: one commit that sets the token (a table property, ``icefloe.fence.<group>``)
+        and adds an empty snapshot, so the table's ``main`` moves: a write planned on an
+        older version, its token checked there, fails the catalog's check of ``main`` and
+        is planned again, where it finds the new token. Raises
+        :class:`~icefloe.errors.StaleFencingTokenError` when a newer token of the same
+        channel is recorded; tokens of another channel (a drained one, whose leaders were
+        stopped) fence nothing here, as on the pipeline's tables."""
+        for attempt in _attempts():
+            t = without_retries(self._writable())
+            recorded = _recorded_fence(t, group_id)
+            _check_fence(self.identifier, group_id, recorded, token, channel_id)
+            if recorded == _Fence(token, channel_id):
+                return  # raised already (an earlier attempt's commit landed)
+            value = json.dumps({"token": token, "channel_id": channel_id})
+            try:
+                with t.transaction() as tx:
+                    tx.set_properties({_fence_key(group_id): value})
+                    summary = {_FENCE_SUMMARY_KEY: f"{group_id}:{token}"}
+                    with tx.update_snapshot(snapshot_properties=summary).fast_append():
+                        pass  # empty: what counts is that main moves
+            except CommitFailedException:
+                if attempt == _LAST:
+                    raise
+                continue
+            return
+
+    def _fenced(
+        self, table: Table, groups: Iterable[str], token: int, channel_id: str | None
+    ) -> Table:
+        """``table`` with pyiceberg's retries off (a retry must check the fence again), once
+        no pipeline of ``groups`` records a newer token than ``token``."""
+        for group_id in groups:
+            recorded = _recorded_fence(table, group_id)
+            _check_fence(self.identifier, group_id, recorded, token, channel_id)
+        return without_retries(table)
 
     def list(
         self, group_id: str, table_name: str | None = None, retired: bool = False
@@ -257,32 +323,54 @@ class Quarantine:
             if key.startswith(prefix)
         }
 
-    def retire(self, group_id: str, table_name: str, paths: Iterable[str], why: str = "") -> int:
+    def retire(
+        self,
+        group_id: str,
+        table_name: str,
+        paths: Iterable[str],
+        why: str = "",
+        token: int | None = None,
+        channel_id: str | None = None,
+    ) -> int:
         """Mark the entries of ``paths`` retired (:data:`RETIRED`: files whose records came
         back otherwise, e.g. with a rollback's replay, as ``why`` says), in one snapshot that
         replaces them; returns how many there were. Why not delete them: the simulation found
         a retired file announced again under a new writer id, quarantined a second time while
-        the replay had committed its records."""
+        the replay had committed its records. With a fencing ``token``: fenced as :meth:`add`."""
         wanted = set(paths)
-        t = self._table(create=False)
-        if not wanted or t is None:
+        if not wanted:
             return 0
-        # pyiceberg 0.12's expression classes declare a pydantic __init__ that mypy mis-reads
-        listed = In(Reference("file_path"), wanted)  # type: ignore[call-arg,arg-type]
-        where = And(_filter(group_id, table_name), listed)
-        matched = [_from_row(r) for r in t.scan(row_filter=where).to_arrow().to_pylist()]
-        count = sum(e.error_type != RETIRED for e in matched)
-        if not count:
-            return 0
-        message = f"retired: {why or 'its records came back otherwise'}"[:_MAX_ERROR_CHARS]
-        # the overwrite replaces every matched row: earlier tombstones are written back as they were
-        tombstones = [
-            e if e.error_type == RETIRED else replace(e, error_type=RETIRED, error_message=message)
-            for e in matched
-        ]
-        t = self._writable()
-        t.overwrite(_to_arrow(t, tombstones), overwrite_filter=where)
-        return count
+        for attempt in _attempts():
+            t = self._table(create=False)
+            if t is None:
+                return 0
+            if token is not None:
+                t = self._fenced(self._writable(), [group_id], token, channel_id)
+            # pyiceberg 0.12's expression classes declare a pydantic __init__ that mypy mis-reads
+            listed = In(Reference("file_path"), wanted)  # type: ignore[call-arg,arg-type]
+            where = And(_filter(group_id, table_name), listed)
+            matched = [_from_row(r) for r in t.scan(row_filter=where).to_arrow().to_pylist()]
+            count = sum(e.error_type != RETIRED for e in matched)
+            if not count:
+                return 0
+            message = f"retired: {why or 'its records came back otherwise'}"[:_MAX_ERROR_CHARS]
+            # the overwrite replaces every matched row: earlier tombstones are written back
+            tombstones = [
+                e
+                if e.error_type == RETIRED
+                else replace(e, error_type=RETIRED, error_message=message)
+                for e in matched
+            ]
+            if token is None:
+                t = self._writable()
+            try:
+                t.overwrite(_to_arrow(t, tombstones), overwrite_filter=where)
+            except CommitFailedException:
+                if token is None or attempt == _LAST:
+                    raise
+                continue
+            return count
+        raise AssertionError("unreachable")
 
     def drop(
         self, group_id: str, table_name: str | None = None, file_path: str | None = None
@@ -301,6 +389,60 @@ class Quarantine:
         if count:
             t.delete(delete_filter=where)
         return count
+
+
+@dataclass(frozen=True)
+class _Fence:
+    """The newest leader's fencing token of a pipeline, and the channel that issued it."""
+
+    token: int
+    channel_id: str | None
+
+
+def _attempts() -> range:
+    return range(_LAST + 1)
+
+
+def _fence_key(group_id: str) -> str:
+    return f"{_FENCE_PREFIX}{group_id}"
+
+
+def _recorded_fence(table: Table, group_id: str) -> _Fence | None:
+    raw = table.metadata.properties.get(_fence_key(group_id))
+    if raw is None:
+        return None
+    value = json.loads(raw)
+    return _Fence(int(value["token"]), value.get("channel_id"))
+
+
+def _check_fence(
+    where: str, group_id: str, recorded: _Fence | None, token: int, channel_id: str | None
+) -> None:
+    """Raise when ``recorded`` is a newer token than ``token`` of the same channel."""
+    if recorded is not None and recorded.channel_id == channel_id and recorded.token > token:
+        raise StaleFencingTokenError(
+            f"quarantine table '{where}' records fencing token {recorded.token} for group "
+            f"'{group_id}', above this coordinator's {token}: a newer coordinator has taken over"
+        )
+
+
+def _unknown(table: Table, entries: Sequence[QuarantineEntry]) -> list[QuarantineEntry]:
+    """``entries`` whose files ``table`` does not record yet (for their pipeline and table)."""
+    known: dict[tuple[str, str], set[str]] = {}
+    new: list[QuarantineEntry] = []
+    for e in entries:
+        key = (e.group_id, e.table_name)
+        if key not in known:
+            known[key] = _paths(table, *key)
+        if e.file_path not in known[key]:
+            known[key].add(e.file_path)
+            new.append(e)
+    return new
+
+
+def _paths(table: Table, group_id: str, table_name: str) -> set[str]:
+    scan = table.scan(row_filter=_filter(group_id, table_name), selected_fields=("file_path",))
+    return set(scan.to_arrow().column("file_path").to_pylist())
 
 
 def _failing_key(group_id: str, table_name: str) -> str:

@@ -17,7 +17,7 @@ from functools import cache
 from typing import Any
 
 from pyiceberg.catalog import Catalog
-from pyiceberg.table import Table
+from pyiceberg.table import Table, TableProperties
 from pyiceberg.table.metadata import TableMetadata
 
 from icefloe.commit.caches import SharedCache
@@ -127,4 +127,18 @@ def with_metadata(table: Table, metadata: TableMetadata, location: str) -> Table
         io=table.io,
         catalog=table.catalog,
         config=table.config,
+    )
+
+
+def without_retries(table: Table) -> Table:
+    """``table`` with pyiceberg's own commit retries off (in this in-memory copy only).
+
+    Why: pyiceberg 0.12 retries a failed commit by re-applying the same changes to the
+    refreshed table; icefloe's commits must be planned again on the new head instead (the
+    committer's idempotency and fencing checks, a compaction's choice of files, the
+    quarantine's fence)."""
+    metadata = table.metadata
+    properties = {**metadata.properties, TableProperties.COMMIT_NUM_RETRIES: "0"}
+    return with_metadata(
+        table, metadata.model_copy(update={"properties": properties}), table.metadata_location
     )

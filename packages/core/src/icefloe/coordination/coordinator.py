@@ -47,7 +47,7 @@ from icefloe.coordination.settings import (
     CycleResult,
 )
 from icefloe.coordination.stall import StallWatch
-from icefloe.errors import ChannelError, NotLeaderError
+from icefloe.errors import ChannelError, NotLeaderError, StaleFencingTokenError
 from icefloe.plugins.manager import Plugins
 
 __all__ = ["Coordinator", "CoordinatorHooks", "CoordinatorSettings", "CycleResult"]
@@ -90,6 +90,7 @@ class Coordinator:
             policies=self.settings.policies,
         )
         quarantine = Quarantine(catalog, self.settings.quarantine_table)
+        self._quarantine = quarantine
         s = self.settings
         self._pool = pool_for(
             s.commit_processes,
@@ -318,6 +319,8 @@ class Coordinator:
             self.group_id,
             lease.token,
         )
+        if not self._fence(lease.token):
+            return False
         try:
             read = self._reader.recover(self._leadership.renew_if_due)
         except NotLeaderError:
@@ -334,6 +337,29 @@ class Coordinator:
             sum(self._reader.pending_files().values()),
             len(self._reader.writers),
         )
+        return True
+
+    def _fence(self, token: int) -> bool:
+        """Raise this leadership's fence in the quarantine before recovery reads anything
+        (:meth:`~icefloe.commit.quarantine.Quarantine.fence`): a deposed leader still
+        running cannot add entries this leader would not read, nor retire any. False when a
+        newer leader raised its own (this lease is lost). Any other failure (the catalog
+        refuses or is down) gives the lease back and propagates, as a failed start does:
+        leading unfenced would let a zombie's entries in."""
+        channel_id = self._channel.channel_id()
+        try:
+            self._quarantine.fence(self.group_id, token, channel_id)
+        except StaleFencingTokenError as exc:
+            log.warning("%s: lost leadership: %s", self.coordinator_id, exc)
+            self._drop_leadership()
+            return False
+        except Exception:
+            try:
+                with contextlib.suppress(ChannelError):  # the lease expires anyway
+                    self._release()
+            finally:
+                self._drop_leadership()
+            raise
         return True
 
     def _drop_leadership(self) -> None:

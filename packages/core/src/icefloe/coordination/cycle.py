@@ -590,6 +590,10 @@ class CommitCycle:
             files = tuple(self._reader.pending.get(table, ()))
             try:
                 n = self._isolate(commit_id, table, [(f, exc) for f in files])
+            except NotLeaderError:
+                raise
+            except StaleFencingTokenError as stale:  # a newer leader exists, as in _failure
+                raise NotLeaderError(f"{self._coordinator_id}: {stale}") from stale
             except Exception as qexc:  # the files stay pending; retried after the backoff
                 log.error("commit %s: cannot quarantine files of %s: %s", commit_id, table, qexc)
             else:
@@ -669,7 +673,8 @@ class CommitCycle:
             if replays(rollback, e.source_offsets, e.channel_partition, e.channel_offset)
         ]
         why = f"the replay of a rollback of {table} (writer {rollback.writer_id}) holds its records"
-        if self._quarantine.retire(self._group_id, table, paths, why):
+        token, channel_id = self._leadership.token(), self._reader.channel_id
+        if self._quarantine.retire(self._group_id, table, paths, why, token, channel_id):
             log.warning(
                 "table %s: the replay of its rollback (writer %s), which this cycle %s, holds "
                 "the records of %d quarantined file(s) of the rolled-back range again; their "
@@ -719,7 +724,9 @@ class CommitCycle:
         self, commit_id: str, table: str, refused: Sequence[tuple[PendingFile, Exception]]
     ) -> int:
         """Record ``refused`` in the quarantine (durably, before anything else happens to the
-        table), then forget them. Raises if the record cannot be written."""
+        table), then forget them. Raises if the record cannot be written, and
+        StaleFencingTokenError when a newer leader raised its fence (the files stay: the
+        newer leader reads them again)."""
         now = dt.datetime.now(dt.UTC)
         entries = [
             QuarantineEntry(
@@ -741,7 +748,9 @@ class CommitCycle:
             )
             for f, e in refused
         ]
-        new = self._quarantine.add(entries)
+        # fenced: a deposed leader's entries would not be in its heir's view of the quarantine
+        token, channel_id = self._leadership.token(), self._reader.channel_id
+        new = self._quarantine.add(entries, token, channel_id)
         for e in new:  # logged once: re-reads skip quarantined paths, add() skips known ones
             log.error(
                 "quarantined %s of table %s (writer %s batch %d, channel %s@%d): %s: %s",
