@@ -34,6 +34,7 @@ from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.processes import CommittersFactory, WorkerSpec
 from icefloe.coordination.resume import check_batch_continuity, committed, published, start_offsets
 from icefloe.errors import ChannelIdentityError, ConfigError
+from icefloe.ops.tables import pipeline_tables
 from icefloe.plugins.backends import open_backend
 from icefloe.plugins.manager import Plugins, get_plugins
 from icefloe.records.codecs.options import self_contained
@@ -414,9 +415,10 @@ class Pipeline:
             on_channel = published(channel, config.name)
         finally:
             channel.close()
-        tables = [t.name for t in config.tables]
-        if config.errors.dead_letter_table:
-            tables.append(config.errors.dead_letter_table)
+        # every table the pipeline commits to: the dynamic ones too (a dynamic-only pipeline
+        # would otherwise read its whole source again, and a writer id behind what they hold
+        # would have its batches dropped as replays)
+        tables = pipeline_tables(catalog, config)
         in_tables = committed(catalog, config.name, tables, TablePolicies.from_config(config))
         check_batch_continuity(self.writer_id, latest, on_channel, in_tables, self.checkpoint)
         if (
