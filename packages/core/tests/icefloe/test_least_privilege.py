@@ -214,16 +214,25 @@ def needed(role: Role) -> list[str]:
 def test_the_coordinator_needs_each_of_its_actions(
     memory_server: MemoryServer, users: Users, owner: Catalog, s3_store: S3Store, action: str
 ) -> None:
-    """Without any one action the commit fails and is retried later, with nothing lost (the
-    published files stay); DeleteObject is needed only after the commit (test above).
-    Without ListBucket, pyarrow cannot tell a missing metadata file from a directory."""
+    """Without any one action the coordinator cannot lead: its first write, the fence it
+    raises in the quarantine table (a table of the warehouse like the others) before it reads
+    anything, fails naming the denied request, and nothing is lost (the published files
+    stay); DeleteObject is needed only after the commit (test above). Without ListBucket,
+    pyarrow cannot tell a missing metadata file from a directory."""
     pipe = open_pipe(memory_server, users, users.catalog("coordinator", drop=action))
+    published: set[str] = set()
+    coordinator = pipe.coordinator("c1")
     try:
-        result, published = commit_batches(pipe)
+        for seq in range(3):
+            batch = pipe.source.publish(pipe.writer, seq)
+            published.update(m.path for ms in batch.files.values() for m in ms)
+        with pytest.raises(OSError, match="ACCESS_DENIED") as denied:
+            lead(coordinator)
     finally:
+        coordinator.close()
         pipe.writer.close()
-    assert set(result.failed) == {MERGED, PLAIN}
-    assert all("ACCESS_DENIED" in why for why in result.failed.values()), result.failed
+    assert "quarantine" in str(denied.value)
+    assert not coordinator.is_leader
     assert live_files(owner, MERGED) == live_files(owner, PLAIN) == set()
     kept = data_objects(s3_store, owner, MERGED) | data_objects(s3_store, owner, PLAIN)
     assert published <= kept

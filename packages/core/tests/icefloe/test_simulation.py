@@ -106,6 +106,7 @@ from sqlalchemy import Engine, bindparam, create_engine, select, text
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies
 from icefloe.commit.quarantine import DEFAULT_QUARANTINE_TABLE, Quarantine, QuarantineEntry
+from icefloe.commit.request import TableCommitRequest
 from icefloe.commit.rollback import REPLAY_BATCH_SEQ
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
@@ -739,6 +740,10 @@ class World(RuleBasedStateMachine):
         self.leader: Coordinator | None = None
         self.zombies: list[Coordinator] = []
         self.takeover: bool | None = None  # a zombie cycle: does the new leader commit?
+        # a zombie cycle whose round runs on committers (processes, Spark tasks): they go on
+        # committing, with no lease check, while the new leader screens
+        self.remote = False
+        self.jobs: dict[str, tuple[Any, int]] = {}  # coordinator id -> its last cycle job, token
         self.names = itertools.count()
         self.ids = itertools.count(1)
         self.values = itertools.count(1)
@@ -852,7 +857,7 @@ class World(RuleBasedStateMachine):
             during_compaction=lambda table: self._compaction_point("during", table),
             after_compaction=lambda table: self._compaction_point("after", table),
         )
-        return Coordinator(
+        coordinator = Coordinator(
             GROUP,
             self.backend.coordinator(name),
             self.catalog,
@@ -861,6 +866,15 @@ class World(RuleBasedStateMachine):
             plugins=self.plugins,
             hooks=hooks,
         )
+        cycle = coordinator._cycle
+        request = cycle._request
+
+        def remembered(job: Any, table: str, files: Any, token: int) -> TableCommitRequest:
+            self.jobs[name] = (job, token)  # what its committers would go on with
+            return request(job, table, files, token)
+
+        cycle._request = remembered  # type: ignore[method-assign]
+        return coordinator
 
     def lead(self) -> Coordinator:
         """The leader, after it read everything the channel holds (a new one if none)."""
@@ -952,10 +966,37 @@ class World(RuleBasedStateMachine):
             return
         commits, self.takeover = self.takeover, None
         EVENTS["zombie leader"] += 1
-        self.leader = None
+        zombie, self.leader = self.leader, None
         heir = self.lead()
         if commits:
+            if self.remote:
+                self.deposed_round_lands_in(heir, zombie)
             self.cycle(heir)
+
+    def deposed_round_lands_in(self, heir: Coordinator, zombie: Coordinator) -> None:
+        """The zombie's round runs on committers (processes, Spark tasks) that go on with no
+        lease check: right after the heir's screening loads its first table, and before it
+        judges the files on that version, they screen and commit every table the zombie
+        holds pending, with its token, as a committer's worker does."""
+        committer = heir._reader._committer
+        judge = committer._screen
+
+        def landed_first(table: str, loaded: Any, files: Any, channel_id: str | None) -> Any:
+            committer._screen = judge  # type: ignore[method-assign]
+            EVENTS["deposed committers land during screening"] += 1
+            job, token = self.jobs[zombie.coordinator_id]
+            worker = IcebergCommitter.for_pipeline(self.catalog, self.config)
+            pending = {t: tuple(fs) for t, fs in zombie._reader.pending.items() if fs}
+            for name, mine in sorted(pending.items()):
+                # a deposed committer's failure reaches only its deposed coordinator
+                with contextlib.suppress(Exception):
+                    screening = worker.screen(name, mine, zombie._reader.channel_id)
+                    if screening.refused or not screening.accepted:
+                        continue  # its coordinator decides (fenced): nothing committed here
+                    worker.commit(zombie._cycle._request(job, name, screening.accepted, token))
+            return judge(table, loaded, files, channel_id)
+
+        committer._screen = landed_first  # type: ignore[method-assign]
 
     def publish(self, client: WriterClient, batch: Batch) -> None:
         """Writer ``w<n>`` reads source partition n; its batch ``seq`` is the record at offset
@@ -1438,16 +1479,17 @@ class CommitPath(World):
         finally:
             self.faults.calm()
 
-    @rule(heir_commits=st.booleans())
-    def zombie_cycle(self, heir_commits: bool) -> None:
+    @rule(heir_commits=st.booleans(), remote=st.booleans())
+    def zombie_cycle(self, heir_commits: bool, remote: bool = False) -> None:
         """The leader pauses right after its lease check, a new leader takes over (and maybe
-        commits), then the old one resumes its commit: a zombie."""
+        commits), then the old one resumes its commit: a zombie. ``remote``: the old leader's
+        round runs on committers that go on while the new leader screens."""
         leader = self.lead()
-        self.takeover = heir_commits
+        self.takeover, self.remote = heir_commits, remote
         try:
             self.cycle(leader)
         finally:
-            self.takeover = None
+            self.takeover, self.remote = None, False
         if leader is not self.leader and leader not in self.zombies:
             self.zombies.append(leader)
 
@@ -2347,6 +2389,28 @@ def test_a_deposed_leaders_quarantine_entry_is_fenced_out() -> None:
         machine.zombie_cycle(heir_commits=False)
         machine.foreign_repartition(keyed=True)
         machine.zombie_cycle(heir_commits=False)
+        machine.teardown()
+
+
+def test_a_replay_made_for_a_dropped_tables_rollback_is_not_quarantined_beside_a_copy() -> None:
+    """Found by the 40-rule set (``--schedules 250 --seed 24000 --steps 40``, once the zombie
+    rule drew whether the old leader's round runs on committers; shrunk by Hypothesis): a
+    batch committed to the table's own branch, a rollback with replay, the driver's replay
+    published, the batch's file announced again under another writer id, another engine
+    drops the table and creates it again. Both files name the dropped table and were
+    quarantined: the row in quarantine twice (I1), and recovering both entries adds it twice.
+    A replay made for no rollback the table waits for is dropped by the commit; screening now
+    holds it too instead of refusing it."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="audit", key_type="long", bounded=False, compact=())
+        machine.batch(shape=Shape(writer=0, rows=1, tasks=1, dead=0, changes={}))
+        machine.commit_cycle(unknown=None, fail_deletes=False)
+        machine.operator_rolls_back(dead=False, pick=0, replay=True)
+        machine.driver_replays(dead=False)
+        machine.reannounce(pick=0)
+        machine.foreign_recreate(dead=False, partitioned=False)
+        machine.batch(shape=Shape(writer=0, rows=0, tasks=1, dead=0, changes={}))
         machine.teardown()
 
 

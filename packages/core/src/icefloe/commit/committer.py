@@ -426,7 +426,27 @@ class IcebergCommitter:
         head, _ = self._branch_head(loaded)
         state = self._for_channel(loaded, self._own_state(loaded, head), channel_id)
         held = self._live_files.held(loaded, head, {f.meta.path for f in files})
+        held |= self._stale_replays(loaded, head, files)
         return screening.screen(loaded, files, _boundary(state), self._policies(table), held)
+
+    def _stale_replays(
+        self, loaded: Table, head: Snapshot | None, files: tuple[PendingFile, ...]
+    ) -> set[str]:
+        """Paths of replay batches' files made for no rollback the table waits for (one
+        undone, superseded, or of a dropped table of the same name): the commit drops them
+        (:func:`_select`), so they count as held and are never quarantined. Refused first
+        (another engine dropped and created the table: its files name the old table), their
+        records were in quarantine beside another copy (the simulation, seed 24000 once a
+        zombie rule drew more), or beside the table that holds them again (an undone rollback)."""
+        replays = [f for f in files if is_replay_writer(f.writer_id)]
+        if not replays:
+            return set()
+        try:
+            rollback = self._states(loaded, head)[1]
+        except Exception:  # the commit reports it; screening judges the files as before
+            return set()
+        waited = None if rollback is None else rollback.writer_id
+        return {f.meta.path for f in replays if f.writer_id != waited}
 
     def commit(self, request: TableCommitRequest, run_attempt: str = "") -> TableCommitResult:
         """Append the request's new files to its table in one snapshot (or none if nothing
