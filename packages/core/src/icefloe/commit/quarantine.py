@@ -194,14 +194,14 @@ class Quarantine:
     def paths(self, group_id: str, table_name: str) -> set[str]:
         """Paths of ``table_name``'s files quarantined by ``group_id``."""
         t = self._table(create=False)
-        return set() if t is None else _paths(t, group_id, table_name)
+        return _paths(t, group_id, table_name) if t is not None and _holds_rows(t) else set()
 
     def all_paths(self) -> set[str]:
         """Paths of every quarantined file, of every pipeline and table: files that
         ``icefloe maintain`` must never delete as orphans (the entry promises them back).
         Retired entries promise nothing: their files may go."""
         t = self._table(create=False)
-        if t is None:
+        if t is None or not _holds_rows(t):
             return set()
         rows = t.scan(selected_fields=("file_path", "error_type")).to_arrow().to_pylist()
         return {r["file_path"] for r in rows if r["error_type"] != RETIRED}
@@ -284,7 +284,7 @@ class Quarantine:
         """Entries of ``group_id`` (optionally one table), oldest first; ``retired``: with the
         retired ones (:data:`RETIRED`), which hold nothing to recover."""
         t = self._table(create=False)
-        if t is None or t.current_snapshot() is None:  # none: no scan (and no Arrow) needed
+        if t is None or not _holds_rows(t):  # none: no scan (and no Arrow) needed
             return []
         rows = t.scan(row_filter=_filter(group_id, table_name)).to_arrow().to_pylist()
         entries = [_from_row(r) for r in rows]
@@ -397,6 +397,16 @@ class _Fence:
 
     token: int
     channel_id: str | None
+
+
+def _holds_rows(table: Table | None) -> bool:
+    """Whether ``table`` may hold entries, told by its head's summary without a scan (which
+    loads Arrow: ``icefloe status`` stays light). The fences' empty snapshots hold none."""
+    snapshot = None if table is None else table.current_snapshot()
+    if snapshot is None:
+        return False
+    summary = snapshot.summary
+    return summary is None or summary.get("total-records") != "0"
 
 
 def _attempts() -> range:
