@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,16 +108,22 @@ def live_files(catalog: Catalog, table: str) -> set[str]:
     return {t.file.file_path for t in catalog.load_table(table).scan().plan_files()}
 
 
+def publish_batches(pipe: Pipe, wait: Callable[[int], None] = lambda files: None) -> set[str]:
+    """Three small batches; the published files (``wait``: run after each, with its count)."""
+    published: set[str] = set()
+    for seq in range(3):
+        batch = pipe.source.publish(pipe.writer, seq)
+        published.update(m.path for ms in batch.files.values() for m in ms)
+        wait(batch.file_count)
+    return published
+
+
 def commit_batches(pipe: Pipe) -> tuple[CycleResult, set[str]]:
     """Three small batches, committed in one cycle; the result and the published files."""
     coordinator = pipe.coordinator("c1")
-    published: set[str] = set()
     try:
         lead(coordinator)
-        for seq in range(3):
-            batch = pipe.source.publish(pipe.writer, seq)
-            published.update(m.path for ms in batch.files.values() for m in ms)
-            wait_pending(coordinator, batch.file_count)
+        published = publish_batches(pipe, lambda files: wait_pending(coordinator, files))
         return coordinator.commit_now(), published
     finally:
         coordinator.close()
@@ -220,12 +226,9 @@ def test_the_coordinator_needs_each_of_its_actions(
     stay); DeleteObject is needed only after the commit (test above). Without ListBucket,
     pyarrow cannot tell a missing metadata file from a directory."""
     pipe = open_pipe(memory_server, users, users.catalog("coordinator", drop=action))
-    published: set[str] = set()
     coordinator = pipe.coordinator("c1")
     try:
-        for seq in range(3):
-            batch = pipe.source.publish(pipe.writer, seq)
-            published.update(m.path for ms in batch.files.values() for m in ms)
+        published = publish_batches(pipe)
         with pytest.raises(OSError, match="ACCESS_DENIED") as denied:
             lead(coordinator)
     finally:

@@ -446,7 +446,7 @@ class IcebergCommitter:
         except Exception:  # the commit reports it; screening judges the files as before
             return set()
         waited = None if rollback is None else rollback.writer_id
-        return {f.meta.path for f in replays if f.writer_id != waited}
+        return {f.meta.path for f in replays if _stale_replay(f, waited)}
 
     def commit(self, request: TableCommitRequest, run_attempt: str = "") -> TableCommitResult:
         """Append the request's new files to its table in one snapshot (or none if nothing
@@ -1017,6 +1017,12 @@ def _boundary(state: RecordedCommit | None) -> CommitBoundary:
     return CommitBoundary() if state is None else state.boundary
 
 
+def _stale_replay(f: PendingFile, replay: str | None) -> bool:
+    """A file of a replay batch made for another rollback than the one the table waits for
+    (``replay``: its replay's writer id)."""
+    return is_replay_writer(f.writer_id) and f.writer_id != replay
+
+
 def _select(
     files: Iterable[PendingFile], state: RecordedCommit | None, replay: str | None = None
 ) -> tuple[tuple[PendingFile, ...], int]:
@@ -1037,7 +1043,7 @@ def _select(
     keep: list[PendingFile] = []
     skipped = 0
     for f in files:
-        stale = is_replay_writer(f.writer_id) and f.writer_id != replay
+        stale = _stale_replay(f, replay)
         held = boundary.holds(f, f.meta.path) or (f.writer_id, f.batch_seq) in applied
         name = screening.canonical_path(f.meta.path)  # s3a://b/k is s3://b/k
         if name in seen or f.meta.record_count <= 0 or stale or held:
