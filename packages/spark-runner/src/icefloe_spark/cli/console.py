@@ -116,15 +116,14 @@ def watch(
 def setup_logging(level: int, fmt: str) -> None:
     """`icefloe run`'s logging: its progress lines say what the committer's and the
     coordinator's per-commit lines would (operations.md), and on a terminal the lines go
-    through :data:`console`, so the live view stays whole below them. With ``json`` the
-    JVM's own output goes to Spark's log file: every line on stdout/stderr is JSON."""
+    through :data:`console`, so the live view stays whole below them. The JVM's own output
+    goes to Spark's log file (:func:`icefloe_spark.runtime.jvm.launch_detached_gateway`), so
+    with ``json`` every line on stdout/stderr is JSON."""
     global _json
     from icefloe.cli.logs import configure
-    from icefloe_spark.runtime import jvm
 
     configure(level, fmt, details=False, console=console)
     _json = fmt == "json"
-    jvm.output_to_log_file(_json)
 
 
 def say(message: str, level: int = logging.INFO, *, outcome: bool = False) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from icefloe.errors import IcefloeError
 from icefloe_spark.runtime import classdata, sparkhome, sparklog
 
 if TYPE_CHECKING:
@@ -53,15 +54,13 @@ class _Launched:
 
 
 _launched: _Launched | None = None
-# where the JVM's own stdout and stderr go (its banner, Python workers' stray output): the
-# terminal, or Spark's log file (--log-format json: only JSON lines on the terminal)
-_output_to_log = False
+#: lines of Spark's log an error about a JVM that did not start quotes
+START_FAILURE_LINES = 20
 
 
-def output_to_log_file(on: bool) -> None:
-    """Send the output of JVMs launched from now on to Spark's log file (when it has one)."""
-    global _output_to_log
-    _output_to_log = on
+class SparkStartError(IcefloeError):
+    """Spark's JVM exited before it was ready. Its output went to Spark's log file, so the
+    error quotes the file's last lines: the reason (a bad Java option, no memory) is there."""
 
 
 def session_conf(config: PipelineConfig, log_level: int = logging.INFO) -> dict[str, str]:
@@ -174,17 +173,34 @@ def launch_detached_gateway(conf: Mapping[str, str], class_data: ClassDataUse = 
     if home is not None:
         changes[sparkhome.SPARK_HOME_ENV] = home
     popen: dict[str, Any] = {"start_new_session": True}
-    log_file = sparklog.log_file_of(conf) if _output_to_log else None
+    # The JVM's own stdout and stderr (its banner, Python workers' stray output) go to Spark's
+    # log file when it has one (not under -v): else a stopping query's Python source runner,
+    # whose socket the JVM closes, may print a stray traceback under "stopped cleanly"
+    log_file = sparklog.log_file_of(conf)
     with contextlib.ExitStack() as files:
         if log_file is not None:
-            popen["stdout"] = files.enter_context(log_file.open("ab"))  # the JVM keeps its copy
-            popen["stderr"] = subprocess.STDOUT
+            output = files.enter_context(log_file.open("ab"))  # the JVM keeps its copy
+            popen["stdout"], popen["stderr"] = output, subprocess.STDOUT
+            start = output.tell()  # an early launch that failed wrote before this one
         with _environ(changes):
-            gateway = launch_gateway(spark_conf, popen_kwargs=popen)  # type: ignore[no-untyped-call]
+            try:
+                gateway = launch_gateway(spark_conf, popen_kwargs=popen)  # type: ignore[no-untyped-call]
+            except Exception as exc:
+                if log_file is None:
+                    raise  # its output is on the terminal
+                raise SparkStartError(_start_failure(exc, log_file, start)) from exc
     SparkContext._ensure_initialized(gateway=gateway)
     if archive is not None and archive.write is not None:
         class_path = gateway.jvm.java.lang.System.getProperty("java.class.path")
         _launched = _Launched(gateway.proc, archive, str(class_path))
+
+
+def _start_failure(exc: Exception, log_file: Path, start: int) -> str:
+    with log_file.open("rb") as f:
+        f.seek(start)
+        lines = f.read().decode(errors="replace").strip().splitlines()[-START_FAILURE_LINES:]
+    shown = "\n".join(f"  {line}" for line in lines) or "  (it wrote nothing)"
+    return f"Spark's JVM did not start ({exc}); the end of its output ({log_file}):\n{shown}"
 
 
 def session(conf: Mapping[str, str], class_data: ClassDataUse = "read") -> SparkSession:
