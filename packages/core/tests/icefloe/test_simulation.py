@@ -108,6 +108,7 @@ from icefloe.commit.policy import TablePolicies
 from icefloe.commit.quarantine import DEFAULT_QUARANTINE_TABLE, Quarantine, QuarantineEntry
 from icefloe.commit.request import TableCommitRequest
 from icefloe.commit.rollback import REPLAY_BATCH_SEQ
+from icefloe.commit.summary import of_group
 from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorHooks, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
@@ -562,7 +563,13 @@ class Reader:
         head = table.snapshot_by_name(ref)
         if head is None:
             return []
-        data, deletes = self.snapshot_files(table, head.snapshot_id)
+        return self.read_snapshot(table, head.snapshot_id, columns)
+
+    def read_snapshot(
+        self, table: Table, snapshot_id: int, columns: list[str]
+    ) -> list[tuple[Any, ...]]:
+        """Rows of a snapshot of ``table``'s metadata, position deletes applied."""
+        data, deletes = self.snapshot_files(table, snapshot_id)
         dead: dict[str, set[int]] = {}
         for path in deletes:
             for r in self.rows(path, ["file_path", "pos"]):
@@ -761,6 +768,9 @@ class World(RuleBasedStateMachine):
         self.awaiting: dict[str, set[int]] = {}
         # per table: ids of the replays published since the last rollback accepted without one
         self.replaying: dict[str, set[int]] = {}
+        # (table uuid, snapshot id) -> the ids a snapshot of the pipeline held, read before an
+        # expiry or ``maintain`` could delete its manifest list (see :meth:`remember`)
+        self.remembered: dict[tuple[str, int], set[int]] = {}
 
     def _config(self) -> PipelineConfig:
         """The pipeline's configuration, as the operator's commands read it."""
@@ -1083,6 +1093,32 @@ class World(RuleBasedStateMachine):
             for i in file_ids(e.file_path)
         }
         return self.replaying.pop(name, set()) - present - held
+
+    def remember(self, names: tuple[str, ...]) -> None:
+        """Read and keep the ids every snapshot of the pipeline in these append tables holds,
+        before an expiry or ``icefloe maintain`` may take its manifest list away. Why: a
+        rollback may restore a pipeline snapshot that only the table's earlier metadata
+        files still name, once expired (the committer needs no more than its summary
+        there), and the model needs its rows (:meth:`held_by`). Its
+        manifest list is gone by then, rightly: ``maintain`` deletes it as an orphan once
+        the snapshot was expired (found by the 40-rule search, seed 25306), as Iceberg Java's
+        expiry does right away."""
+        reader = Reader()
+        for name in names:
+            table = self.catalog.load_table(name)
+            uuid_ = str(table.metadata.table_uuid)
+            for snapshot in table.metadata.snapshots:
+                key = (uuid_, snapshot.snapshot_id)
+                if key not in self.remembered and of_group(snapshot, GROUP):
+                    rows = reader.read_snapshot(table, snapshot.snapshot_id, ["id"])
+                    self.remembered[key] = {int(r[0]) for r in rows}
+
+    def held_by(self, table: Table, snapshot_id: int) -> set[int]:
+        """The ids a snapshot of the pipeline in ``table`` holds: as remembered before it
+        could be expired (:meth:`remember`), else read (from an earlier metadata file when it
+        was expired since, see :func:`snapshot_ids`)."""
+        held = self.remembered.get((str(table.metadata.table_uuid), snapshot_id))
+        return snapshot_ids(table, snapshot_id) if held is None else held
 
     def append_rows(self, table: Table, ids: list[int], writer_id: str, seq: int) -> pa.Table:
         n = len(ids)
@@ -1584,6 +1620,8 @@ class CommitPath(World):
         heads = {ref.snapshot_id for ref in metadata.refs.values()}
         old = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in heads]
         if old:
+            if not keyed:
+                self.remember((ROWS,))
             branch = self.committer().branch_of(name)
             before = history_paths(table, branch)
             table.maintenance.expire_snapshots().by_id(old[pick % len(old)]).commit()
@@ -1650,7 +1688,7 @@ class CommitPath(World):
             # rows the pipeline's restored snapshot held are not replayed (they were not lost
             # with its snapshots): another engine's snapshot between took them out (the
             # delete of its rewrite, whose append the rollback dropped)
-            held = removed & snapshot_ids(table, pending.restored_snapshot_id)
+            held = removed & self.held_by(table, pending.restored_snapshot_id)
             self.discarded.update(held)
             removed -= held
         EVENTS["rollback" if replay else "rollback --no-replay"] += 1
@@ -1677,6 +1715,7 @@ class CommitPath(World):
         every orphan file that no uncommitted batch announces and no quarantine entry names.
         Zero is a minute in the future here, so "older than" holds for every file whatever
         the clock says (nothing is being written meanwhile: one thread drives the schedule)."""
+        self.remember((ROWS, DEAD))
         maintain(
             self.config,
             expire_older_than_s=-60.0 if expire else 1e9,
@@ -2466,6 +2505,30 @@ def test_a_replay_commits_after_another_engine_expired_the_restored_snapshot() -
         machine.operator_rolls_back(dead=False, pick=131, replay=True)
         machine.driver_replays(dead=False)
         machine.foreign_expire(keyed=False, pick=0)
+        machine.teardown()
+
+
+def test_a_rollback_restoring_a_snapshot_whose_manifest_list_maintain_deleted() -> None:
+    """Found by the 40-rule search (``--schedules 500 --seed 25306 --steps 40``; shrunk by
+    greedy step removal from 23 rules): a batch committed, another engine appends and then
+    expires the pipeline's snapshot, ``icefloe maintain`` (orphans only) deletes that
+    snapshot's manifest list (rightly: the current metadata no longer names it), a batch
+    committed, a rollback with replay to the other engine's append. The committer found the
+    restored snapshot in an earlier metadata file and needed only its summary; the model read
+    its rows there and failed with ``FileNotFoundError`` for the manifest list. A defect of
+    the model: it now remembers the rows of the pipeline's snapshots before an expiry or
+    ``maintain`` (:meth:`World.remember`)."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=())
+        machine.batch(Shape(writer=0, rows=2, tasks=1, dead=0, changes={}))
+        machine.commit_cycle(unknown=None, fail_deletes=False)
+        machine.foreign_append(keyed=False, rows=1)
+        machine.foreign_expire(keyed=False, pick=0)
+        machine.maintain(expire=False)
+        machine.batch(Shape(writer=0, rows=4, tasks=1, dead=0, changes={}))
+        machine.commit_cycle(unknown=None, fail_deletes=False)
+        machine.operator_rolls_back(dead=False, pick=0, replay=True)
         machine.teardown()
 
 
