@@ -37,6 +37,7 @@ from icefloe.testing.fixtures import (
     EVENTS_SCHEMA,
     EVENTS_SPEC,
     assert_exactly_once,
+    data_file_ids,
     group_snapshots,
 )
 from icefloe_kafka.embedded import EmbeddedKafkaBroker
@@ -488,6 +489,54 @@ def test_driver_killed_after_publish_before_spark_recorded_the_batch(
     assert_exactly_once(catalog, TABLE, range(1000))
     paths = committed_paths(catalog)
     assert len(set(paths)) == len(paths)
+
+
+def test_a_batch_run_again_with_another_route_is_committed_once_as_first_published(
+    kafka_broker: EmbeddedKafkaBroker, catalog_properties: dict[str, str], tmp_path: Path
+) -> None:
+    """Batch 1 is published with kind "a" routed to one table, the driver dies before Spark
+    records it, and the operator moves kind "a" to another table before the restart. Spark
+    runs batch 1 again. On Kafka, which cannot tell a batch it already holds, the coordinator
+    dropped the second copy for the first table and committed it for the other: batch 1's "a"
+    records were in both. A batch is committed once, as first published. Counted with pyarrow
+    over each table's data files."""
+    moved = "e2e.moved"
+    topic = new_topic(kafka_broker)
+    catalog = make_table(catalog_properties)
+    catalog.create_table(moved, schema=SCHEMA, partition_spec=SPEC)
+    ckpt = tmp_path / "ckpt"
+    data = pipeline_dict(
+        f"e2e-reroute-{uuid.uuid4().hex[:10]}",
+        kafka_broker,
+        topic,
+        catalog_properties,
+        "kafka",
+        ckpt,
+        batch=200,
+    )
+
+    def routes(first: list[str], second: list[str]) -> None:
+        data["tables"] = [
+            {"name": TABLE, "route_field": "kind", "route_values": first},
+            {"name": moved, "route_field": "kind", "route_values": second},
+        ]
+        config_file.write_text(tomli_w.dumps(data))
+
+    def ids() -> list[int]:
+        return sorted(
+            data_file_ids(catalog.load_table(TABLE)) + data_file_ids(catalog.load_table(moved))
+        )
+
+    config_file = tmp_path / "pipeline.toml"
+    routes(["a", "b", "c"], ["z"])
+    produce_json(kafka_broker.bootstrap_servers, topic, range(1000))
+    log = tmp_path / "driver.log"
+    crash_after_publishing_batch_1(config_file, log, ckpt, WAIT_S)
+    routes(["b", "c"], ["a"])
+    run_driver_until(config_file, log, lambda: len(ids()) >= 1000, WAIT_S, "1000 rows")
+    got = ids()
+    dupes = sorted({i for i in got if got.count(i) > 1})
+    assert got == list(range(1000)), f"{len(got)} rows for 1000; duplicated {dupes[:10]}"
 
 
 def writer_watermark(catalog: Catalog, group_id: str, writer_id: str) -> int | None:

@@ -266,6 +266,7 @@ class Pipeline:
         self.writer_id = writer_id or derive_writer_id(
             config.name, self.checkpoint, config.catalog.properties
         )
+        self._published_through: int | None = None  # by earlier runs (_check_start)
         self.run_coordinator = coordinator
         self.plugins = plugins or get_plugins()
         self.sink_extra_options = dict(sink_extra_options or {})
@@ -327,6 +328,7 @@ class Pipeline:
                 config.name,
                 self.writer_id,
                 dead_letter_table=config.errors.dead_letter_table,
+                published_through=self._published_through,
             ).start()
             self.server = PublishServer(self.publisher)
             if self.run_coordinator:
@@ -421,6 +423,9 @@ class Pipeline:
         tables = pipeline_tables(catalog, config)
         in_tables = committed(catalog, config.name, tables, TablePolicies.from_config(config))
         check_batch_continuity(self.writer_id, latest, on_channel, in_tables, self.checkpoint)
+        writer = self.writer_id
+        held = [p.batches[writer] for p in (on_channel, in_tables) if writer in p.batches]
+        self._published_through = max(held, default=None)
         if (
             latest is not None
             or config.source.starting_offsets != "table"

@@ -95,6 +95,9 @@ class WriterPublisher:
     writer_id: str
     stats: PublishStats = field(default_factory=PublishStats)
     dead_letter_table: str | None = None  # named in the bad-records line
+    #: the highest batch this writer id published (by an earlier run, on the channel or in
+    #: the tables, then by this one): a batch at or below it is one Spark runs again
+    published_through: int | None = None
 
     def __post_init__(self) -> None:
         self._client = WriterClient(
@@ -110,14 +113,26 @@ class WriterPublisher:
         return self
 
     def publish(self, request: PublishRequest) -> bool:
-        """Publish atomically, keyed by (writer_id, batch_seq)."""
+        """Publish atomically, keyed by (writer_id, batch_seq); a batch Spark runs again
+        (a driver that died after publishing it, before Spark recorded it) publishes nothing.
+
+        Why here and not only by the dedupe rule: a backend that cannot tell a batch key it
+        holds (Kafka) leaves the second copy to the coordinator, which drops it per table; a
+        run that routes the batch's records to other tables (the operator moved a route, a
+        table's schema changed what is dead-lettered) would have those tables commit it too.
+        The copy published first is the batch; the run's files are left to orphan removal."""
         with self._lock:
-            added = self._client.publish(
-                request.batch_seq,
-                dict(request.files),
-                list(request.positions),
-                dict(request.table_uuids),
-            )
+            through = self.published_through
+            if through is not None and request.batch_seq <= through:
+                added = False
+            else:
+                added = self._client.publish(
+                    request.batch_seq,
+                    dict(request.files),
+                    list(request.positions),
+                    dict(request.table_uuids),
+                )
+                self.published_through = request.batch_seq
             faults.exit_after_publish(request.batch_seq)
             s = self.stats
             s.batches += 1
