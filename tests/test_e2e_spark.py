@@ -491,6 +491,20 @@ def test_driver_killed_after_publish_before_spark_recorded_the_batch(
     assert len(set(paths)) == len(paths)
 
 
+def kafka_crash_scene(
+    prefix: str, broker: EmbeddedKafkaBroker, catalog_properties: dict[str, str], tmp: Path
+) -> tuple[str, Catalog, Path, dict[str, Any]]:
+    """A topic, the events table and a Kafka-coordinated pipeline of 200-record batches (the
+    set-up of the tests that kill the driver after a publish): topic, catalog, checkpoint
+    and the pipeline's settings."""
+    topic = new_topic(broker)
+    catalog = make_table(catalog_properties)
+    ckpt = tmp / "ckpt"
+    name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+    data = pipeline_dict(name, broker, topic, catalog_properties, "kafka", ckpt, batch=200)
+    return topic, catalog, ckpt, data
+
+
 def test_a_batch_run_again_with_another_route_is_committed_once_as_first_published(
     kafka_broker: EmbeddedKafkaBroker, catalog_properties: dict[str, str], tmp_path: Path
 ) -> None:
@@ -501,19 +515,10 @@ def test_a_batch_run_again_with_another_route_is_committed_once_as_first_publish
     records were in both. A batch is committed once, as first published. Counted with pyarrow
     over each table's data files."""
     moved = "e2e.moved"
-    topic = new_topic(kafka_broker)
-    catalog = make_table(catalog_properties)
-    catalog.create_table(moved, schema=SCHEMA, partition_spec=SPEC)
-    ckpt = tmp_path / "ckpt"
-    data = pipeline_dict(
-        f"e2e-reroute-{uuid.uuid4().hex[:10]}",
-        kafka_broker,
-        topic,
-        catalog_properties,
-        "kafka",
-        ckpt,
-        batch=200,
+    topic, catalog, ckpt, data = kafka_crash_scene(
+        "e2e-reroute", kafka_broker, catalog_properties, tmp_path
     )
+    catalog.create_table(moved, schema=SCHEMA, partition_spec=SPEC)
 
     def routes(first: list[str], second: list[str]) -> None:
         data["tables"] = [
@@ -537,6 +542,36 @@ def test_a_batch_run_again_with_another_route_is_committed_once_as_first_publish
     got = ids()
     dupes = sorted({i for i in got if got.count(i) > 1})
     assert got == list(range(1000)), f"{len(got)} rows for 1000; duplicated {dupes[:10]}"
+
+
+def test_run_once_after_a_crash_after_its_last_publish_exits_with_every_row(
+    kafka_broker: EmbeddedKafkaBroker, catalog_properties: dict[str, str], tmp_path: Path
+) -> None:
+    """The driver dies right after publishing batch 1, the source's last, before Spark
+    recorded it; `icefloe run --once` then runs batch 1 again, which the first run published
+    (and which it therefore does not publish again). It must still see that batch committed
+    and exit 0 as soon as it is, every row once."""
+    topic, catalog, ckpt, data = kafka_crash_scene(
+        "e2e-once", kafka_broker, catalog_properties, tmp_path
+    )
+    config_file = tmp_path / "pipeline.toml"
+    config_file.write_text(tomli_w.dumps(data))
+    produce_json(kafka_broker.bootstrap_servers, topic, range(400))
+    log = tmp_path / "driver.log"
+    crash_after_publishing_batch_1(config_file, log, ckpt, WAIT_S)
+    options = [a for k, v in SOURCE_OPTIONS.items() for a in ("--source-option", f"{k}={v}")]
+    once = subprocess.run(
+        [sys.executable, "-m", "icefloe", "run", "--config", str(config_file), "--once", *options],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+    )
+    output = once.stdout + once.stderr
+    assert once.returncode == 0, output[-8000:]
+    # not by its grace period, which ends a run whose batches did not all commit in time
+    assert "not every published batch was committed" not in output, output[-8000:]
+    assert_exactly_once(catalog, TABLE, range(400))
 
 
 def writer_watermark(catalog: Catalog, group_id: str, writer_id: str) -> int | None:

@@ -120,19 +120,20 @@ class WriterPublisher:
         holds (Kafka) leaves the second copy to the coordinator, which drops it per table; a
         run that routes the batch's records to other tables (the operator moved a route, a
         table's schema changed what is dead-lettered) would have those tables commit it too.
-        The copy published first is the batch; the run's files are left to orphan removal."""
+        The copy published first is the batch; the run's files are left to orphan removal.
+        Its positions are published alone (no file): the writer's answers then vouch for the
+        batch, which ``run --once`` waits for (``committed_through``)."""
         with self._lock:
             through = self.published_through
-            if through is not None and request.batch_seq <= through:
-                added = False
-            else:
-                added = self._client.publish(
-                    request.batch_seq,
-                    dict(request.files),
-                    list(request.positions),
-                    dict(request.table_uuids),
-                )
-                self.published_through = request.batch_seq
+            again = through is not None and request.batch_seq <= through
+            added = self._client.publish(
+                request.batch_seq,
+                {} if again else dict(request.files),
+                list(request.positions),
+                {} if again else dict(request.table_uuids),
+            )
+            added = added and not again
+            self.published_through = max(request.batch_seq, through or 0)
             faults.exit_after_publish(request.batch_seq)
             s = self.stats
             s.batches += 1
