@@ -21,7 +21,8 @@ applied) checks:
 * **I1** every record a writer published is in the table exactly once, or in quarantine
   exactly once (nowhere when a rollback without replay removed it or another engine dropped
   its table; a dropped table's copy may stay quarantined beside the rows a batch run again
-  committed to the new table: :meth:`World.revived_beside_stale_copy`);
+  committed to the new table, :meth:`World.revived_beside_stale_copy`, or beside that batch
+  run again in files written for the dropped table, :meth:`World.rerun_beside_stale_copy`);
 * **I2** no file referenced by any snapshot of any ref, or listed in quarantine (until a
   rollback's replay re-commits its records and retires its entry), was deleted;
 * **I3** a keyed table equals the model's final state (and a keyed batch is quarantined whole
@@ -734,6 +735,7 @@ class World(RuleBasedStateMachine):
         self.dropped: set[int] = set()  # ids of an append table another engine recreated
         self.incarnations: dict[str, set[str]] = {}  # per table: uuids of the dropped ones
         self.revived: set[int] = set()  # dropped ids a writer's batch run again brought back
+        self.reruns: set[str] = set()  # files of the batches writers ran again (published)
         self.replayed: set[tuple[str, int]] = set()  # (writer, batch) a writer published again
         # KNOWN (architecture.md invariant 1's limit): files the pipeline's branch history no
         # longer names after another engine's expiry, and files announced again under a new id
@@ -1276,16 +1278,19 @@ class World(RuleBasedStateMachine):
         }
         # rows of a dropped table's file that a copy announced again put in quarantine
         # (refused: written for that dropped table), while the writer's batch run again
-        # committed them to the table created in its place: see revived_beside_stale_copy
-        stale = Counter(
-            i
+        # committed them to the table created in its place: see revived_beside_stale_copy;
+        # or beside the batch run again in files written for the dropped table: see
+        # rerun_beside_stale_copy
+        refused = [
+            e.file_path
             for e in entries
             if e.table_name == name
             and e.error_type == TableMismatchError.__name__
             and e.table_uuid in self.incarnations.get(name, ())
             and os.path.exists(local(e.file_path))
-            for i in reader.ids(e.file_path)
-        )
+        ]
+        stale = Counter(i for p in refused for i in reader.ids(p))
+        rerun = Counter(i for p in refused if p in self.reruns for i in reader.ids(p))
         wrong = {
             i: (label, got[i], held[i])
             for i, label in expected.items()
@@ -1293,6 +1298,7 @@ class World(RuleBasedStateMachine):
             and not (i in self.dropped and (got[i], held[i]) == (0, 1))  # see foreign_recreate
             and not (i in twice and got[i] + held[i] == 2)  # committed or quarantined again
             and not self.revived_beside_stale_copy(i, got[i], held[i], stale[i])
+            and not self.rerun_beside_stale_copy(i, got[i], held[i], stale[i], rerun[i])
         }
         unknown = sorted(i for i in got if i > 0 and i not in expected)
         doubled = sorted(i for i, n in got.items() if i < 0 and n > 1 and i not in self.rogue)
@@ -1326,6 +1332,28 @@ class World(RuleBasedStateMachine):
         if i not in self.revived or i in self.discarded:
             return False
         return (got, held, stale) == (1, 1, 1)
+
+    def rerun_beside_stale_copy(self, i: int, got: int, held: int, stale: int, rerun: int) -> bool:
+        """Whether row ``i`` of a dropped table is in quarantine twice, both copies refused
+        for a dropped table's uuid and one of them the writer's batch run again: not a
+        defect (seed 25420, docs/reliability.md).
+
+        The batch was committed, a swap, then the writer ran it again in new files written
+        for the table that held it, on a channel that never saw it (the dedupe rule would
+        have dropped it), and another copy of the row was announced (a copy of the committed
+        file under another writer id, or the batch read again); another engine dropped and
+        created the table before a cycle read them. Each names the dropped table and is
+        refused; nothing left tells the coordinator that the dropped table took their rows,
+        or ties the two (another writer id, no source offsets, other files), so each is kept,
+        as the one copy ``dropped`` rows already may be.
+
+        It hides no defect: only rows a dropped table held qualify, in no table, in
+        quarantine exactly twice, both copies refused for a dropped table's uuid and exactly
+        one a batch a writer ran again (two copies of any other kind, or a copy naming the
+        current table, are caught, as is a replay of a rollback: its writer is no rerun)."""
+        if i not in self.dropped:
+            return False
+        return (got, held, stale, rerun) == (0, 2, 2, 1)
 
     def check_foreign(self, table: Table, reader: Reader) -> None:
         """The other engine's rows on ``main`` of the append table: each of its live rows
@@ -1451,6 +1479,7 @@ class CommitPath(World):
         uuids = {n: str(self.catalog.load_table(n).metadata.table_uuid) for n in files}
         with contextlib.suppress(WriterFencedError):
             if client.publish(seq, files, positions, uuids):
+                self.reruns |= {m.path for metas in files.values() for m in metas}
                 # rows the batch committed to a table another engine dropped since: only the
                 # dropped table knew it took them, the new one commits them again (written
                 # for it: nothing refuses them), as a source re-read after a recreate does
@@ -2627,6 +2656,23 @@ def _quarantined_copy_added_to_the_table(machine: CommitPath) -> None:
     machine.catalog.load_table(ROWS).add_files(paths, check_duplicate_files=False)
 
 
+def _planted_breaks_i1(
+    schedule: Callable[[CommitPath], None], plant: Callable[[CommitPath], None]
+) -> None:
+    """Run ``schedule``, settle, plant a defect and check that I1 catches it."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        schedule(machine)
+        machine.faults.calm()
+        machine.settle()
+        plant(machine)
+        try:
+            with pytest.raises(InvariantError, match=r"I1: db\.rows"):
+                machine.check()
+        finally:
+            machine.close()
+
+
 @pytest.mark.parametrize(
     "plant", [_quarantined_copy_named_for_the_new_table, _quarantined_copy_added_to_the_table]
 )
@@ -2636,14 +2682,55 @@ def test_the_models_allowance_for_a_dropped_tables_copy_still_catches(
     """The allowance above accepts a row in the table once beside one quarantined copy
     written for a dropped table, nothing wider: the same schedule with that copy naming the
     current table, or with it committed too, breaks I1."""
+    _planted_breaks_i1(_batch_run_again_into_a_recreated_table, plant)
+
+
+def _batch_run_again_before_its_table_was_dropped(machine: CommitPath) -> None:
+    """Seed 25420's schedule (40 rules, shrunk by greedy step removal) up to its settling
+    cycles: batch ``w1#0`` committed by the drain before a swap, the Spark batch ``w1#0`` run
+    again in new files written for the table that holds it, on the new channel, ``w1#0``'s
+    files announced again under a new writer id (``r3``), another engine dropping the table
+    and creating it again before a cycle read either."""
+    machine.configure(branch="main", key_type="long", bounded=False, compact=(ROWS,))
+    keyed = Shape(writer=0, rows=0, tasks=2, dead=1, changes={0: True})
+    machine.foreign_commit_between(keyed=True, shape=keyed, what="append")
+    machine.batch(Shape(writer=1, rows=2, tasks=2, dead=0, changes={}))
+    machine.batch(Shape(writer=0, rows=0, tasks=2, dead=0, changes={0: True, 1: False, 2: True}))
+    machine.drain_and_swap(bounded=True)
+    keyed = Shape(writer=0, rows=0, tasks=2, dead=0, changes={0: False, 1: True, 2: False})
+    machine.foreign_commit_between(keyed=True, shape=keyed, what="append")
+    machine.replayed_batch(tasks=1, writer=1)
+    machine.batch(Shape(writer=0, rows=0, tasks=2, dead=0, changes={}))
+    machine.reannounce(pick=65536)
+    machine.foreign_recreate(dead=False, partitioned=True)
+
+
+def test_a_batch_run_again_before_its_table_was_dropped_is_quarantined_beside_a_copy() -> None:
+    """Found by the 40-rule search (``--schedules 100 --seed 25420 --steps 40``); a defect of
+    the model, not of the product. The rows of ``w1#0`` are in no table (the dropped one held
+    them) and in quarantine twice: the batch run again and ``r3``'s copy, both written for the
+    dropped table and refused with ``TableMismatchError``. Nothing left ties either to the
+    dropped table's rows or to each other, so the coordinator keeps both; the model now
+    accepts exactly this (``rerun_beside_stale_copy``)."""
     machine = CommitPath()
     with inline_executor(), sim_plugins():
-        _batch_run_again_into_a_recreated_table(machine)
-        machine.faults.calm()
-        machine.settle()
-        plant(machine)
-        try:
-            with pytest.raises(InvariantError, match=r"I1: db\.rows"):
-                machine.check()
-        finally:
-            machine.close()
+        _batch_run_again_before_its_table_was_dropped(machine)
+        machine.teardown()
+
+
+def _two_stale_copies_neither_run_again(machine: CommitPath) -> None:
+    """A planted defect: the two refused copies are of a kind the coordinator can tie (as a
+    replay made for no rollback of the table is, ``IcebergCommitter._stale_replays``)."""
+    machine.reruns.clear()
+
+
+@pytest.mark.parametrize(
+    "plant", [_quarantined_copy_named_for_the_new_table, _two_stale_copies_neither_run_again]
+)
+def test_the_models_allowance_for_a_rerun_beside_a_copy_still_catches(
+    plant: Callable[[CommitPath], None],
+) -> None:
+    """The allowance above accepts two stale copies of a dropped table's row, one of them a
+    batch run again, nothing wider: the copy naming the current table, or two copies neither
+    of which a writer ran again, break I1."""
+    _planted_breaks_i1(_batch_run_again_before_its_table_was_dropped, plant)

@@ -114,7 +114,8 @@ class WriterPublisher:
 
     def publish(self, request: PublishRequest) -> bool:
         """Publish atomically, keyed by (writer_id, batch_seq); a batch Spark runs again
-        (a driver that died after publishing it, before Spark recorded it) publishes nothing.
+        (a driver that died after publishing it, before Spark recorded it) publishes none of
+        its files.
 
         Why here and not only by the dedupe rule: a backend that cannot tell a batch key it
         holds (Kafka) leaves the second copy to the coordinator, which drops it per table; a
