@@ -2561,6 +2561,34 @@ def test_a_rollback_restoring_a_snapshot_whose_manifest_list_maintain_deleted() 
         machine.teardown()
 
 
+@pytest.mark.parametrize("repartition", [False, True])
+def test_a_file_whose_compaction_another_engine_expired_is_held_by_the_manifest_left(
+    repartition: bool,
+) -> None:
+    """Found by the 40-rule search (``--schedules 100 --seed 25414 --steps 40``, I1
+    ``{2: ('w0#1', 1, 1)}``; shrunk by greedy step removal and by hand): a batch committed,
+    the pipeline's compaction rewriting its file with another engine's (a ``replace``),
+    that engine's rewrite of the table (a ``delete``, then an ``append``), its expiry of the
+    ``replace`` by id, (a partition-spec change,) the batch's file announced again. The
+    ``delete`` still lists the manifest the ``replace`` wrote, whose DELETED entries name the
+    file, but the dedupe rule read only the manifests a snapshot wrote itself: the file was
+    committed again (``{1: ('w0#0', 2, 0)}``) or, under the new spec, quarantined beside the
+    rewritten row (``{1: ('w0#0', 1, 1)}``). ``LiveFiles.held`` now also reads the manifests
+    an expired ancestor wrote that the walk's oldest snapshot lists."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        machine.configure(branch="main", key_type="long", bounded=False, compact=(ROWS,))
+        machine.foreign_append(keyed=False, rows=2)
+        machine.batch(Shape(writer=0, rows=1, tasks=1, dead=0, changes={}))
+        machine.commit_cycle(unknown=None, fail_deletes=False)
+        machine.foreign_rewrite(keyed=False)
+        machine.foreign_expire(keyed=False, pick=2)  # the compaction's replace
+        if repartition:
+            machine.foreign_repartition(keyed=False)
+        machine.reannounce(pick=0)
+        machine.teardown()
+
+
 def test_a_retired_quarantined_file_announced_again_stays_out() -> None:
     """Found by the 40-rule search (``--schedules 250 --seed 24700 --steps 40``, after the
     compaction fix above; shrunk by greedy step removal to twelve rules): batches quarantined

@@ -40,7 +40,8 @@ class LiveFiles:
         # manifest location -> live paths; manifest list -> its manifests
         self._manifest_paths: SharedCache[str, frozenset[str]] = SharedCache(_MANIFEST_CACHE_SIZE)
         self._lists: SharedCache[str, tuple[ManifestFile, ...]] = SharedCache(_LIST_CACHE_SIZE)
-        # a snapshot's manifest list -> the data files it removed
+        # a snapshot's manifest list -> the data files it removed; a manifest an expired
+        # snapshot wrote -> the data files it lists as DELETED (:meth:`_removed_below`)
         self._removed: SharedCache[str, frozenset[str]] = SharedCache(_REMOVED_CACHE_SIZE)
 
     def remember_list(self, location: str, manifests: tuple[ManifestFile, ...]) -> None:
@@ -85,16 +86,21 @@ class LiveFiles:
         the pipeline's own appends and row deltas are skipped, so a cycle walks the history in
         memory and reads only other engines' new removals. A snapshot that removed the file
         is newer than the one that added it, so it outlives it under expiry; once it is
-        expired too (or the walk stops at an expired snapshot above it), nothing retained
-        tells that the file was committed (docs/architecture.md, invariant 1)."""
+        expired too (or the walk stops at an expired snapshot above it), only a manifest it
+        wrote that a retained snapshot still lists tells (:meth:`_removed_below`), and without
+        one nothing retained tells that the file was committed (docs/architecture.md,
+        invariant 1)."""
         live = self.live_paths(table, head, paths)
         named = {canonical_path(p): p for p in paths - live}
         if head is None or not named:
             return live
         found: set[str] = set()
+        walked: list[Snapshot] = []
         for snapshot in _history(head, table.metadata):
+            walked.append(snapshot)
             if _may_remove(snapshot):
                 found |= named.keys() & self._removed_by(table, snapshot)
+        found |= named.keys() & self._removed_below(table, walked)
         return live | {named[p] for p in found}
 
     def removed_above(self, table: Table, snapshot: Snapshot, base: Collection[int]) -> set[str]:
@@ -136,15 +142,36 @@ class LiveFiles:
     def _decode_removed(table: Table, snapshot: Snapshot) -> frozenset[str]:
         """The DELETED entries of the data manifests ``snapshot`` wrote: the read the cache
         avoids (its list is read directly, not kept: it is not read again)."""
-        return frozenset(
-            canonical_path(e.data_file.file_path)
-            for m in snapshot.manifests(table.io)
-            if m.content == ManifestContent.DATA
-            and m.deleted_files_count
-            and m.added_snapshot_id == snapshot.snapshot_id
-            for e in m.fetch_manifest_entry(table.io, discard_deleted=False)
-            if e.status == ManifestEntryStatus.DELETED
+        return frozenset().union(
+            *(
+                _deleted_in(table, m)
+                for m in snapshot.manifests(table.io)
+                if _removes(m) and m.added_snapshot_id == snapshot.snapshot_id
+            )
         )
+
+    def _removed_below(self, table: Table, walked: list[Snapshot]) -> frozenset[str]:
+        """The data files expired ancestors of the walk removed, as far as the oldest
+        snapshot ``walked`` reached still lists a data manifest one of them wrote.
+
+        Why: a snapshot that removed files (icefloe's compaction, another engine's rewrite)
+        may be expired while a later snapshot still carries the manifest it wrote, whose
+        DELETED entries name those files; they were committed once. A manifest is carried
+        from parent to child only, so every manifest an expired ancestor wrote that the walk
+        still lists is in its oldest snapshot's list. Cached by manifest location (manifests
+        never change), next to the removals cached by manifest list."""
+        if not walked:
+            return frozenset()
+        ids = {s.snapshot_id for s in walked}
+        found: frozenset[str] = frozenset()
+        for m in self.manifests(table, walked[-1]):
+            if _removes(m) and m.added_snapshot_id not in ids:
+                cached = self._removed.get(m.manifest_path)
+                if cached is None:
+                    cached = _deleted_in(table, m)
+                    self._removed.put(m.manifest_path, cached)
+                found |= cached
+        return found
 
     def all_live(self, table: Table, snapshot: Snapshot) -> set[str]:
         """Every data file ``snapshot`` references as live (what a rollback from it may take
@@ -229,6 +256,21 @@ class LiveFiles:
 
     def _data_manifests(self, table: Table, snapshot: Snapshot) -> list[ManifestFile]:
         return [m for m in self.manifests(table, snapshot) if m.content == ManifestContent.DATA]
+
+
+def _removes(manifest: ManifestFile) -> bool:
+    """Whether ``manifest`` is a data manifest with DELETED entries."""
+    return manifest.content == ManifestContent.DATA and bool(manifest.deleted_files_count)
+
+
+def _deleted_in(table: Table, manifest: ManifestFile) -> frozenset[str]:
+    """The data files ``manifest`` lists as DELETED: the branch held each once (a snapshot
+    in its line took it off)."""
+    return frozenset(
+        canonical_path(e.data_file.file_path)
+        for e in manifest.fetch_manifest_entry(table.io, discard_deleted=False)
+        if e.status == ManifestEntryStatus.DELETED
+    )
 
 
 def _may_remove(snapshot: Snapshot) -> bool:
