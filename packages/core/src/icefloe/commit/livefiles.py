@@ -95,12 +95,12 @@ class LiveFiles:
         if head is None or not named:
             return live
         found: set[str] = set()
-        walked: list[Snapshot] = []
+        oldest = head
         for snapshot in _history(head, table.metadata):
-            walked.append(snapshot)
+            oldest = snapshot
             if _may_remove(snapshot):
                 found |= named.keys() & self._removed_by(table, snapshot)
-        found |= named.keys() & self._removed_below(table, walked)
+        found |= named.keys() & self._removed_below(table, oldest)
         return live | {named[p] for p in found}
 
     def removed_above(self, table: Table, snapshot: Snapshot, base: Collection[int]) -> set[str]:
@@ -150,22 +150,19 @@ class LiveFiles:
             )
         )
 
-    def _removed_below(self, table: Table, walked: list[Snapshot]) -> frozenset[str]:
-        """The data files expired ancestors of the walk removed, as far as the oldest
-        snapshot ``walked`` reached still lists a data manifest one of them wrote.
+    def _removed_below(self, table: Table, oldest: Snapshot) -> frozenset[str]:
+        """The data files expired ancestors of ``oldest`` (the walk's oldest retained
+        snapshot) removed, as far as its list still carries a data manifest one of them wrote.
 
         Why: a snapshot that removed files (icefloe's compaction, another engine's rewrite)
         may be expired while a later snapshot still carries the manifest it wrote, whose
         DELETED entries name those files; they were committed once. A manifest is carried
-        from parent to child only, so every manifest an expired ancestor wrote that the walk
-        still lists is in its oldest snapshot's list. Cached by manifest location (manifests
+        from parent to child only, so every manifest in ``oldest``'s list that it did not
+        write was written by an expired ancestor. Cached by manifest location (manifests
         never change), next to the removals cached by manifest list."""
-        if not walked:
-            return frozenset()
-        ids = {s.snapshot_id for s in walked}
         found: frozenset[str] = frozenset()
-        for m in self.manifests(table, walked[-1]):
-            if _removes(m) and m.added_snapshot_id not in ids:
+        for m in self.manifests(table, oldest):
+            if _removes(m) and m.added_snapshot_id != oldest.snapshot_id:
                 cached = self._removed.get(m.manifest_path)
                 if cached is None:
                     cached = _deleted_in(table, m)
