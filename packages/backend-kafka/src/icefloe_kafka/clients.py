@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]  # stubs
 
 from icefloe.errors import ChannelError
+from icefloe.throttle import ThrottledLog
 from icefloe_kafka.config import DEFAULT_BOOTSTRAP_SERVERS, SECTION, KafkaBackendConfig
 from icefloe_kafka.errors import TopicMissingError
 
@@ -39,50 +39,9 @@ def _transient(exc: KafkaException) -> bool:
 
 log = logging.getLogger(__name__)
 
-#: how long a librdkafka message is held back after it was logged (:class:`ClientLog`)
-REPEAT_WINDOW_S = 60.0
-_REMEMBERED_MESSAGES = 1024
-_NUMBERS = re.compile(r"[0-9]+")
-
-
-class ClientLog:
-    """librdkafka's log, into ``icefloe_kafka.librdkafka``, each message (its numbers aside:
-    ports, milliseconds) at most once a window; the next one let through says how many were
-    held back. Why: a client retrying a broker it cannot reach logs the same connect failure at
-    every backoff (55 lines in a 3 s metadata request here, 315 before `icefloe run` said the
-    cluster is unreachable), burying the one error that names the fix. Hand-written: logging
-    has no such filter; confluent-kafka calls only ``log`` on the object it is given."""
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        window_s: float = REPEAT_WINDOW_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.logger = logger
-        self._window = window_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._seen: dict[tuple[int, str], tuple[float, int]] = {}  # -> (logged at, held back)
-
-    def log(self, level: int, msg: str, *args: Any) -> None:
-        text = msg % args if args else msg
-        key = (level, _NUMBERS.sub("N", text))
-        with self._lock:
-            now = self._clock()
-            logged_at, held = self._seen.get(key, (None, 0))
-            if logged_at is not None and now - logged_at < self._window:
-                self._seen[key] = (logged_at, held + 1)
-                return
-            if len(self._seen) >= _REMEMBERED_MESSAGES:
-                self._seen.clear()
-            self._seen[key] = (now, 0)
-        if held:
-            text = f"{text} (repeated {held} times since it was last logged)"
-        self.logger.log(level, "%s", text)
-
-
-_client_log = ClientLog(logging.getLogger("icefloe_kafka.librdkafka"))
+# librdkafka's log, each message at most once a minute (a client retrying an unreachable
+# broker repeats its connect failure at every backoff)
+_client_log = ThrottledLog(logging.getLogger("icefloe_kafka.librdkafka"))
 
 #: Header naming the pipeline of a record, so readers skip other pipelines' records without
 #: decoding them and never mistake a foreign record for their own.

@@ -15,7 +15,7 @@ from icefloe.plugins.backends import backend_config, open_backend
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.cli import failed_check, write_config
 from icefloe_kafka import KafkaBackend, KafkaBackendConfig
-from icefloe_kafka.clients import ClientLog, KafkaClients
+from icefloe_kafka.clients import KafkaClients
 from icefloe_kafka.embedded import EmbeddedKafkaBroker, free_port
 
 SECRET = "s3cr3t-sasl-pw"
@@ -218,35 +218,3 @@ def test_an_unreachable_cluster_logs_its_connect_failure_once_not_at_every_retry
         clients.close()
     failures = [r.getMessage() for r in caplog.records if f":{port} failed" in r.getMessage()]
     assert len(failures) == 1, failures
-
-
-def test_a_held_back_client_message_is_counted_when_it_is_logged_again() -> None:
-    """The window is per message, numbers aside; the next line let through says how many were
-    held back."""
-    now = [0.0]
-    logger = logging.getLogger("test.clientlog")
-    seen: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append(record.getMessage())
-
-    handler = Keep()
-    logger.addHandler(handler)
-    try:
-        log = ClientLog(logger, window_s=60.0, clock=lambda: now[0])
-        for t in (0.0, 1.0, 2.0, 59.0):
-            now[0] = t
-            log.log(
-                logging.ERROR, "%s [%s] %s", "FAIL", "c#1", f"connect to :{9000 + int(t)} failed"
-            )
-        log.log(logging.ERROR, "%s", "another message")
-        now[0] = 61.0
-        log.log(logging.ERROR, "%s [%s] %s", "FAIL", "c#1", "connect to :9100 failed")
-    finally:
-        logger.removeHandler(handler)
-    assert seen == [
-        "FAIL [c#1] connect to :9000 failed",
-        "another message",
-        "FAIL [c#1] connect to :9100 failed (repeated 3 times since it was last logged)",
-    ]

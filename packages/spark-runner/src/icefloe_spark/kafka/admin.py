@@ -12,10 +12,17 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
+from icefloe.throttle import ThrottledLog
+
 if TYPE_CHECKING:
     from icefloe.config import SourceConfig
 
 log = logging.getLogger("icefloe_spark.progress")
+
+#: librdkafka's log for every client the runner builds, each message at most once a minute.
+#: Without it a client's log goes raw to stderr: 39 lines of one connect failure per
+#: ``icefloe status`` while a source cluster is down, written over ``icefloe run``'s live view.
+CLIENT_LOG = ThrottledLog(logging.getLogger("icefloe_spark.kafka"))
 
 #: (high, low) watermark per (topic, partition) of a source
 Watermarks = tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]
@@ -23,7 +30,8 @@ Watermarks = tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]
 
 def create_topic(bootstrap: str, topic: str, partitions: int) -> None:
     """Create ``topic`` (replication 1: the embedded broker is a single node)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": CLIENT_LOG}
+    admin = AdminClient(conf)
     for f in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         f.result(timeout=30)
 
@@ -38,7 +46,13 @@ def produce(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, by
             failures.append(str(err))
 
     producer = Producer(
-        {"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 20, "compression.type": "lz4"}
+        {
+            "bootstrap.servers": bootstrap,
+            "acks": "all",
+            "linger.ms": 20,
+            "compression.type": "lz4",
+            "logger": CLIENT_LOG,
+        }
     )
     count = 0
     for key, value in records:
@@ -67,6 +81,7 @@ def end_offsets(bootstrap: str, topic: str, timeout_s: float = 60.0) -> dict[int
             "enable.partition.eof": True,
             "enable.auto.commit": False,
             "fetch.wait.max.ms": 10,  # an empty fetch at the end answers now, not in 500 ms
+            "logger": CLIENT_LOG,
         }
     )
     try:
@@ -105,6 +120,7 @@ def source_consumer(source: SourceConfig) -> Consumer:
             "bootstrap.servers": source.bootstrap_servers,
             "group.id": f"icefloe-monitor-{uuid.uuid4().hex[:8]}",
             "enable.auto.commit": False,
+            "logger": CLIENT_LOG,
         }
     )
 

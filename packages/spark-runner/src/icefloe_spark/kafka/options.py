@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import logging
 import re
 import uuid
 from collections.abc import Iterable, Mapping
@@ -55,6 +54,7 @@ from confluent_kafka import IsolationLevel
 
 from icefloe.config import matching_topics
 from icefloe.errors import ConfigError
+from icefloe_spark.kafka.admin import CLIENT_LOG
 
 if TYPE_CHECKING:
     from icefloe.config import PipelineConfig
@@ -217,7 +217,7 @@ class SourceOptions:
     def _base_conf(self) -> dict[str, Any]:
         return {
             "bootstrap.servers": self.bootstrap_servers,
-            "logger": logging.getLogger("icefloe_spark.kafka"),
+            "logger": CLIENT_LOG,
         }
 
     def consumer_conf(self) -> dict[str, Any]:
