@@ -31,7 +31,7 @@ from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.rollback import REPLAY_BATCH_SEQ, ReplayRange, Rollback, keyed_refusal
 from icefloe.config import ErrorsConfig, PipelineConfig
 from icefloe.coordination.writer import WriterClient
-from icefloe.errors import RollbackNotReplayableError
+from icefloe.errors import RecordConversionError, RollbackNotReplayableError
 from icefloe.events import DataFileMeta
 from icefloe.ops.tables import change_options, pipeline_tables
 from icefloe_spark.kafka.options import EARLIEST, SourceOptions, parse_offsets_json
@@ -99,6 +99,7 @@ def replay(
     resolver = TableResolver(catalog, config)
     files: list[DataFileMeta] = []
     uuids: dict[str, str] = {}
+    unplaced: list[RecordConversionError] = []
     records = 0
     for piece in pieces:
         part = KafkaInputPartition(piece.topic, piece.partition, piece.start, piece.end)
@@ -116,8 +117,11 @@ def replay(
             only=table,
         )
         files += out.files.get(table, ())
+        unplaced += () if dead_letters else out.unplaced
         uuids.update(out.table_uuids)
         records += sum(f.record_count for f in out.files.get(table, ()))
+    if unplaced:
+        _report_unplaced(rollback, unplaced)
     if not files:
         log.info("rollback of %s: the rolled-back range holds none of its rows", table)
         IcebergCommitter.for_pipeline(catalog, config).roll_back(
@@ -140,6 +144,25 @@ def replay(
         "published" if added else "published before",
     )
     return records
+
+
+def _report_unplaced(rollback: Rollback, unplaced: list[RecordConversionError]) -> None:
+    """Say loudly which records the replay left out because they fail today (a route or the
+    schema changed since the table took them). Why: their rows went with the rolled-back
+    snapshots, the replay writes only the table's rows, and nothing else names them."""
+    table, restored = rollback.table, rollback.restored_snapshot_id
+    log.error(
+        "rollback of %s: %d record(s) of the replayed range were not replayed: today they fail "
+        "to route or convert for %s, and the dead-letter table does not hold them. Those the "
+        "table held before the rollback are in no table now. First: %s. Fix: correct the "
+        "routes or the table schema, then roll %s back%s again to replay the range once more",
+        table,
+        len(unplaced),
+        table,
+        "; ".join(str(e) for e in unplaced[:3]),
+        table,
+        "" if restored is None else f" to snapshot {restored}",
+    )
 
 
 def dead_lettered(

@@ -38,6 +38,8 @@ class TaskOutput:
     records: int = 0
     skipped: int = 0  # bad records dropped under policy "skip"
     dead_lettered: int = 0  # bad records written to the dead-letter table
+    # with ``only`` (a replay): why the bad records meant for that table or for none failed
+    unplaced: tuple[RecordConversionError, ...] = ()
 
 
 def check_columns(names: Sequence[str]) -> None:
@@ -168,6 +170,9 @@ def write_task(
         records=data.num_rows,
         skipped=bad if policy == "skip" else 0,
         dead_lettered=bad if policy == "dead_letter" else 0,
+        unplaced=()
+        if only is None
+        else tuple(r.error for r in rejected if r.error.table in (None, only)),
     )
 
 
