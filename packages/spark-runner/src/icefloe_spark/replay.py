@@ -121,7 +121,7 @@ def replay(
         uuids.update(out.table_uuids)
         records += sum(f.record_count for f in out.files.get(table, ()))
     if unplaced:
-        _report_unplaced(rollback, unplaced)
+        _report_unplaced(rollback, unplaced, skipping=config.errors.policy == "skip")
     if not files:
         log.info("rollback of %s: the rolled-back range holds none of its rows", table)
         IcebergCommitter.for_pipeline(catalog, config).roll_back(
@@ -146,19 +146,28 @@ def replay(
     return records
 
 
-def _report_unplaced(rollback: Rollback, unplaced: list[RecordConversionError]) -> None:
+def _report_unplaced(
+    rollback: Rollback, unplaced: list[RecordConversionError], skipping: bool
+) -> None:
     """Say loudly which records the replay left out because they fail today (a route or the
     schema changed since the table took them). Why: their rows went with the rolled-back
-    snapshots, the replay writes only the table's rows, and nothing else names them."""
+    snapshots, the replay writes only the table's rows, and nothing else names them. Under
+    ``errors.policy = "skip"`` a record that failed the first time too is among them (nothing
+    recorded it), so that is a warning; under ``fail`` or ``dead_letter`` each was written
+    somewhere the first time."""
     table, restored = rollback.table, rollback.restored_snapshot_id
-    log.error(
+    log.log(
+        logging.WARNING if skipping else logging.ERROR,
         "rollback of %s: %d record(s) of the replayed range were not replayed: today they fail "
         "to route or convert for %s, and the dead-letter table does not hold them. Those the "
-        "table held before the rollback are in no table now. First: %s. Fix: correct the "
+        "table held before the rollback are in no table now%s. First: %s. Fix: correct the "
         "routes or the table schema, then roll %s back%s again to replay the range once more",
         table,
         len(unplaced),
         table,
+        " (under errors.policy = skip, those skipped the first time were in none before)"
+        if skipping
+        else "",
         "; ".join(str(e) for e in unplaced[:3]),
         table,
         "" if restored is None else f" to snapshot {restored}",

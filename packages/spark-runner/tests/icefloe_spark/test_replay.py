@@ -350,26 +350,31 @@ def test_a_replay_leaves_out_the_records_the_dead_letter_table_holds(
     assert scene.committer.rollback(A) is None
 
 
+@pytest.mark.parametrize(("policy", "level"), [("dead_letter", "ERROR"), ("skip", "WARNING")])
 def test_a_replay_names_the_records_it_leaves_out_because_they_fail_today(
-    make_scene: Callable[..., Scene], caplog: pytest.LogCaptureFixture
+    make_scene: Callable[..., Scene], caplog: pytest.LogCaptureFixture, policy: str, level: str
 ) -> None:
-    """A held kinds a and b; kind c went to the dead-letter table. The operator then routed
-    only kind a to A and rolled A back: the replay, with today's routes, leaves out the lost
-    range's kind b records, which were A's rows and are now in no table. Before, nothing said
-    so. The error names exactly those (7), not the kind c records the dead-letter table holds."""
-    scene = make_scene(dead_letter=True)
+    """A held kinds a and b (kind c: the dead-letter table, or table B under ``skip``). The
+    operator then routed only kind a to A and rolled A back: the replay, with today's routes,
+    leaves out the lost range's kind b records, which were A's rows and are now in no table.
+    Before, nothing said so. The report names exactly those (7), not the kind c records. Under
+    ``skip`` it is a warning: a record skipped the first time would be among them too."""
+    scene = make_scene(dead_letter=policy == "dead_letter")
     scene.roll_back(scene.snapshots[0])
-    scene.data["tables"] = [{"name": A, "route_field": "kind", "route_values": ["a"]}]
+    scene.data["tables"][0] = {"name": A, "route_field": "kind", "route_values": ["a"]}
+    if policy == "skip":
+        scene.data["errors"] = {"policy": "skip"}
     backend = MemoryBackend(MemoryServer(), scene.group)
     watcher = RollbackWatcher(scene.config, scene.catalog, backend, reader_options(scene))
-    with caplog.at_level(logging.ERROR, logger="icefloe_spark.replay"):
+    with caplog.at_level(logging.WARNING, logger="icefloe_spark.replay"):
         assert [r.table for r in watcher.check()] == [A]
     commit_cycle(scene, backend, 1)
     kind_a = [i for i in range(10, 30) if i % 3 == 0]
     assert_exactly_once(scene.catalog, A, [*routed(A, range(10)), *kind_a])
-    reports = [r.getMessage() for r in caplog.records if "were not replayed" in r.getMessage()]
-    assert len(reports) == 1, reports
-    assert f"rollback of {A}: 7 record(s)" in reports[0]
-    named = re.findall(r"record \S+\[0\]@(\d+)", reports[0])
-    assert named == ["10", "13", "16"]
-    assert f"roll {A} back to snapshot {scene.snapshots[0]} again" in reports[0]
+    reports = [r for r in caplog.records if "were not replayed" in r.getMessage()]
+    assert [r.levelname for r in reports] == [level]
+    message = reports[0].getMessage()
+    assert f"rollback of {A}: 7 record(s)" in message
+    assert re.findall(r"record \S+\[0\]@(\d+)", message) == ["10", "13", "16"]
+    assert f"roll {A} back to snapshot {scene.snapshots[0]} again" in message
+    assert ("policy = skip" in message) == (policy == "skip")
