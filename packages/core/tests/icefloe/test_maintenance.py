@@ -36,6 +36,7 @@ from icefloe.testing.fixtures import (
     assert_exactly_once,
     create_rows_table,
     make_sqlite_catalog,
+    rows_table,
     sqlite_catalog_properties,
     table_ids,
     write_rows,
@@ -352,3 +353,75 @@ def test_maintain_compacts_then_expires_then_removes_orphans(
         maintain(pipe_config(catalog.name, props, address), (), 0.0, 1, 0.0)
     assert not any(Path(_key(p)).exists() for p in originals)
     assert_exactly_once(catalog, TABLE, [0, 1, 2, 3, 4])
+
+
+def _nested_table(catalog: SqlCatalog, name: str, location: str, **properties: str) -> list[str]:
+    """Another table created inside ``location`` (by any tool) holding ids 100-102; returns
+    every file it has."""
+    table = catalog.create_table(name, schema=ROWS_SCHEMA, location=location, properties=properties)
+    table.append(rows_table([100, 101, 102]))
+    files = [str(p) for p in Path(_key(location)).rglob("*") if p.is_file()]
+    metadata = properties.get("write.metadata.path")
+    if metadata is not None:
+        files += [str(p) for p in Path(_key(metadata)).rglob("*") if p.is_file()]
+    return sorted(files)
+
+
+def test_orphan_removal_keeps_the_tables_inside_the_location(tmp_path: Path) -> None:
+    """A table whose location lies inside another's (``<events>/dlq``) is, to the outer
+    table, a tree of unreferenced files: orphan removal of the outer table deleted it whole,
+    metadata included (``FileNotFoundError`` on its next read). It keeps a table it finds by
+    its metadata files, and one the caller names whose metadata lies elsewhere; it still
+    deletes the outer table's own orphan."""
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    outer = create_rows_table(catalog, TABLE)
+    commit_cycles(catalog, 1)
+    location = outer.location()
+    found = _nested_table(catalog, "db.dlq", f"{location}/dlq")
+    named = _nested_table(
+        catalog,
+        "db.side",
+        f"{location}/side",
+        **{"write.metadata.path": f"file://{tmp_path}/side-metadata"},
+    )
+    [stray] = write_rows(catalog.load_table(TABLE), [999], "crashed-task", 0)
+    _age_everything(location, 10 * 86_400)
+    result = remove_orphan_files(
+        catalog.load_table(TABLE),
+        int(time.time() * 1000),
+        other_tables=[catalog.load_table("db.side").location()],
+    )
+    assert result.deleted == (_key(stray.path),)
+    inside = [f for f in [*found, *named] if f.startswith(_key(location))]
+    assert sorted(result.kept_other_tables) == inside
+    assert result.other_tables == (_key(f"{location}/dlq"), _key(f"{location}/side"))
+    assert_exactly_once(catalog, "db.dlq", [100, 101, 102])
+    assert_exactly_once(catalog, "db.side", [100, 101, 102])
+    assert_exactly_once(catalog, TABLE, [0])
+
+
+def test_maintain_keeps_a_dead_letter_table_inside_the_tables_location(
+    tmp_path: Path, memory_plugins: Plugins
+) -> None:
+    """``icefloe maintain`` (ages at zero) over a pipeline whose dead-letter table lies inside
+    its table's location: the dead-letter table stays readable, and the line says why its
+    files were kept."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    outer = create_rows_table(catalog, TABLE)
+    commit_cycles(catalog, 2)
+    dlq = f"{outer.location()}/dead_letters"
+    files = _nested_table(catalog, "db.dead_letters", dlq)
+    with serve_memory_server() as (_, address):
+        config = pipe_config(catalog.name, props, address)
+        config = config.model_copy(
+            update={
+                "errors": config.errors.model_copy(
+                    update={"policy": "dead_letter", "dead_letter_table": "db.dead_letters"}
+                )
+            }
+        )
+        lines = maintain(config, expire_older_than_s=0.0, orphans_older_than_s=0.0)
+    assert f", {len(files)} of other tables inside its location ({_key(dlq)})" in lines[1], lines
+    assert_exactly_once(catalog, "db.dead_letters", [100, 101, 102])
+    assert_exactly_once(catalog, TABLE, [0, 1])

@@ -26,9 +26,11 @@ from icefloe.ops.maintenance import expire_snapshots, remove_orphan_files
 from icefloe.ops.status import table_status
 from icefloe.testing.fixtures import (
     KEYED_ROWS_SCHEMA,
+    ROWS_SCHEMA,
     commit_changes,
     create_rows_table,
     quarantine_entry,
+    rows_table,
     write_rows,
 )
 from icefloe.testing.harness import Pipe, RowSource, lead, wait_pending
@@ -185,6 +187,26 @@ def test_orphans_are_listed_and_deleted_over_several_pages(
     removed = remove_orphan_files(table, soon_ms)
     assert sorted(removed.deleted) == sorted(found.deleted)
     assert [k for k in s3_store.keys(f"s3://{bucket}/{prefix}/data/") if "orphan-" in k] == []
+
+
+def test_orphan_removal_keeps_a_table_inside_the_location_on_the_store(
+    catalog: Catalog, s3_store: S3Store
+) -> None:
+    """A table created inside another's location (``<outer>/dlq``): the outer table's orphan
+    removal found its objects unreferenced and deleted them all. It keeps them, found by the
+    inner table's metadata objects in the listing; the outer table's own orphan goes."""
+    outer = create_rows_table(catalog, "db.outer")
+    outer.append(rows_table([1, 2]))
+    inner = catalog.create_table("db.inner", schema=ROWS_SCHEMA, location=f"{outer.location()}/dlq")
+    inner.append(rows_table([100, 101]))
+    bucket, _, prefix = outer.location().removeprefix("s3://").partition("/")
+    s3_store.client().put_object(Bucket=bucket, Key=f"{prefix}/data/orphan-0", Body=b"x")
+    inside = sorted(f"{bucket}/{k}" for k in s3_store.keys(f"{inner.location()}/"))
+    result = remove_orphan_files(catalog.load_table("db.outer"), int(time.time() * 1000) + 60_000)
+    assert result.deleted == (f"{bucket}/{prefix}/data/orphan-0",)
+    assert sorted(result.kept_other_tables) == inside
+    assert s3_store.read_ids(catalog.load_table("db.inner")) == [100, 101]
+    assert s3_store.read_ids(catalog.load_table("db.outer")) == [1, 2]
 
 
 @pytest.mark.parametrize(

@@ -105,6 +105,9 @@ class OrphanResult:
     deleted: tuple[str, ...]
     kept_pending: tuple[str, ...]  # unreferenced, old enough, but announced by a writer
     kept_quarantined: tuple[str, ...] = ()  # unreferenced, old enough, but quarantined
+    # unreferenced, old enough, but under another table's location (:func:`table_roots`)
+    kept_other_tables: tuple[str, ...] = ()
+    other_tables: tuple[str, ...] = ()  # those tables' locations, as listed
 
 
 # rounds of `icefloe maintain --compact` per table that may meet a pipeline's commit
@@ -248,6 +251,27 @@ def referenced_files(table: Table, expiring: Iterable[int] = ()) -> set[str]:
     return {_file_key(r) for r in refs | manifests}
 
 
+def table_roots(paths: Iterable[str], location: str) -> set[str]:
+    """The roots of the Iceberg tables whose metadata files lie in ``paths`` (as listed under
+    ``location``), other than the table at ``location``: a ``<root>/metadata/`` folder
+    holding a ``*.metadata.json`` or Hadoop's ``version-hint.text``. Why: a table whose
+    location lies inside another's (a dead-letter table at ``<events>/dlq``) is, to the outer
+    table, a tree of unreferenced files; deleting them as orphans destroyed it whole."""
+    own = posixpath.normpath(location)
+    roots: set[str] = set()
+    for path in paths:
+        folder, name = posixpath.split(path)
+        if name.endswith(".metadata.json") or name == "version-hint.text":
+            root, leaf = posixpath.split(folder)
+            if leaf == "metadata" and root != own:
+                roots.add(root)
+    return roots
+
+
+def _under(path: str, roots: Iterable[str]) -> str | None:
+    return next((r for r in roots if path == r or path.startswith(f"{r}/")), None)
+
+
 def remove_orphan_files(
     table: Table,
     older_than_ms: int,
@@ -255,12 +279,15 @@ def remove_orphan_files(
     dry_run: bool = False,
     quarantined: Iterable[str] = (),
     expiring: Iterable[int] = (),
+    other_tables: Iterable[str] = (),
 ) -> OrphanResult:
     """Delete files under the table location that no metadata references, that are older than
     ``older_than_ms`` (epoch ms: a file being written or committed right now is young), that
-    no published, not yet committed batch announces (``pending``: their paths), and that no
+    no published, not yet committed batch announces (``pending``: their paths), that no
     quarantine entry names (``quarantined``: no snapshot and, once the channel moved past
-    them, no batch names those files either; only the entry keeps them recoverable).
+    them, no batch names those files either; only the entry keeps them recoverable), and that
+    lie under no other table's location (``other_tables``, the locations of the tables the
+    caller knows, and every table root found in the listing: :func:`table_roots`).
     ``expiring``: snapshots a dry run would have expired first (see :func:`referenced_files`)."""
     referenced = referenced_files(table, expiring)
     announced = {_file_key(p) for p in pending}
@@ -268,11 +295,18 @@ def remove_orphan_files(
     fs, base = location_filesystem(table.location(), io=table.io)
     # pyarrow pages through object-store listings itself (S3: 1000 keys a request)
     infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    own = _file_key(table.location())
+    others = {k for k in map(_file_key, other_tables) if k.startswith(f"{own}/")}
+    others |= table_roots((i.path for i in infos if i.type == pafs.FileType.File), own)
     deleted: list[str] = []
     spared: list[str] = []
     kept: list[str] = []
+    foreign: list[str] = []
     for info in infos:
         if info.type != pafs.FileType.File or info.path in referenced:
+            continue
+        if _under(info.path, others) is not None:
+            foreign.append(info.path)
             continue
         mtime_ms = info.mtime_ns // 1_000_000 if info.mtime_ns is not None else older_than_ms
         if mtime_ms >= older_than_ms:
@@ -286,7 +320,13 @@ def remove_orphan_files(
         if not dry_run:
             fs.delete_file(info.path)
         deleted.append(info.path)
-    return OrphanResult(tuple(sorted(deleted)), tuple(sorted(spared)), tuple(sorted(kept)))
+    return OrphanResult(
+        tuple(sorted(deleted)),
+        tuple(sorted(spared)),
+        tuple(sorted(kept)),
+        tuple(sorted(foreign)),
+        tuple(sorted(others)),
+    )
 
 
 def compact_table(committer: IcebergCommitter, name: str, dry_run: bool = False) -> str:
@@ -358,6 +398,10 @@ def maintain(
     # past its batch, so every file is in one of the two sets (fails rather than guess)
     quarantined = Quarantine(catalog, config.coordination.quarantine_table).all_paths()
     names = list(tables) or pipeline_tables(catalog, config)
+    # the tables this run knows, so none lying inside another's location is taken for its
+    # orphans (table_roots finds the others by their metadata files)
+    known = [*names, config.coordination.quarantine_table]
+    locations = [catalog.load_table(n).location() for n in known if catalog.table_exists(n)]
     verb = "would " if dry_run else ""
     lines: list[str] = []
     committer = IcebergCommitter.for_pipeline(catalog, config) if compact else None
@@ -381,11 +425,18 @@ def maintain(
                 dry_run,
                 quarantined,
                 expiring=expiry.expired if dry_run else (),  # as if expired: the count agrees
+                other_tables=locations,
             )
         lines.append(
             f"{name}: {verb}delete {len(orphans.deleted)} orphan file(s); kept "
             f"{len(orphans.kept_pending)} announced by uncommitted batches, "
             f"{len(orphans.kept_quarantined)} quarantined"
+            + (
+                f", {len(orphans.kept_other_tables)} of other tables inside its location "
+                f"({', '.join(orphans.other_tables)})"
+                if orphans.kept_other_tables
+                else ""
+            )
         )
     return lines
 
