@@ -5,24 +5,18 @@ failure, not one per reconnect backoff, and none raw on stderr."""
 from __future__ import annotations
 
 import logging
-import socket
 
 import pytest
 from confluent_kafka import Consumer, KafkaException
 
 from icefloe.config import SourceConfig
 from icefloe.throttle import ThrottledLog
+from icefloe_kafka.embedded import free_port
 from icefloe_spark.kafka import admin, options
 from icefloe_spark.kafka.admin import source_watermarks
 from icefloe_spark.kafka.options import SourceOptions
 
 pytestmark = pytest.mark.unit
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +40,7 @@ def test_the_watermark_reader_logs_a_down_cluster_once_and_nothing_raw(
 ) -> None:
     """Before, its consumer had no logger: librdkafka wrote 39 lines of one connect failure
     straight to stderr per ``icefloe status`` (and over ``icefloe run``'s live view)."""
-    port = _closed_port()
+    port = free_port()
     caplog.set_level(logging.ERROR, logger="icefloe_spark.kafka")
     source = SourceConfig(bootstrap_servers=f"127.0.0.1:{port}", topics=["events"])
     assert source_watermarks(source, probe_end=False) is None
@@ -58,7 +52,7 @@ def test_the_watermark_reader_logs_a_down_cluster_once_and_nothing_raw(
 def test_the_source_consumer_logs_a_down_cluster_once(caplog: pytest.LogCaptureFixture) -> None:
     """The source's planner and readers logged each connect failure at every backoff: 59
     lines in a 3 s metadata request."""
-    port = _closed_port()
+    port = free_port()
     caplog.set_level(logging.ERROR, logger="icefloe_spark.kafka")
     source = SourceOptions.parse(
         {"kafka.bootstrap.servers": f"127.0.0.1:{port}", "subscribe": "events"}

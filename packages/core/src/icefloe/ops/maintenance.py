@@ -268,8 +268,8 @@ def table_roots(paths: Iterable[str], location: str) -> set[str]:
     return roots
 
 
-def _under(path: str, roots: Iterable[str]) -> str | None:
-    return next((r for r in roots if path == r or path.startswith(f"{r}/")), None)
+def _under(path: str, roots: Iterable[str]) -> bool:
+    return any(path == r or path.startswith(f"{r}/") for r in roots)
 
 
 def remove_orphan_files(
@@ -305,7 +305,7 @@ def remove_orphan_files(
     for info in infos:
         if info.type != pafs.FileType.File or info.path in referenced:
             continue
-        if _under(info.path, others) is not None:
+        if _under(info.path, others):
             foreign.append(info.path)
             continue
         mtime_ms = info.mtime_ns // 1_000_000 if info.mtime_ns is not None else older_than_ms
