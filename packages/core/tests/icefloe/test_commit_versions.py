@@ -9,16 +9,20 @@ test_committer.py::test_rollback_waits_for_its_replay_then_commits_it_once.)
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.manifest import ManifestEntryStatus
-from pyiceberg.table import Table
+from pyiceberg.table import Table, TableProperties
+from pyiceberg.table.update import SetPropertiesUpdate
 from pyiceberg.types import StringType
 
+from icefloe.commit import versions
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.commit.versions import KnownVersions
@@ -26,10 +30,14 @@ from icefloe.events import DataFileMeta
 from icefloe.records.datafiles import DataFileBuilder
 from icefloe.testing.fixtures import (
     assert_exactly_once,
+    catalog_warehouse,
     create_rows_table,
     make_sqlite_catalog,
+    postgres_catalog_properties,
     write_rows,
 )
+
+__all__ = ["catalog_warehouse", "postgres_catalog_properties"]  # fixtures, used below
 
 GROUP = "pipe-v"
 NAME = "db.events"
@@ -73,7 +81,7 @@ def test_unchanged_table_is_not_loaded_again(
     catalog: SqlCatalog, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Screen and commit of a table unchanged since this committer's last commit use the
-    version it committed: the only full load is the catalog's own inside its commit."""
+    version it committed, and so does pyiceberg's SQL catalog commit: no full load at all."""
     create_rows_table(catalog, NAME)
     committer = IcebergCommitter(catalog, GROUP)
     cycle(committer, catalog, NAME, [1], 0)
@@ -89,7 +97,8 @@ def test_unchanged_table_is_not_loaded_again(
     monkeypatch.setattr(SqlCatalog, "load_table", counted)
     assert committer.screen(NAME, req.files).refused == ()
     assert committer.commit(req).data_files == 1
-    assert len(loads) == 1, f"loaded {len(loads)} times"  # was 3: screen, commit, catalog
+    # was 3 (screen, commit, the catalog inside its commit), then 1 (the catalog)
+    assert loads == []
     monkeypatch.undo()
     assert_exactly_once(catalog, NAME, [1, 2])
 
@@ -288,3 +297,75 @@ def test_committer_caches_survive_threads_evicting_at_once(
     finally:
         sys.setswitchinterval(interval)
     assert errors == []
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def sql_catalog(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlCatalog]:
+    """pyiceberg's SQL catalog on SQLite and on the real PostgreSQL."""
+    if request.param == "sqlite":
+        yield make_sqlite_catalog(tmp_path / "iceberg")
+        return
+    properties = request.getfixturevalue("postgres_catalog_properties")
+    catalog = SqlCatalog("icefloe_test", **properties)
+    yield catalog
+    catalog.engine.dispose()
+
+
+def metadata_files(table: Table) -> set[str]:
+    return {p.name for p in Path(urlsplit(table.location()).path, "metadata").glob("*.json")}
+
+
+def test_a_commit_on_a_version_no_longer_current_is_refused_and_leaves_no_file(
+    sql_catalog: SqlCatalog,
+) -> None:
+    """The commit on a known version swaps the catalog's row only where it still names that
+    version: another client's commit in between (here: a property) makes it fail as a failed
+    requirement does, keeps the other's change, and removes the metadata file it wrote."""
+    create_rows_table(sql_catalog, NAME)
+    committer = IcebergCommitter(sql_catalog, GROUP)
+    cycle(committer, sql_catalog, NAME, [1], 0)
+    stale = versions.without_retries(sql_catalog.load_table(NAME))
+    sql_catalog.load_table(NAME).transaction().set_properties(other="1").commit_transaction()
+    current = sql_catalog.load_table(NAME)
+    before = metadata_files(current)
+
+    with pytest.raises(CommitFailedException, match="changed since version"):
+        versions.commit_table(stale, (), (SetPropertiesUpdate(updates={"ours": "1"}),))
+
+    after = sql_catalog.load_table(NAME)
+    assert after.metadata_location == current.metadata_location
+    assert after.properties.get("other") == "1"
+    assert "ours" not in after.properties
+    assert metadata_files(after) == before
+    # and the committer, planning again on the current version, lands its files once
+    cycle(committer, sql_catalog, NAME, [2], 1)
+    assert_exactly_once(sql_catalog, NAME, [1, 2])
+
+
+def test_the_commit_retries_override_is_never_stored(sql_catalog: SqlCatalog) -> None:
+    """The committer plans on a copy whose properties turn pyiceberg's own retries off; the
+    commit on a known version applies its updates to the stored metadata, not to that copy."""
+    create_rows_table(sql_catalog, NAME)
+    committer = IcebergCommitter(sql_catalog, GROUP)
+    for seq in range(3):
+        cycle(committer, sql_catalog, NAME, [seq], seq)
+    table = sql_catalog.load_table(NAME)
+    assert TableProperties.COMMIT_NUM_RETRIES not in table.properties
+    assert len(table.snapshots()) == 3
+    assert_exactly_once(sql_catalog, NAME, [0, 1, 2])
+
+
+def test_a_version_moved_by_its_own_commit_goes_through_the_catalog(
+    sql_catalog: SqlCatalog,
+) -> None:
+    """pyiceberg's Table moves itself to the version it committed; its stored metadata is
+    then no longer known, so a later commit through it takes the catalog's path (applying
+    it to the older stored metadata would swap the row and drop the first commit's change)."""
+    create_rows_table(sql_catalog, NAME)
+    table = versions.without_retries(sql_catalog.load_table(NAME))
+    assert table.stored is not None
+    table.transaction().set_properties(first="1").commit_transaction()
+    assert table.stored is None
+    versions.commit_table(table, (), (SetPropertiesUpdate(updates={"second": "2"}),))
+    properties = sql_catalog.load_table(NAME).properties
+    assert (properties.get("first"), properties.get("second")) == ("1", "2")

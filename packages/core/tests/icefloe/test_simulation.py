@@ -104,6 +104,7 @@ from pyiceberg.types import (
 from pyiceberg.utils.concurrent import ExecutorFactory
 from sqlalchemy import Engine, bindparam, create_engine, select, text
 
+from icefloe.commit import versions
 from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.policy import TablePolicies
 from icefloe.commit.quarantine import DEFAULT_QUARANTINE_TABLE, Quarantine, QuarantineEntry
@@ -309,12 +310,21 @@ class SimCatalog(SqlCatalog):
         return self._convert_orm_to_iceberg(row)  # type: ignore[arg-type]
 
     def commit_table(self, table: Table, requirements: Any, updates: Any) -> Any:
+        plain = super().commit_table
+        return self._outcome(lambda: plain(table, requirements, updates))
+
+    def icefloe_commit_known(self, table: Table, requirements: Any, updates: Any) -> Any:
+        """The committer's commit on a version it knows (icefloe.commit.versions), which a
+        plain SqlCatalog gets: with this catalog's lost outcomes too."""
+        return self._outcome(lambda: versions.commit_known(self, table, requirements, updates))
+
+    def _outcome(self, commit: Callable[[], Any]) -> Any:
         unknown, self.faults.unknown = self.faults.unknown, None
         if unknown is not None:
             EVENTS[f"commit outcome lost ({unknown})"] += 1
         if unknown == "before":
             raise CommitStateUnknownException("simulated: the request was lost")
-        response = super().commit_table(table, requirements, updates)
+        response = commit()
         if unknown == "after":
             raise CommitStateUnknownException("simulated: the commit landed, its answer was lost")
         return response

@@ -38,9 +38,6 @@ from pyiceberg.manifest import (
     ManifestEntry,
     ManifestEntryStatus,
     ManifestFile,
-    ManifestWriterV2,
-    write_manifest,
-    write_manifest_list,
 )
 from pyiceberg.partitioning import PartitionSpec
 from pyiceberg.schema import Schema
@@ -66,8 +63,9 @@ from pyiceberg.table.update import (
 )
 from pyiceberg.utils.properties import property_as_bool, property_as_int
 
+from icefloe.commit.manifestio import ManifestWriterV2Prepared, write_manifest, write_manifest_list
 from icefloe.commit.request import table_name
-from icefloe.commit.versions import with_metadata
+from icefloe.commit.versions import commit_table, with_metadata
 from icefloe.errors import CommitError
 
 
@@ -93,7 +91,7 @@ class StagedAppend:
         raises (CommitFailedException when the branch head or the table changed)."""
         table = self.table
         try:
-            response = table.catalog.commit_table(table, self.requirements, self.updates)
+            response = commit_table(table, self.requirements, self.updates)
         except CommitFailedException:
             # refused for sure (an unknown outcome keeps them: the snapshot may have landed)
             for path in (self.manifest_list, *self._written):
@@ -167,7 +165,7 @@ def stage(
             schema=schema,
             output_file=output(),
             snapshot_id=snapshot_id,
-            avro_compression=compression,  # type: ignore[arg-type]
+            avro_compression=compression,
         ) as writer:
             for entry in added_entries(snapshot_id, data_files):
                 writer.add(entry)
@@ -189,7 +187,7 @@ def stage(
         snapshot_id=snapshot_id,
         parent_snapshot_id=None if head is None else head.snapshot_id,
         sequence_number=sequence_number,
-        avro_compression=compression,  # type: ignore[arg-type]
+        avro_compression=compression,
     ) as list_writer:
         # as written (sequence numbers assigned), so the caller may keep them as the list's
         # content instead of reading it back
@@ -271,7 +269,7 @@ def by_spec(delete_files: Iterable[DataFile]) -> list[tuple[int, list[DataFile]]
     return sorted(groups.items())
 
 
-class _DeleteManifestWriter(ManifestWriterV2):
+class _DeleteManifestWriter(ManifestWriterV2Prepared):
     """pyiceberg's v2 manifest writer always declares DATA content; delete files need a
     manifest whose content (in the manifest list and its own metadata) is DELETES."""
 
