@@ -41,7 +41,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
@@ -444,17 +444,22 @@ class KafkaCoordinatorChannel(CoordinatorChannel):
     # ------------------------------------------------------------------ writing
 
     def broadcast(self, event: Event) -> None:
+        self.broadcast_all([event])
+
+    def broadcast_all(self, events: Sequence[Event]) -> None:
+        """All in one transaction: a transaction is several round trips to the broker."""
+        if not events:
+            return
         with self._lock:
-            value = encode_event(event)
+            values = [encode_event(event) for event in events]
             key = broadcast_key(self._group_id)  # writers read only this key
+            headers = group_headers(self._group_id)
 
             def body(producer: Producer) -> None:
-                producer.produce(
-                    self._clients.control_topic,
-                    value=value,
-                    key=key,
-                    headers=group_headers(self._group_id),
-                )
+                for value in values:
+                    producer.produce(
+                        self._clients.control_topic, value=value, key=key, headers=headers
+                    )
 
             self._transact(body)
 

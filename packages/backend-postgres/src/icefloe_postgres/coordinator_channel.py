@@ -100,25 +100,38 @@ class PostgresCoordinatorChannel(LeaseHolder, CoordinatorChannel):
     # ------------------------------------------------------------------ writing
 
     def broadcast(self, event: Event) -> None:
-        payload = encode_event(event)
+        self.broadcast_all([event])
+
+    def broadcast_all(self, events: Sequence[Event]) -> None:
+        """All in one transaction and one notification (a commit is a round trip and a
+        flush of the write-ahead log)."""
+        if not events:
+            return
+        payloads = [(event, encode_event(event)) for event in events]
         ctx = self._ctx
         token = self._token()
 
         def tx(conn: Conn) -> None:
             with conn.transaction():
-                # a retry after an ambiguous commit must not send the event twice
-                if conn.execute(ctx.q.broadcast_exists, (ctx.group_id, event.event_id)).fetchone():
-                    return
-                row = conn.execute(ctx.q.take_broadcast_seq, (ctx.group_id, token)).fetchone()
-                if row is None:
-                    raise NotLeaderError(
-                        f"coordinator '{self.coordinator_id}' with token {token} is fenced"
+                sent = False
+                for event, payload in payloads:
+                    # a retry after an ambiguous commit must not send an event twice
+                    exists = conn.execute(ctx.q.broadcast_exists, (ctx.group_id, event.event_id))
+                    if exists.fetchone():
+                        continue
+                    row = conn.execute(ctx.q.take_broadcast_seq, (ctx.group_id, token)).fetchone()
+                    if row is None:
+                        raise NotLeaderError(
+                            f"coordinator '{self.coordinator_id}' with token {token} is fenced"
+                        )
+                    seq = int(row[0])
+                    conn.execute(
+                        ctx.q.insert_broadcast,
+                        (ctx.group_id, seq, event.event_id, event.type.value, token, payload),
                     )
-                conn.execute(
-                    ctx.q.insert_broadcast,
-                    (ctx.group_id, int(row[0]), event.event_id, event.type.value, token, payload),
-                )
-                notify(conn, ctx.broadcasts_channel)
+                    sent = True
+                if sent:
+                    notify(conn, ctx.broadcasts_channel)
 
         ctx.db.run("broadcast", tx)
 

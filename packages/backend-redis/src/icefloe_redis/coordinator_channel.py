@@ -8,6 +8,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from icefloe.channel import ChannelPosition, ChannelRecord, CoordinatorChannel, Lease
@@ -16,6 +17,8 @@ from icefloe.events import Event, decode_event, encode_event
 from icefloe_redis.connection import RedisConnection, redis_errors, reply_text
 
 log = logging.getLogger("icefloe_redis.backend")
+# events per broadcast script call: one round trip each, and a bound on the script's arguments
+_BROADCAST_CHUNK = 500
 
 PARTITION = "0"
 
@@ -162,13 +165,19 @@ class RedisCoordinatorChannel(CoordinatorChannel):
         return reply
 
     def broadcast(self, event: Event) -> None:
-        self._fenced_call(
-            "broadcast",
-            self._connection.scripts.broadcast,
-            self._keys.broadcasts,
-            self._connection.config.broadcast_max_len,
-            encode_event(event),
-        )
+        self.broadcast_all([event])
+
+    def broadcast_all(self, events: Sequence[Event]) -> None:
+        """A script call per chunk of events (each call is a round trip; a chunk bounds the
+        script's arguments)."""
+        for start in range(0, len(events), _BROADCAST_CHUNK):
+            self._fenced_call(
+                "broadcast",
+                self._connection.scripts.broadcast,
+                self._keys.broadcasts,
+                self._connection.config.broadcast_max_len,
+                *(encode_event(e) for e in events[start : start + _BROADCAST_CHUNK]),
+            )
 
     def store_position(self, position: ChannelPosition) -> None:
         data = json.dumps({str(k): int(v) for k, v in position.items()}, sort_keys=True)

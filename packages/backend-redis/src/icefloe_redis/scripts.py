@@ -168,13 +168,16 @@ return {'ok'}
 """
 )
 
-# KEYS: lease, token, broadcasts  ARGV: holder, token, max_len, event
-# -> {'ok', stream id} | {'stale'}
+# KEYS: lease, token, broadcasts  ARGV: holder, token, max_len, event...
+# -> {'ok', last stream id} | {'stale'}
 BROADCAST = (
     _HELPERS
     + r"""
 if not is_leader(KEYS[1], KEYS[2], ARGV[1], ARGV[2]) then return {'stale'} end
-local id = redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[4])
+local id
+for i = 4, #ARGV do
+  id = redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[i])
+end
 return {'ok', id}
 """
 )

@@ -20,7 +20,7 @@ what changed (:data:`CONTRACT_CHANGES`) and the section of docs/backend-authors.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -281,6 +281,15 @@ class CoordinatorChannel(_ContractClass):
     @abc.abstractmethod
     def broadcast(self, event: Event) -> None:
         """Send a coordinator event to every writer. Raises NotLeaderError when fenced."""
+
+    def broadcast_all(self, events: Sequence[Event]) -> None:
+        """Send ``events`` to every writer, in order, as :meth:`broadcast` sends one: a cycle's
+        CommitToTable events, one per table it committed. The default sends them one by one;
+        a backend whose broadcast is a round trip of its own (a transaction) should send them
+        in one, since a cycle of 1,000 tables sends 1,000. Raises NotLeaderError when fenced
+        (having sent none, or, by default, those before)."""
+        for event in events:
+            self.broadcast(event)
 
     @abc.abstractmethod
     def store_position(self, position: ChannelPosition) -> None:

@@ -261,10 +261,13 @@ class CommitCycle:
         if self._hooks.after_iceberg_commits is not None:
             self._hooks.after_iceberg_commits(cycle)
         # tell writers and plugins first: a failing store below must not swallow these
-        for r in results:
-            self._channel.broadcast(
+        self._channel.broadcast_all(
+            [
                 Event(self._group_id, CommitToTable(commit_id, r.table, r.snapshot_id, vtts))
-            )
+                for r in results
+            ]
+        )
+        for r in results:
             self._notify(r, vtts)
         safe = reader.safe_position(position)
         if safe != reader.stored and any(

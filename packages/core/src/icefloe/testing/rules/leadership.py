@@ -80,6 +80,7 @@ class LeadershipRules(SuiteBase):
         refused(
             lambda: c1.store_position({"0": 1}),
             lambda: c1.broadcast(Event(group_id, StartCommit("zombie"))),
+            lambda: c1.broadcast_all([Event(group_id, StartCommit(f"z-{i}")) for i in range(3)]),
             c1.renew,
         )
         assert_same_position(c2.stored_position(), {"0": 0})
