@@ -51,6 +51,7 @@ from pyiceberg.schema import Schema
 from pyiceberg.table import TableProperties
 from pyiceberg.typedef import StructProtocol
 from pyiceberg.types import StructType
+from pyiceberg.utils.schema_conversion import AvroSchemaConversion
 
 D = TypeVar("D", bound=StructProtocol)
 
@@ -70,8 +71,6 @@ class Encoding:
 
     @classmethod
     def build(cls, file_schema: Schema, record_schema: Schema, schema_name: str) -> Encoding:
-        from pyiceberg.utils.schema_conversion import AvroSchemaConversion
-
         avro = AvroSchemaConversion().iceberg_to_avro(file_schema, schema_name=schema_name)
         return cls(
             file_schema, schema_name, resolve_writer(record_schema, file_schema), json.dumps(avro)

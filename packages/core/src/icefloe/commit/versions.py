@@ -185,13 +185,13 @@ def commit_table(
     (it may do more than pyiceberg's) take the catalog's path; such a subclass may define
     ``icefloe_commit_known(table, requirements, updates)`` to be called instead."""
     catalog = table.catalog
-    known = table.stored if isinstance(table, RetriesOff) else None
-    hook = getattr(catalog, "icefloe_commit_known", None)
-    if known is not None and hook is not None:
-        response: CommitTableResponse = hook(table, requirements, updates)
-        return response
-    if known is not None and _plain_sql(catalog):
-        return commit_known(catalog, table, requirements, updates)  # type: ignore[arg-type]
+    if isinstance(table, RetriesOff) and table.stored is not None:
+        hook = getattr(catalog, "icefloe_commit_known", None)
+        if hook is not None:
+            response: CommitTableResponse = hook(table, requirements, updates)
+            return response
+        if _plain_sql(catalog):
+            return commit_known(catalog, table, requirements, updates)
     response = catalog.commit_table(table, requirements, updates)
     return response
 
