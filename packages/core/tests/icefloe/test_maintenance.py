@@ -425,3 +425,38 @@ def test_maintain_keeps_a_dead_letter_table_inside_the_tables_location(
     assert f", {len(files)} of other tables inside its location ({_key(dlq)})" in lines[1], lines
     assert_exactly_once(catalog, "db.dead_letters", [100, 101, 102])
     assert_exactly_once(catalog, TABLE, [0, 1])
+
+
+def test_maintain_keeps_another_tables_data_written_inside_the_location(
+    tmp_path: Path, memory_plugins: Plugins
+) -> None:
+    """A table elsewhere whose ``write.data.path`` lies inside this table's location keeps its
+    data files there with no metadata folder beside them: ``icefloe maintain`` over both
+    (ages at zero) deleted them as this table's orphans, and the other table lost its rows.
+    They are kept and named; this table's own orphan still goes."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    outer = create_rows_table(catalog, TABLE)
+    commit_cycles(catalog, 2)
+    shared = f"{outer.location()}/shared-data"
+    elsewhere = catalog.create_table(
+        "db.elsewhere",
+        schema=ROWS_SCHEMA,
+        location=f"file://{tmp_path}/elsewhere",
+        properties={"write.data.path": shared},
+    )
+    elsewhere.append(rows_table([100, 101, 102]))
+    data = sorted(str(p) for p in Path(_key(shared)).rglob("*.parquet"))
+    assert data, "the other table wrote no data file inside the location"
+    [stray] = write_rows(catalog.load_table(TABLE), [999], "crashed-task", 0)
+    _age_everything(_key(outer.location()), 10 * 86_400)
+    with serve_memory_server() as (_, address):
+        config = pipe_config(catalog.name, props, address)
+        lines = maintain(
+            config, [TABLE, "db.elsewhere"], expire_older_than_s=0.0, orphans_older_than_s=0.0
+        )
+    assert f", {len(data)} of other tables inside its location ({_key(shared)})" in lines[1], lines
+    assert sorted(str(p) for p in Path(_key(shared)).rglob("*.parquet")) == data
+    assert not Path(_key(stray.path)).exists()
+    assert_exactly_once(catalog, "db.elsewhere", [100, 101, 102])
+    assert_exactly_once(catalog, TABLE, [0, 1])

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.table import Table, TableProperties
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
@@ -268,6 +270,23 @@ def table_roots(paths: Iterable[str], location: str) -> set[str]:
     return roots
 
 
+def table_paths(table: Table) -> list[str]:
+    """Where ``table`` keeps files: its location, and the data and metadata paths its
+    properties may move elsewhere. Why the paths too: another table whose ``write.data.path``
+    lies inside this table's location has its data files there with no metadata folder beside
+    them, and orphan removal of this table deleted them."""
+    properties = table.properties
+    moved = (TableProperties.WRITE_DATA_PATH, TableProperties.WRITE_METADATA_PATH)
+    return [table.location(), *(p for key in moved if (p := properties.get(key)))]
+
+
+def _loaded(catalog: Catalog, name: str) -> Table | None:
+    try:
+        return catalog.load_table(name)
+    except NoSuchTableError:
+        return None
+
+
 def _under(path: str, roots: Iterable[str]) -> bool:
     return any(path == r or path.startswith(f"{r}/") for r in roots)
 
@@ -401,7 +420,7 @@ def maintain(
     # the tables this run knows, so none lying inside another's location is taken for its
     # orphans (table_roots finds the others by their metadata files)
     known = [*names, config.coordination.quarantine_table]
-    locations = [catalog.load_table(n).location() for n in known if catalog.table_exists(n)]
+    places = {n: table_paths(t) for n in known if (t := _loaded(catalog, n)) is not None}
     verb = "would " if dry_run else ""
     lines: list[str] = []
     committer = IcebergCommitter.for_pipeline(catalog, config) if compact else None
@@ -425,7 +444,7 @@ def maintain(
                 dry_run,
                 quarantined,
                 expiring=expiry.expired if dry_run else (),  # as if expired: the count agrees
-                other_tables=locations,
+                other_tables=[p for n, paths in places.items() if n != name for p in paths],
             )
         lines.append(
             f"{name}: {verb}delete {len(orphans.deleted)} orphan file(s); kept "
