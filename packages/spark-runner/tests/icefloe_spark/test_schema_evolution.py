@@ -33,6 +33,7 @@ from icefloe.commit.committer import IcebergCommitter
 from icefloe.commit.request import PendingFile, TableCommitRequest
 from icefloe.config import ErrorsConfig, PipelineConfig, config_from_dict
 from icefloe.errors import RecordConversionError, RecordRouteError
+from icefloe.hookspecs import INFER_ALL_KEY
 from icefloe.testing.fixtures import kafka_rows, make_sqlite_catalog
 from icefloe_spark.sink.tables import TableResolver
 from icefloe_spark.sink.task import TaskOutput, write_task
@@ -297,6 +298,59 @@ def test_dynamic_fan_out_creates_a_table_per_named_value(catalog: Catalog) -> No
     # the next batch reuses the tables and evolves them
     run_batch(catalog, config, [{"type": "view", "page": "c", "ms": 3}], 1)
     assert {r["page"]: r["ms"] for r in scan(catalog, "ev.view")} == {"a": None, "b": None, "c": 3}
+
+
+def test_existing_dynamic_tables_are_found_from_the_route_field_alone(
+    catalog: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch whose dynamic tables all exist (nothing to create or evolve) needs only its
+    route field to find them: the records were decoded in full, every type inferred, and then
+    again by the converter (a third of a task's CPU at 10 dynamic tables). A table to create
+    still gets the full decode it is created from; one that cannot be created leaves its
+    records unrouted, as before."""
+    catalog.create_namespace("bad")
+    config = config_from_dict(
+        {
+            "name": "p",
+            "source": {"topics": ["t"]},
+            "dynamic_tables": {"route_field": "type", "namespace": "ev", "auto_create": True},
+            "errors": {"policy": "dead_letter", "dead_letter_table": "bad.records"},
+        }
+    )
+    from icefloe_spark.sink.tables import ensure_dead_letter_table
+
+    ensure_dead_letter_table(catalog, config)
+    run_batch(catalog, config, [{"type": "click", "x": 1}, {"type": "view", "page": "a"}], 0)
+    hints: list[pa.Schema] = []
+    codec = type(TableResolver(catalog, config).base.codec)
+    original = codec.decode
+
+    def recorded(self: Any, values: pa.Array, schema: pa.Schema, context: Any) -> pa.Table:
+        hints.append(schema)
+        return original(self, values, schema, context)
+
+    monkeypatch.setattr(codec, "decode", recorded)
+    out = run_batch(catalog, config, [{"type": "view", "page": "b"}, {"type": "click", "x": 2}], 1)
+    assert sorted(out.files) == ["ev.click", "ev.view"]
+    inferred = [h for h in hints if (h.metadata or {}).get(INFER_ALL_KEY) == b"true"]
+    assert inferred == [], "the records were decoded in full to find their tables"
+    assert hints[0].names == ["type"]
+    assert [r["x"] for r in scan(catalog, "ev.click")] == [1, 2]
+    assert [r["page"] for r in scan(catalog, "ev.view")] == ["a", "b"]
+
+    hints.clear()  # a new table: created from the fully decoded rows
+    run_batch(catalog, config, [{"type": "buy", "sku": "k"}, {"type": "view", "page": "c"}], 2)
+    assert any((h.metadata or {}).get(INFER_ALL_KEY) == b"true" for h in hints)
+    assert [r["sku"] for r in scan(catalog, "ev.buy")] == ["k"]
+    assert [r["page"] for r in scan(catalog, "ev.view")] == ["a", "b", "c"]
+
+    fixed = config.model_copy(
+        update={"dynamic_tables": config.dynamic_tables.model_copy(update={"auto_create": False})}  # type: ignore[union-attr]
+    )
+    out = run_batch(catalog, fixed, [{"type": "new", "z": 1}, {"type": "buy", "sku": "m"}], 3)
+    assert sorted(out.files) == ["bad.records", "ev.buy"]
+    assert not catalog.table_exists("ev.new")
+    assert [r["sku"] for r in scan(catalog, "ev.buy")] == ["k", "m"]
 
 
 def test_route_regex_routes_static_tables(catalog: Catalog) -> None:

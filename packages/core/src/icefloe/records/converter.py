@@ -258,11 +258,18 @@ class RecordConverter:
             )
         return decoded, context
 
-    def decode_parts(self, batch: pa.RecordBatch | pa.Table) -> list[pa.Table]:
+    def decode_parts(
+        self, batch: pa.RecordBatch | pa.Table, fields: Sequence[str] = ()
+    ) -> list[pa.Table]:
         """Every decodable record of ``batch``, each field with the type its values have (not
         the tables'), in parts: a batch with undecodable records is halved around them, as
-        :meth:`convert_tolerant` does, and they are left out (conversion reports them)."""
-        hint = pa.schema([], metadata={INFER_ALL_KEY: b"true"})
+        :meth:`convert_tolerant` does, and they are left out (conversion reports them).
+        ``fields``: only these are needed (as strings), so a codec may skip the others."""
+        hint = (
+            decode_hint([], self.case_insensitive, fields)
+            if fields
+            else pa.schema([], metadata={INFER_ALL_KEY: b"true"})
+        )
         values = batch.column("value")
         if isinstance(values, pa.ChunkedArray):
             values = values.combine_chunks()

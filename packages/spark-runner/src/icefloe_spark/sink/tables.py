@@ -338,7 +338,8 @@ class TableResolver:
             t.evolve_schema or t.name not in tables for t in self.config.tables
         )
         if busy and data.num_rows:
-            configs += self._prepare(self.base.decode_parts(data), tables)
+            lean = self._existing_dynamic(data, tables)
+            configs += self._prepare(self.base.decode_parts(data), tables) if lean is None else lean
         for c in configs:
             if c.name in tables:
                 check_keyed_table(tables[c.name], c)
@@ -357,6 +358,41 @@ class TableResolver:
             route_note=note,
         )
         return tables, converter
+
+    def _existing_dynamic(
+        self, data: pa.Table, tables: dict[str, Table]
+    ) -> list[TableConfig] | None:
+        """The dynamic tables' entries when nothing is to be created or evolved (every
+        ``[[tables]]`` entry exists and does not evolve, nor do dynamic tables, and every
+        table the records name exists), found from the route field alone; else None, and
+        :meth:`_prepare` decodes every field. Why: that decode, with every field's type
+        inferred, then only served to read the route field, and the converter decodes the
+        records again; at 10 dynamic tables it was a third of a task's CPU
+        (``bench_task.py --tables 10``, docs/benchmarks.md)."""
+        dynamic = self.config.dynamic_tables
+        if (
+            dynamic is None
+            or dynamic.evolve_schema
+            or any(t.evolve_schema or t.name not in tables for t in self.config.tables)
+        ):
+            return None
+        reserved = {t.name for t in self.config.tables} | set(self._extra_tables())
+        named: dict[str, list[str]] = {}
+        for part in self.base.decode_parts(data, [dynamic.route_field]):
+            for name, values in dynamic_values(part, dynamic, self.base.case_insensitive).items():
+                if name not in reserved:
+                    named.setdefault(name, [])
+                    named[name] += [v for v in values if v not in named[name]]
+        found: dict[str, Table] = {}
+        for name in named:
+            existing = tables.get(name) or self._existing(name)
+            if existing is not None:
+                found[name] = existing
+            elif dynamic.auto_create:
+                return None  # to be created from its rows
+            # else its records are unrouted, as after the full decode
+        tables.update(found)
+        return [dynamic.table_config(n, v) for n, v in named.items()]
 
     def _prepare(self, parts: Sequence[pa.Table], tables: dict[str, Table]) -> list[TableConfig]:
         """Create and evolve ``tables`` for the decoded ``parts``; returns the dynamic tables'
