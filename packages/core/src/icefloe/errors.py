@@ -336,7 +336,16 @@ class CommitHistoryLostError(PermanentTableError):
 class RollbackPendingError(CommitError):
     """The table was rolled back below what the pipeline committed, and the replay of the
     rolled-back source range has not arrived yet: its other files wait (committing them
-    first would record offsets past rows the table no longer holds). Not permanent."""
+    first would record offsets past rows the table no longer holds). Not permanent.
+    ``replay_writer``: the writer id of the replay batch the files wait for (None: unknown)."""
+
+    def __init__(self, message: str, replay_writer: str | None = None) -> None:
+        super().__init__(message)
+        self.replay_writer = replay_writer
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # default pickling (committer processes, Spark tasks) would drop the writer id
+        return (type(self), (str(self), self.replay_writer))
 
 
 class RollbackNotReplayableError(IcefloeError):

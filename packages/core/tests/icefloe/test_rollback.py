@@ -5,6 +5,7 @@ in test_committer.py, the whole path in tests/test_e2e_rollback.py."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from icefloe.commit.rollback import (
 )
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.writer import WriterClient
-from icefloe.errors import ConfigError, RollbackNotReplayableError
+from icefloe.errors import ConfigError, RollbackNotReplayableError, RollbackPendingError
 from icefloe.ops.drain import DrainError, drain
 from icefloe.plugins.manager import new_plugins
 from icefloe.testing.fixtures import (
@@ -632,6 +633,41 @@ def test_under_the_memory_bound_files_waiting_for_a_replay_do_not_keep_it_unread
     assert_exactly_once(catalog, ROWS, source.expected[ROWS])
 
 
+def test_files_waiting_beside_an_older_rollbacks_replay_do_not_keep_the_new_one_unread(
+    tmp_path: Path,
+) -> None:
+    """Found by the commit-path simulation (``--schedules 100 --seed 25607 --steps 40``): a
+    table rolled back, its replay published, and the table rolled back again, further, before
+    that replay was committed. Under a bound of 2 pending files the older replay's file and
+    live files filled the bound; a replay writer's file among them made them count as not
+    waiting for a replay, so reading stopped before the newer replay, the one they wait for,
+    and the table never committed again (I4). They wait for the pending rollback's own replay
+    writer now, and count against no bound until it is read."""
+    pipe = Replaying.open(tmp_path, max_pending_files=2)
+    catalog, source, coordinator = pipe.catalog, pipe.source, pipe.coordinator
+    committer = IcebergCommitter(catalog, "pipe")
+    try:
+        s0 = pipe.committed(0)
+        s1 = pipe.committed(1)
+        pipe.committed(2)
+        older = committer.roll_back(ROWS, s1)  # loses batch 2
+        assert older is not None
+        pipe.replay(older.writer_id, source.expected_ids_of("w1", 2))
+        newer = committer.roll_back(ROWS, s0)  # loses batch 1 too, the older replay unread
+        assert newer is not None
+        assert newer.writer_id != older.writer_id
+        live = [source.publish(pipe.writer, seq) for seq in (3, 4)]
+        assert sum(b.file_count for b in live) >= 2  # with the older replay: past the bound
+        lost = {ROWS: [i for seq in (1, 2) for i in source.expected_ids_of("w1", seq)[ROWS]]}
+        pipe.replay(newer.writer_id, lost)
+        pending = IcebergCommitter(catalog, "pipe").rollback
+        drive(coordinator, lambda: pending(ROWS) is None, "the newer replay's commit", 20)
+        drive(coordinator, lambda: not coordinator.pending_files(), "the live files' commit", 20)
+    finally:
+        pipe.close()
+    assert_exactly_once(catalog, ROWS, source.expected[ROWS])
+
+
 def test_a_drain_under_the_memory_bound_reads_on_to_the_replay_it_commits_with(
     tmp_path: Path,
 ) -> None:
@@ -863,3 +899,15 @@ def test_a_rollback_below_a_delete_only_keyed_snapshot_is_still_one(
         catalog.engine.dispose()
     assert rollback is not None
     assert (rollback.restored_snapshot_id, rollback.lost_snapshot_id) == (None, ours)
+
+
+def test_a_rollback_pending_error_keeps_its_replay_writer_across_processes() -> None:
+    """Committer processes and Spark tasks send a table's error back pickled: the replay
+    writer the files wait for must survive, or the memory bound counts them again."""
+    sent = RollbackPendingError("its files wait", replay_writer="icefloe-replay-pipe-1")
+    got = pickle.loads(pickle.dumps(sent))
+    assert (type(got), str(got), got.replay_writer) == (
+        RollbackPendingError,
+        "its files wait",
+        "icefloe-replay-pipe-1",
+    )

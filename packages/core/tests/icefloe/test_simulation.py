@@ -2159,6 +2159,48 @@ def test_files_waiting_for_a_replay_under_the_memory_bound_let_the_replay_be_rea
         machine.teardown()
 
 
+def test_files_waiting_for_a_second_rollbacks_replay_beside_the_firsts_let_it_be_read() -> None:
+    """Found by ``--schedules 100 --seed 25607 --steps 40``: under a bound of 3 pending files
+    the dead-letter table was rolled back with replay, the driver published that replay, and
+    before it was committed the table was rolled back again. The settling leader read the first
+    replay's file and two new files: a replay writer's file among them made them count as not
+    waiting, so they filled the bound and reading stopped before the second replay, the one
+    they wait for (I4). A table now waits for its pending rollback's own replay writer."""
+    quiet = Shape(writer=0, rows=0, tasks=1, dead=0, changes={})
+    dead = Shape(writer=0, rows=0, tasks=1, dead=1, changes={})
+    machine = CommitPath()
+    with inline_executor():
+        machine.configure(branch="main", compact=(), key_type="long", bounded=True)
+        machine.foreign_commit_between(keyed=True, shape=dead, what="append")
+        machine.batch(shape=quiet)
+        machine.batch(shape=quiet)
+        machine.batch(shape=quiet)
+        machine.batch(shape=Shape(writer=0, rows=0, tasks=2, dead=1, changes={0: True}))
+        machine.replayed_batch(tasks=1, writer=0)
+        machine.replayed_batch(tasks=1, writer=0)
+        machine.batch(shape=quiet)
+        machine.batch(shape=quiet)
+        machine.driver_replays(dead=False)
+        machine.driver_replays(dead=True)
+        machine.foreign_commit_between(keyed=False, shape=dead, what="rewrite")
+        machine.replayed_batch(tasks=1, writer=0)
+        machine.zombie_cycle(heir_commits=True, remote=False)
+        machine.driver_replays(dead=False)
+        machine.operator_rolls_back(dead=True, pick=0, replay=True)
+        machine.batch(shape=quiet)
+        machine.foreign_commit_between(keyed=False, shape=dead, what="append")
+        machine.batch(shape=quiet)
+        machine.batch(shape=quiet)
+        machine.driver_replays(dead=True)
+        machine.batch(shape=dead)
+        machine.replayed_batch(tasks=1, writer=0)
+        machine.driver_replays(dead=False)
+        machine.operator_rolls_back(dead=False, pick=0, replay=False)
+        machine.driver_replays(dead=False)
+        machine.operator_rolls_back(dead=True, pick=0, replay=True)
+        machine.batch(shape=quiet)
+
+
 def test_a_drain_under_the_memory_bound_reads_on_to_a_replay_behind_the_bound() -> None:
     """Found by ``--schedules 300 --seed 64000``: under a bound of 3 pending files, a batch
     whose cycle has another engine's append in between, a batch with a dead-letter record and

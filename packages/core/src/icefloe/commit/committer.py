@@ -807,7 +807,8 @@ class IcebergCommitter:
                 f"{rollback.lost_snapshot_id} to {rollback.restored_snapshot_id}; its files "
                 f"wait for the replay of source offsets {compact_json(rollback.from_offsets)} to "
                 f"{compact_json(rollback.to_offsets)} (writer {replay}), which a running `icefloe "
-                "run` of this pipeline publishes"
+                "run` of this pipeline publishes",
+                replay_writer=replay,
             )
         state, switched = self._switch(table, own, request.channel_id)
         # fencing tokens, like positions, are issued by one channel: after a switch from a

@@ -93,7 +93,9 @@ class _TableBackoff:
     retry_at: float
     since_ms: int  # wall clock of the first failure in a row
     alarmed: bool = False  # reached quarantine_after_failures: reported as failing
-    replay_pending: bool = False  # the last failure: its rollback's replay batch not read yet
+    # the last failure: its rollback's replay batch not read yet. That batch's writer id when
+    # known (an older rollback's replay may be pending too), else True
+    replay_pending: str | bool = False
 
 
 class CommitCycle:
@@ -159,7 +161,13 @@ class CommitCycle:
         trouble = self._trouble.get(table)
         if trouble is None or not trouble.replay_pending:
             return False
-        return not any(is_replay_writer(f.writer_id) for f in self._reader.pending.get(table, ()))
+        awaited = trouble.replay_pending
+        pending = self._reader.pending.get(table, ())
+        if isinstance(awaited, str):
+            # an older rollback's replay among them is not the batch they wait for: counting
+            # them against the memory bound then stopped the reader before that batch for good
+            return not any(f.writer_id == awaited for f in pending)
+        return not any(is_replay_writer(f.writer_id) for f in pending)
 
     def due(self) -> bool:
         s = self._settings
@@ -573,7 +581,9 @@ class CommitCycle:
         trouble.failures += 1
         # a rolled-back table waits for its replay, which comes soon: no growing backoff
         waiting = isinstance(exc, RollbackPendingError)
-        trouble.replay_pending = waiting
+        trouble.replay_pending = (
+            (exc.replay_writer or True) if isinstance(exc, RollbackPendingError) else False
+        )
         wait = backoff_s(s.table_retry_base_s, s.table_retry_max_s, trouble.failures)
         if waiting:
             wait = s.table_retry_base_s
