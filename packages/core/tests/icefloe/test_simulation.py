@@ -313,7 +313,9 @@ class SimCatalog(SqlCatalog):
         plain = super().commit_table
         return self._outcome(lambda: plain(table, requirements, updates))
 
-    def icefloe_commit_known(self, table: Table, requirements: Any, updates: Any) -> Any:
+    def icefloe_commit_known(
+        self, table: versions.RetriesOff, requirements: Any, updates: Any
+    ) -> Any:
         """The committer's commit on a version it knows (icefloe.commit.versions), which a
         plain SqlCatalog gets: with this catalog's lost outcomes too."""
         return self._outcome(lambda: versions.commit_known(self, table, requirements, updates))

@@ -398,7 +398,7 @@ def test_a_watcher_check_loads_each_table_once_and_passes_over_a_dropped_one(
 
     def counted(self: Catalog, identifier: Any) -> Any:
         loads[identifier if isinstance(identifier, str) else ".".join(identifier)] += 1
-        return original(self, identifier)  # type: ignore[arg-type]
+        return original(self, identifier)
 
     monkeypatch.setattr(kind, "load_table", counted)
     assert watcher.check() == []
