@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -53,6 +53,8 @@ from pyiceberg.typedef import StructProtocol
 from pyiceberg.types import StructType
 from pyiceberg.utils.schema_conversion import AvroSchemaConversion
 
+from icefloe.commit.caches import SharedCache
+
 D = TypeVar("D", bound=StructProtocol)
 
 # the header's own writer: the same for every Avro file
@@ -77,29 +79,18 @@ class Encoding:
         )
 
 
-class _Encodings:
-    """Encodings by key, built once each. Bounded: a key is a format version and a
-    partition type, of which a pipeline has a handful; the bound only guards against a
-    process that meets thousands of different specs."""
-
-    _MAX = 512
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_key: dict[Any, Encoding] = {}
-
-    def get(self, key: Any, build: Any) -> Encoding:
-        found = self._by_key.get(key)
-        if found is None:
-            found = build()
-            with self._lock:
-                if len(self._by_key) >= self._MAX:
-                    self._by_key.clear()
-                self._by_key[key] = found
-        return found
+# by format version and partition type, of which a pipeline has a handful: the bound only
+# guards against a process that meets thousands of different specs
+_ENCODINGS: SharedCache[Any, Encoding] = SharedCache(512)
 
 
-_ENCODINGS = _Encodings()
+def _encoding(key: Any, build: Callable[[], Encoding]) -> Encoding:
+    """The encoding of ``key``, built once (two threads may both build it; either is kept)."""
+    found = _ENCODINGS.get(key)
+    if found is None:
+        found = build()
+        _ENCODINGS.put(key, found)
+    return found
 
 
 class PreparedAvroOutputFile(AvroOutputFile[D]):
@@ -133,7 +124,7 @@ class _PreparedManifest(ManifestWriter):
     def new_writer(self) -> AvroOutputFile[ManifestEntry]:
         partition_type: StructType = self._spec.partition_type(self._schema)
         key = ("manifest", self.version, partition_type)
-        encoding = _ENCODINGS.get(
+        encoding = _encoding(
             key,
             lambda: Encoding.build(
                 self._with_partition(self.version),
@@ -172,7 +163,7 @@ class _PreparedList(ManifestListWriter):
 
     def __enter__(self) -> ManifestListWriter:
         version = self._format_version
-        encoding = _ENCODINGS.get(
+        encoding = _encoding(
             ("list", version),
             lambda: Encoding.build(
                 MANIFEST_LIST_FILE_SCHEMAS[version],

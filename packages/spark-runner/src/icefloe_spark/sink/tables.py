@@ -379,10 +379,7 @@ class TableResolver:
         reserved = {t.name for t in self.config.tables} | set(self._extra_tables())
         named: dict[str, list[str]] = {}
         for part in self.base.decode_parts(data, [dynamic.route_field]):
-            for name, values in dynamic_values(part, dynamic, self.base.case_insensitive).items():
-                if name not in reserved:
-                    named.setdefault(name, [])
-                    named[name] += [v for v in values if v not in named[name]]
+            self._name_dynamic(part, reserved, named)
         found: dict[str, Table] = {}
         for name in named:
             existing = tables.get(name) or self._existing(name)
@@ -394,6 +391,23 @@ class TableResolver:
         tables.update(found)
         return [dynamic.table_config(n, v) for n, v in named.items()]
 
+    def _name_dynamic(
+        self, part: pa.Table, reserved: set[str], named: dict[str, list[str]]
+    ) -> dict[str, list[str]]:
+        """The dynamic tables ``part`` names, with their route values, added to ``named``;
+        never a static or the dead-letter table (``reserved``) by another route."""
+        dynamic = self.config.dynamic_tables
+        assert dynamic is not None
+        found = {
+            name: values
+            for name, values in dynamic_values(part, dynamic, self.base.case_insensitive).items()
+            if name not in reserved
+        }
+        for name, values in found.items():
+            named.setdefault(name, [])
+            named[name] += [v for v in values if v not in named[name]]
+        return found
+
     def _prepare(self, parts: Sequence[pa.Table], tables: dict[str, Table]) -> list[TableConfig]:
         """Create and evolve ``tables`` for the decoded ``parts``; returns the dynamic tables'
         entries (routed by the exact values that name them)."""
@@ -404,11 +418,7 @@ class TableResolver:
         for part in parts:
             configs = list(self.config.tables)
             if dynamic is not None:
-                for name, values in dynamic_values(part, dynamic, ci).items():
-                    if name in reserved:
-                        continue  # never a static or the dead-letter table by another route
-                    named.setdefault(name, [])
-                    named[name] += [v for v in values if v not in named[name]]
+                for name, values in self._name_dynamic(part, reserved, named).items():
                     configs.append(dynamic.table_config(name, values))
             for cfg in configs:
                 if cfg.name in tables and not cfg.evolve_schema:
