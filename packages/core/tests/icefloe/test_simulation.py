@@ -1086,13 +1086,16 @@ class World(RuleBasedStateMachine):
         )
         table = self.catalog.load_table(name)
         files = {name: written(table, self.append_rows(table, ids, rollback.writer_id, 0))}
+        uuids = {name: str(table.metadata.table_uuid)}
         client = self.client(rollback.writer_id)
         try:
-            client.publish(REPLAY_BATCH_SEQ, files, (), {name: str(table.metadata.table_uuid)})
+            client.publish(REPLAY_BATCH_SEQ, files, (), uuids)
             EVENTS["rollback replayed"] += 1
         finally:
             client.close()
-        self.batches.append(Batch(rollback.writer_id, REPLAY_BATCH_SEQ, files))
+        # with the uuid the replay named: its files announced again (``reannounce``) name the
+        # table they were written for, as every other batch's do (seed 25645)
+        self.batches.append(Batch(rollback.writer_id, REPLAY_BATCH_SEQ, files, uuids=uuids))
         self.replaying.setdefault(name, set()).update(ids)
 
     def stale_replay(self, name: str, present: set[int]) -> set[int]:
@@ -2816,3 +2819,46 @@ def test_the_models_allowance_for_a_rerun_beside_a_copy_still_catches(
     batch run again, nothing wider: the copy naming the current table, or two copies neither
     of which a writer ran again, break I1."""
     _planted_breaks_i1(_batch_run_again_before_its_table_was_dropped, plant)
+
+
+def _replay_announced_again_after_a_recreate(machine: CommitPath) -> None:
+    """Seed 25645's schedule (40 rules, shrunk by Hypothesis): batch ``w0#0`` committed on
+    branch ``audit``, rolled back with replay, the replay committed by a drain, another engine
+    dropping the table and creating it again, the replay's files announced again under a new
+    writer id."""
+    empty = Shape(writer=0, rows=0, tasks=1, dead=0, changes={})
+    machine.configure(branch="audit", compact=(), bounded=False, key_type="long")
+    machine.batch(Shape(writer=0, rows=1, tasks=1, dead=0, changes={}))
+    machine.crash_in_compaction(when="during")
+    machine.crash_in_compaction(when="during")
+    machine.drain_and_swap(bounded=False)
+    machine.batch(empty)
+    machine.operator_rolls_back(dead=False, pick=0, replay=True)
+    machine.drain_and_swap(bounded=False)
+    machine.batch(empty)
+    machine.foreign_recreate(dead=False, partitioned=False)
+    machine.batch(empty)
+    machine.reannounce(pick=467)
+    machine.batch(empty)
+
+
+def test_a_replays_files_announced_again_after_a_recreate_stay_out_of_the_new_table() -> None:
+    """Found by the 40-rule search (``--schedules 50 --seed 25645 --steps 40``); a defect of
+    the model, not of the product. The model kept a rollback's replay batch without the uuid
+    of the table it was written for, which the replay's publish carries, so ``reannounce``
+    forged a copy of its files with no uuid: a file that names no table is committed to the
+    table of that name (a third-party writer's may name none), here the one another engine
+    created again, and row 1 landed there (``{1: ('w0#0', 1, 0)}``). With the uuid the copy
+    is refused with ``TableMismatchError`` and quarantined, as any dropped table's file."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        _replay_announced_again_after_a_recreate(machine)
+        machine.faults.calm()
+        machine.settle()
+        try:
+            machine.check()
+            entries = Quarantine(machine.catalog).list(GROUP, ROWS)
+            refused = [(e.writer_id[0], e.error_type, file_ids(e.file_path)) for e in entries]
+        finally:
+            machine.close()
+    assert refused == [("r", "TableMismatchError", [1])]
