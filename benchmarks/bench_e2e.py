@@ -1115,6 +1115,12 @@ def main() -> None:
         help="coordination.commit_interval_s (default: 2; with --rate the configuration's)",
     )
     ap.add_argument(
+        "--interval-from",
+        default="start",
+        choices=("start", "end"),
+        help="coordination.commit_interval_from (default: start)",
+    )
+    ap.add_argument(
         "--trigger-interval",
         type=float,
         default=None,
@@ -1248,6 +1254,7 @@ def pipeline_config(
             "coordination": {
                 "backend": args.backend,
                 "commit_interval_s": args.commit_interval,
+                "commit_interval_from": args.interval_from,
                 "commit_processes": args.commit_processes,
                 args.backend: backend_section,
             },

@@ -307,6 +307,9 @@ class CoordinationConfig(BaseModel):
 
     backend: str = Field(default="kafka", pattern=BACKEND_NAME_RE)
     commit_interval_s: float = Field(default=10.0, gt=0)
+    # what the interval counts from: the previous cycle's start (Kafka Connect's
+    # commit.interval) or its end (see CoordinatorSettings)
+    commit_interval_from: Literal["start", "end"] = "start"
     commit_timeout_s: float = Field(default=30.0, gt=0)
     # an idle pipeline's first pending files start a cycle at once (see CoordinatorSettings)
     commit_when_idle: bool = True

@@ -28,6 +28,7 @@ from icefloe.channel import ChannelRecord, WriterBatch, WriterChannel
 from icefloe.commit.quarantine import Quarantine
 from icefloe.commit.summary import FENCING_TOKEN_KEY, SOURCE_OFFSETS_KEY, VALID_THROUGH_KEY
 from icefloe.config import CoordinationConfig, config_from_dict
+from icefloe.coordination import cycle as cycle_module
 from icefloe.coordination.coordinator import (
     Coordinator,
     CoordinatorHooks,
@@ -433,6 +434,54 @@ def test_idle_pipeline_commits_its_first_files_at_once_then_keeps_the_interval(
     assert not coord.commit_now().tables  # an empty cycle: idle again
     source.publish(w, 2)
     step_until_a_cycle(coord, "files after a quiet spell waited for the interval")
+    assert_every_table_exact(make, source)
+
+
+class _Clock:
+    """The cycle's monotonic clock, moved forward by hand: a cycle that took a minute, with
+    no minute spent (pure cadence logic, the coordinator and its channel real)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize(("count_from", "due"), [("start", True), ("end", False)])
+def test_the_interval_counts_from_the_previous_cycles_start_or_end(
+    make: PipelineParts,
+    source: RowSource,
+    monkeypatch: pytest.MonkeyPatch,
+    count_from: str,
+    due: bool,
+) -> None:
+    """``commit_interval_from``: a cycle that took 60 s of a 100 s interval, then 50 s
+    more. From the start (Kafka Connect's ``commit.interval``) the next cycle is due, 110 s
+    after the last one started; from the end it waits 50 s more."""
+    clock = _Clock()
+    monkeypatch.setattr(cycle_module, "time", clock)
+    w = make.writer("w")
+
+    def slow(_: CycleResult) -> None:
+        clock.offset += 60.0
+
+    coord = make.coordinator(
+        hooks=CoordinatorHooks(after_iceberg_commits=slow),
+        commit_interval_s=100.0,
+        commit_interval_from=count_from,
+    )
+    lead(coord)
+    source.publish(w, 0)
+    drive(coord, lambda: len(coord.pending_files()) > 0, "the batch")
+    assert coord.commit_now().tables
+    clock.offset += 50.0
+    assert (coord.step(0.1) is not None) is due
+    clock.offset += 50.0  # 100 s after the end: due either way
+    assert coord.step(0.1) is not None
     assert_every_table_exact(make, source)
 
 

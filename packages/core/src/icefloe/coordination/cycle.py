@@ -137,13 +137,13 @@ class CommitCycle:
         reader.backing_off = self.backing_off
         reader.awaiting_replay = self.awaiting_replay
         self.stop: threading.Event | None = None  # set by run(): cut a cycle's wait short
-        self.last_end = time.monotonic()
+        self.last_start = self.last_end = time.monotonic()
         # no cycle of this leadership has committed a file yet, or the last one committed none
         self.idle = True
 
     def restart_clock(self) -> None:
         """The interval counts from now (after recovery, or after losing leadership)."""
-        self.last_end = time.monotonic()
+        self.last_start = self.last_end = time.monotonic()
 
     def failing(self) -> dict[str, int]:
         """Tables failing ``quarantine_after_failures`` times in a row or more: failures."""
@@ -171,7 +171,8 @@ class CommitCycle:
 
     def due(self) -> bool:
         s = self._settings
-        if time.monotonic() - self.last_end >= s.commit_interval_s:
+        since = self.last_start if s.commit_interval_from == "start" else self.last_end
+        if time.monotonic() - since >= s.commit_interval_s:
             return True
         # files of tables backing off do not count: they must not make cycles spin
         files, size = self._reader.pending_size(
@@ -190,6 +191,7 @@ class CommitCycle:
         """A cycle; without ``wait_for_writers`` it commits what was read at once, as a
         partial cycle, without asking the writers (they are stopped: ``icefloe drain``)."""
         commit_id = str(uuid.uuid4())
+        self.last_start = time.monotonic()
         reader = self._reader
         expected = reader.prune_writers()
         if not wait_for_writers:

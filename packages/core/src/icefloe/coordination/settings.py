@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from icefloe.commit.policy import TablePolicies
 from icefloe.commit.quarantine import DEFAULT_QUARANTINE_TABLE
@@ -37,6 +37,12 @@ class CoordinatorSettings:
     """Commit cadence (the ``[coordination]`` keys of the pipeline configuration)."""
 
     commit_interval_s: float = 10.0
+    commit_interval_from: Literal["start", "end"] = "start"
+    """``start``: a cycle starts ``commit_interval_s`` after the previous one started (as Kafka
+    Connect's ``commit.interval``), so a table gets a snapshot every interval while cycles take
+    less; one that took longer is followed at once. ``end``: the interval is a quiet gap after
+    each cycle, which keeps the data path's share of the CPU when cycles are long (measured in
+    docs/benchmarks.md), at the price of snapshots further apart."""
     commit_timeout_s: float = 30.0
     commit_when_idle: bool = False
     """Start a cycle as soon as files are pending when the last cycle committed none (or
@@ -104,6 +110,7 @@ class CoordinatorSettings:
         return cls(
             policies=policies,
             commit_interval_s=c.commit_interval_s,
+            commit_interval_from=c.commit_interval_from,
             commit_timeout_s=c.commit_timeout_s,
             commit_when_idle=c.commit_when_idle,
             max_pending_bytes=c.max_pending_bytes,
