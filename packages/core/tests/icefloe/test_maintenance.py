@@ -20,7 +20,7 @@ from icefloe.config import PipelineConfig, config_from_dict
 from icefloe.coordination.coordinator import Coordinator, CoordinatorSettings
 from icefloe.coordination.reading import announced_files
 from icefloe.coordination.writer import WriterClient
-from icefloe.errors import ConfigError
+from icefloe.errors import ConfigError, StaleFencingTokenError
 from icefloe.ops.maintenance import (
     RECOMMENDED_TABLE_PROPERTIES,
     expire_snapshots,
@@ -36,6 +36,7 @@ from icefloe.testing.fixtures import (
     assert_exactly_once,
     create_rows_table,
     make_sqlite_catalog,
+    quarantine_entry,
     rows_table,
     sqlite_catalog_properties,
     table_ids,
@@ -460,3 +461,56 @@ def test_maintain_keeps_another_tables_data_written_inside_the_location(
     assert not Path(_key(stray.path)).exists()
     assert_exactly_once(catalog, "db.elsewhere", [100, 101, 102])
     assert_exactly_once(catalog, TABLE, [0, 1])
+
+
+def _data_files(catalog: SqlCatalog, name: str) -> set[str]:
+    """The data files a table's current snapshot reads (pyiceberg's plan)."""
+    return {_key(task.file.file_path) for task in catalog.load_table(name).scan().plan_files()}
+
+
+def test_maintain_expires_the_quarantine_tables_fences_and_keeps_its_entries(
+    tmp_path: Path, memory_plugins: Plugins
+) -> None:
+    """Every leader raises its fence with an empty snapshot of the quarantine table, and
+    retiring entries rewrites its files: ``icefloe maintain`` left that table alone, so its
+    metadata and files grew with every leader change for good. It is now expired and cleaned
+    like the pipeline's tables (ages at zero): one snapshot left, the files a retire replaced
+    deleted, the entries and the quarantined files they name kept, and the fence still
+    refuses a deposed leader."""
+    props = sqlite_catalog_properties(tmp_path / "iceberg")
+    catalog = make_sqlite_catalog(tmp_path / "iceberg")
+    table = create_rows_table(catalog, TABLE)
+    commit_cycles(catalog, 1)
+    quarantine = Quarantine(catalog)
+    for token in range(1, 6):  # five leaders
+        quarantine.fence("pipe", token)
+    refused = [m.path for seq in (7, 8) for m in write_rows(table, [seq], "w9", seq)]
+    entries = [quarantine_entry("pipe", TABLE, p) for p in refused]
+    assert quarantine.add(entries, token=5) == entries
+    added = _data_files(catalog, quarantine.identifier)
+    assert quarantine.retire("pipe", TABLE, refused[:1], token=5) == 1
+    current = _data_files(catalog, quarantine.identifier)
+    before = len(catalog.load_table(quarantine.identifier).metadata.snapshots)
+    assert before >= 7  # the five fences, the add, the retire's rewrite
+    assert added - current  # the retire replaced the add's file
+    with serve_memory_server() as (_, address):
+        config = pipe_config(catalog.name, props, address)
+        lines = maintain(config, expire_older_than_s=0.0, orphans_older_than_s=0.0)
+        name = quarantine.identifier
+        assert (
+            f"{name}: expire {before - 1} snapshot(s); kept 0 old one(s) the dedupe rule reads"
+            in lines
+        )
+        again = maintain(config, expire_older_than_s=0.0, orphans_older_than_s=0.0)
+    assert len(catalog.load_table(name).metadata.snapshots) == 1
+    assert not any(Path(p).exists() for p in added - current), lines
+    assert all(Path(p).exists() for p in current)
+    assert [line for line in again if line.startswith(f"{name}:")] == [
+        f"{name}: expire 0 snapshot(s); kept 0 old one(s) the dedupe rule reads",
+        f"{name}: delete 0 orphan file(s); kept 0 announced by uncommitted batches, 0 quarantined",
+    ]
+    assert [e.file_path for e in Quarantine(catalog).list("pipe", TABLE)] == refused[1:]
+    assert all(Path(_key(p)).exists() for p in refused[1:])  # the pipeline table's run kept it
+    with pytest.raises(StaleFencingTokenError):
+        Quarantine(catalog).add([quarantine_entry("pipe", TABLE, "/x/late")], token=4)
+    assert_exactly_once(catalog, TABLE, [0])

@@ -37,12 +37,6 @@ class CoordinatorSettings:
     """Commit cadence (the ``[coordination]`` keys of the pipeline configuration)."""
 
     commit_interval_s: float = 10.0
-    commit_interval_from: Literal["start", "end"] = "start"
-    """``start``: a cycle starts ``commit_interval_s`` after the previous one started (as Kafka
-    Connect's ``commit.interval``), so a table gets a snapshot every interval while cycles take
-    less; one that took longer is followed at once. ``end``: the interval is a quiet gap after
-    each cycle, which keeps the data path's share of the CPU when cycles are long (measured in
-    docs/benchmarks.md), at the price of snapshots further apart."""
     commit_timeout_s: float = 30.0
     commit_when_idle: bool = False
     """Start a cycle as soon as files are pending when the last cycle committed none (or
@@ -79,6 +73,13 @@ class CoordinatorSettings:
     catalog: CatalogSpec | None = None
     """The catalog's configuration, for committer processes (or a runner's committers, e.g.
     Spark tasks) to open their own."""
+    commit_interval_from: Literal["start", "end"] = "start"
+    """``start``: a cycle starts ``commit_interval_s`` after the previous one started (as
+    Kafka Connect's ``commit.interval``), so a table gets a snapshot every interval while
+    cycles take less; one that took longer is followed at once. ``end``: the interval is a
+    quiet gap after each cycle, which keeps the data path's share of the CPU when cycles are
+    long (measured in docs/benchmarks.md), at the price of snapshots further apart. (Last
+    field, so that positional arguments keep their meaning.)"""
 
     def __post_init__(self) -> None:
         if self.commit_parallelism < 1:

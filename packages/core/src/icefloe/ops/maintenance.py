@@ -421,43 +421,67 @@ def maintain(
     # orphans (table_roots finds the others by their metadata files)
     known = [*names, config.coordination.quarantine_table]
     places = {n: table_paths(t) for n in known if (t := _loaded(catalog, n)) is not None}
-    verb = "would " if dry_run else ""
     lines: list[str] = []
     committer = IcebergCommitter.for_pipeline(catalog, config) if compact else None
-    for name in names:
-        if committer is not None:
+    # the quarantine table too: every leader change adds an empty snapshot to it (its fence),
+    # and retiring entries rewrites its files, so unmaintained its metadata grows for good
+    quarantine = config.coordination.quarantine_table
+    covered = [*names, quarantine] if not tables and quarantine in places else names
+    for name in covered:
+        if committer is not None and name != quarantine:
             lines.append(compact_table(committer, name, dry_run))
-        with _store_step(name, "expiring snapshots", catalog.properties):
-            table = catalog.load_table(name)
-            expiry = expire_snapshots(
-                table, now_ms - int(expire_older_than_s * 1000), retain_last, dry_run
-            )
-        lines.append(
-            f"{name}: {verb}expire {len(expiry.expired)} snapshot(s); kept "
-            f"{len(expiry.kept_for_dedupe)} old one(s) the dedupe rule reads"
-        )
-        with _store_step(name, "deleting orphan files", catalog.properties):
-            orphans = remove_orphan_files(
-                catalog.load_table(name),
-                now_ms - int(orphans_older_than_s * 1000),
-                pending,
-                dry_run,
-                quarantined,
-                expiring=expiry.expired if dry_run else (),  # as if expired: the count agrees
-                other_tables=[p for n, paths in places.items() if n != name for p in paths],
-            )
-        lines.append(
-            f"{name}: {verb}delete {len(orphans.deleted)} orphan file(s); kept "
-            f"{len(orphans.kept_pending)} announced by uncommitted batches, "
-            f"{len(orphans.kept_quarantined)} quarantined"
-            + (
-                f", {len(orphans.kept_other_tables)} of other tables inside its location "
-                f"({', '.join(orphans.other_tables)})"
-                if orphans.kept_other_tables
-                else ""
-            )
+        lines += _expire_and_remove_orphans(
+            catalog,
+            name,
+            now_ms - int(expire_older_than_s * 1000),
+            retain_last,
+            now_ms - int(orphans_older_than_s * 1000),
+            dry_run,
+            (pending, quarantined),
+            [p for n, paths in places.items() if n != name for p in paths],
         )
     return lines
+
+
+def _expire_and_remove_orphans(
+    catalog: Catalog,
+    name: str,
+    expire_before_ms: int,
+    retain_last: int,
+    orphans_before_ms: int,
+    dry_run: bool,
+    keep: tuple[set[str], set[str]],
+    other_tables: list[str],
+) -> list[str]:
+    """One table's expiry, then its orphan removal (``keep``: the files announced by
+    uncommitted batches and the quarantined ones); the operator's two lines."""
+    pending, quarantined = keep
+    verb = "would " if dry_run else ""
+    with _store_step(name, "expiring snapshots", catalog.properties):
+        expiry = expire_snapshots(catalog.load_table(name), expire_before_ms, retain_last, dry_run)
+    with _store_step(name, "deleting orphan files", catalog.properties):
+        orphans = remove_orphan_files(
+            catalog.load_table(name),
+            orphans_before_ms,
+            pending,
+            dry_run,
+            quarantined,
+            expiring=expiry.expired if dry_run else (),  # as if expired: the count agrees
+            other_tables=other_tables,
+        )
+    return [
+        f"{name}: {verb}expire {len(expiry.expired)} snapshot(s); kept "
+        f"{len(expiry.kept_for_dedupe)} old one(s) the dedupe rule reads",
+        f"{name}: {verb}delete {len(orphans.deleted)} orphan file(s); kept "
+        f"{len(orphans.kept_pending)} announced by uncommitted batches, "
+        f"{len(orphans.kept_quarantined)} quarantined"
+        + (
+            f", {len(orphans.kept_other_tables)} of other tables inside its location "
+            f"({', '.join(orphans.other_tables)})"
+            if orphans.kept_other_tables
+            else ""
+        ),
+    ]
 
 
 @contextmanager
