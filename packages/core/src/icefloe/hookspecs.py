@@ -151,6 +151,9 @@ class TableCommitted:
     data_files: int
     records: int
     valid_through_ms: int | None
+    metadata_location: str | None = None
+    """The table version the commit made, when no rollback waits in it
+    (:attr:`icefloe.commit.request.TableCommitResult.metadata_location`)."""
 
 
 class IcefloeHookSpecs:

@@ -343,6 +343,8 @@ class Pipeline:
                 self.backend,
                 {**source_options(config), **self.source_extra_options},
             ).start()
+            if self.coordinator is not None:
+                self.plugins.pm.register(self.rollbacks)
         except BaseException:
             if session is not None and session.exception() is None:
                 self._spark = session.result()  # so that stop() stops it
@@ -476,6 +478,8 @@ class Pipeline:
             self.rollbacks.stop(timeout)
         if self.coordinator is not None:
             self.coordinator.stop(timeout)
+        if self.rollbacks is not None and self.plugins.pm.is_registered(self.rollbacks):
+            self.plugins.pm.unregister(self.rollbacks)
         if self.publisher is not None:
             self.publisher.close()
         if self.backend is not None:

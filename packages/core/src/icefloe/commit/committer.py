@@ -529,7 +529,10 @@ class IcebergCommitter:
             appended = [m.path for m in plan.appended()]
             self._versions.remember(request.table, committed)
             self._live_files.remember_added(committed, snapshot_id, appended)
-            return self._landed(committed, request, plan, snapshot_id)
+            result = self._landed(committed, request, plan, snapshot_id)
+            if self._states(committed, self._branch_head(committed)[0])[1] is not None:
+                return result
+            return replace(result, metadata_location=committed.metadata_location)
         # the last attempt may have landed even though its outcome was unknown
         if unknown:
             table = self._load(request.table)

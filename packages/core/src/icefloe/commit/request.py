@@ -77,6 +77,10 @@ class TableCommitResult:
     added_files: int | None = None
     """Files the snapshot added, when merging small files changed their number (else
     ``data_files``)."""
+    metadata_location: str | None = None
+    """The table version this commit made, in which no rollback waits for its replay (the
+    commit checked): a rollback watcher need not load it again. None when nothing was
+    committed, when the outcome was only learnt later, or when a rollback is pending."""
 
 
 def table_name(table: Table) -> str:

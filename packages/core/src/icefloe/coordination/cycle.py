@@ -794,6 +794,7 @@ class CommitCycle:
                 data_files=result.data_files,
                 records=result.records,
                 valid_through_ms=vtts,
+                metadata_location=result.metadata_location,
             )
         )
 
