@@ -34,6 +34,7 @@ from icefloe.testing.fixtures import (
     create_rows_table,
     make_sqlite_catalog,
     postgres_catalog_properties,
+    rows_table,
     write_rows,
 )
 
@@ -369,3 +370,50 @@ def test_a_version_moved_by_its_own_commit_goes_through_the_catalog(
     versions.commit_table(table, (), (SetPropertiesUpdate(updates={"second": "2"}),))
     properties = sql_catalog.load_table(NAME).properties
     assert (properties.get("first"), properties.get("second")) == ("1", "2")
+
+
+def test_a_commit_right_after_its_screening_asks_the_catalog_nothing_more(
+    catalog: SqlCatalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The screening looked the table's location up a moment before; the commit that follows
+    plans on that version without asking again (its compare-and-swap refuses a stale one).
+    It asked twice per table and cycle: a round trip per table at 1,000 tables a cycle."""
+    create_rows_table(catalog, NAME)
+    committer = IcebergCommitter(catalog, GROUP)
+    cycle(committer, catalog, NAME, [1], 0)
+    lookups: list[str] = []
+    original = versions._sql_location
+
+    def counted(catalog: Any, name: str) -> str | None:
+        lookups.append(name)
+        return original(catalog, name)
+
+    monkeypatch.setattr(versions, "_sql_location", counted)
+    assert cycle(committer, catalog, NAME, [2], 1).data_files == 1
+    assert lookups == [NAME]  # the screening's
+    monkeypatch.undo()
+    assert_exactly_once(catalog, NAME, [1, 2])
+
+
+def test_another_engines_commit_between_screening_and_commit_is_planned_on_again(
+    catalog: SqlCatalog, tmp_path: Path
+) -> None:
+    """Another engine appends after the screening: the commit's first attempt, planned on the
+    screened version, is refused by the compare-and-swap, and the next one commits on top of
+    the other engine's snapshot; every row once."""
+    table = create_rows_table(catalog, NAME)
+    committer = IcebergCommitter(catalog, GROUP)
+    cycle(committer, catalog, NAME, [1], 0)
+    req = request(table, write_rows(catalog.load_table(NAME), [2], "w1", 1), 1)
+    assert committer.screen(NAME, req.files).refused == ()
+    other = make_sqlite_catalog(tmp_path / "iceberg").load_table(NAME)
+    other.append(rows_table([100]))
+    foreign = other.current_snapshot()
+    assert foreign is not None
+    result = committer.commit(req)
+    assert result.data_files == 1
+    head = catalog.load_table(NAME).current_snapshot()
+    assert head is not None
+    assert head.snapshot_id == result.snapshot_id
+    assert head.parent_snapshot_id == foreign.snapshot_id
+    assert_exactly_once(catalog, NAME, [1, 2, 100])

@@ -77,6 +77,28 @@ def _sql_location_query() -> Any:
     )
 
 
+@cache
+def _sql_swap_statement() -> Any:
+    """The compare-and-swap of a table's row in pyiceberg's SQL catalog (the statement its
+    ``commit_table`` runs), built once: building it cost more than running it."""
+    from pyiceberg.catalog.sql import IcebergTables
+    from sqlalchemy import bindparam, update
+
+    return (
+        update(IcebergTables)
+        .where(
+            IcebergTables.catalog_name == bindparam("catalog"),
+            IcebergTables.table_namespace == bindparam("namespace"),
+            IcebergTables.table_name == bindparam("table"),
+            IcebergTables.metadata_location == bindparam("old_location"),
+        )
+        .values(
+            metadata_location=bindparam("new_location"),
+            previous_metadata_location=bindparam("old_location"),
+        )
+    )
+
+
 class KnownVersions:
     """Per table: the metadata location and metadata of the version last loaded or committed,
     and whether the current cycle's screening just loaded it."""
@@ -97,17 +119,24 @@ class KnownVersions:
         self._screened.add(name)
 
     def reusable(self, catalog: Catalog, name: str, after_screen: bool) -> Table | None:
-        """The known version of ``name`` when the catalog still names it; for a catalog
-        without a cheap lookup, with ``after_screen``, the version the screening that just
-        ran loaded; else None."""
+        """With ``after_screen``, the version the screening that just ran loaded or
+        confirmed; else the known version of ``name`` when the catalog still names it; else
+        None.
+
+        Why no lookup after a screening: the commit asserts the version it planned on (the
+        compare-and-swap of :func:`commit_known`, or the catalog's requirements), so a table
+        that changed in between fails that attempt and the next one looks again; asking the
+        catalog first cost one round trip per table and cycle for a change that is rare."""
         screened = name in self._screened
         self._screened.discard(name)
         known = self._known.get(name)
         if known is None:
             return None
+        if after_screen and screened:
+            return _copy(known)
         location = current_location(catalog, name)
-        if location is None:  # no cheap lookup: only a commit right after its screening
-            return _copy(known) if after_screen and screened else None
+        if location is None:  # no cheap lookup: load
+            return None
         return _copy(known) if location == known.metadata_location else None
 
     def forget(self, name: str) -> None:
@@ -221,10 +250,6 @@ def commit_known(
     row swapped only where it still names that version (the catalog's compare-and-swap), so a
     version that is no longer current is refused with CommitFailedException, as a failed
     requirement is, and the caller plans again on the new one."""
-    from pyiceberg.catalog.sql import IcebergTables
-    from sqlalchemy import update
-    from sqlalchemy.orm import Session
-
     if table.stored is None:
         raise ValueError("commit_known needs a version whose stored metadata is known")
     base = with_metadata(table, table.stored, table.metadata_location)
@@ -233,24 +258,15 @@ def commit_known(
         metadata=staged.metadata, io=staged.io, metadata_path=staged.metadata_location
     )
     identifier = Catalog.identifier_to_tuple(table.name())
-    namespace = Catalog.namespace_to_string(identifier[:-1])
-    swap = (
-        update(IcebergTables)
-        .where(
-            IcebergTables.catalog_name == catalog.name,
-            IcebergTables.table_namespace == namespace,
-            IcebergTables.table_name == identifier[-1],
-            IcebergTables.metadata_location == table.metadata_location,
-        )
-        .values(
-            metadata_location=staged.metadata_location,
-            previous_metadata_location=table.metadata_location,
-        )
-    )
-    with Session(catalog.engine) as session:
-        result: Any = session.execute(swap)  # a CursorResult: it counts the rows updated
-        swapped = result.rowcount
-        session.commit()
+    values = {
+        "catalog": catalog.name,
+        "namespace": Catalog.namespace_to_string(identifier[:-1]),
+        "table": identifier[-1],
+        "old_location": table.metadata_location,
+        "new_location": staged.metadata_location,
+    }
+    with catalog.engine.begin() as connection:  # one transaction, committed on leaving
+        swapped = connection.execute(_sql_swap_statement(), values).rowcount
     if swapped < 1:
         # refused for sure: nothing names the file just written
         with contextlib.suppress(Exception):
