@@ -439,4 +439,3 @@ def test_a_watcher_beside_the_coordinator_does_not_load_what_the_coordinator_com
     assert loads[A] == 0, loads
     scene.roll_back(scene.snapshots[0])  # the operator again, on top of that version
     assert [r.table for r in watcher.check()] == [A]
-
