@@ -186,12 +186,14 @@ def test_doctor_fails_an_undrained_swap_as_run_would(stopped: Stopped, tmp_path:
 
 def test_status_and_maintain_cover_dead_letter_and_dynamic_tables(stopped: Stopped) -> None:
     """``icefloe status`` lists every table, FRESH from the channel alone (its only batch is
-    pending); ``icefloe maintain`` without ``--table`` maintains every committed one."""
+    pending); ``icefloe maintain`` without ``--table`` maintains every committed one, and
+    the quarantine table (its leaders' fences)."""
     config = load_config(stopped.path)
     shown = {t.name: t.pending_files for t in collect(config).tables}
     assert shown == dict.fromkeys(ALL, 1)
     lines = maintain(config)
-    assert sorted({line.split(":")[0] for line in lines}) == sorted(set(ALL) - {FRESH})
+    covered = set(ALL) - {FRESH} | {config.coordination.quarantine_table}
+    assert sorted({line.split(":")[0] for line in lines}) == sorted(covered)
 
 
 def test_status_shows_a_lag_only_for_the_tables_it_measures(stopped: Stopped) -> None:
