@@ -1071,6 +1071,11 @@ class World(RuleBasedStateMachine):
         ]
         ids = [i for b in lost for i in b.rows.get(name, ())]
         self.discarded.difference_update(ids)  # a deeper rollback replays an accepted one's too
+        # rows of the range that a table another engine dropped had held: the replay reads
+        # them again for the table created in its place, as a batch run again does
+        # (replayed_batch), so a copy of the dropped table's file may be quarantined beside
+        # them (seed 25673). They stay `dropped`: a replay the operator cancels leaves them out
+        self.revived |= set(ids) & self.dropped
         self.awaiting.pop(name, None)
         if not ids:
             committer.roll_back(name, None, replay=False, only_if=rollback.writer_id)
@@ -1331,7 +1336,8 @@ class World(RuleBasedStateMachine):
         Another engine dropped the table that had committed the row and created it again;
         the writer's batch run again (the same source records, new files written for the new
         table, on a channel that never saw the batch) committed it to the new table, as a
-        source re-read after a recreate does (:meth:`CommitPath.replayed_batch`); a copy of
+        source re-read after a recreate does (:meth:`CommitPath.replayed_batch`; or the replay
+        of a rollback of the new table whose range reaches back to the row: seed 25673); a copy of
         the old file announced again names the dropped table's uuid and is quarantined with
         ``TableMismatchError``. Nothing the coordinator can read ties that copy to rows a
         dropped table committed (only the dropped table knew; its copy could as well hold
@@ -2862,3 +2868,65 @@ def test_a_replays_files_announced_again_after_a_recreate_stay_out_of_the_new_ta
         finally:
             machine.close()
     assert refused == [("r", "TableMismatchError", [1])]
+
+
+def _replay_reaching_back_before_a_recreate(machine: CommitPath) -> None:
+    """Seed 25673's schedule (38 rules, shrunk by greedy step removal to these nine): batch
+    ``w0#0`` (ids 1-5, two tasks) committed to the append table on branch ``audit``; another
+    engine dropping and creating that table between a cycle's screening and its commit;
+    keyed cycles; a batch committed to the new table; the operator rolling the new table back
+    below the pipeline's first commit there, with replay; ``w0#0``'s files announced again
+    under a new writer id (written for the dropped table)."""
+    machine.configure(branch="audit", key_type="long", bounded=False, compact=())
+    append = Shape(writer=0, rows=5, tasks=2, dead=0, changes={})
+    machine.foreign_commit_between(keyed=False, shape=append, what="append")
+    one = Shape(writer=0, rows=1, tasks=1, dead=0, changes={})
+    machine.foreign_commit_between(keyed=False, shape=one, what="recreate")
+    empty = Shape(writer=0, rows=0, tasks=1, dead=0, changes={})
+    machine.foreign_commit_between(keyed=True, shape=empty, what="append")
+    delete = Shape(writer=0, rows=0, tasks=2, dead=0, changes={0: False})
+    machine.foreign_commit_between(keyed=True, shape=delete, what="append")
+    two = Shape(writer=0, rows=2, tasks=2, dead=1, changes={})
+    machine.foreign_commit_between(keyed=True, shape=two, what="repartition")
+    machine.operator_rolls_back(dead=False, pick=175, replay=True)
+    more = Shape(writer=2, rows=2, tasks=2, dead=1, changes={0: False, 5: False})
+    machine.foreign_commit_between(keyed=True, shape=more, what="add_column")
+    machine.reannounce(pick=1158)
+
+
+def test_a_replay_reaching_back_before_a_recreate_leaves_the_dropped_tables_copy_quarantined() -> (
+    None
+):
+    """Found by the 40-rule search (``--schedules 50 --seed 25673 --steps 40``); a defect of
+    the model, not of the product. The new table's rollback goes back below the pipeline's
+    first commit there, so its replay reads the source from the start again and writes
+    ``w0#0``'s rows for the new table, as a source re-read after a recreate does. A copy of
+    ``w0#0``'s files, announced under a new writer id and with no source offsets, names the
+    dropped table: refused with ``TableMismatchError`` and quarantined. Nothing ties that
+    copy to the replay (the replay retires the entries of its range's batches, found by
+    their source offsets), so ids 3 and 5 were in the table and in quarantine once each,
+    which the model allowed for a batch run again but not for a replay
+    (``{3: ('w0#0', 1, 1), 5: ('w0#0', 1, 1)}``). It now allows both
+    (``revived_beside_stale_copy``)."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        _replay_reaching_back_before_a_recreate(machine)
+        machine.faults.calm()
+        machine.settle()
+        try:
+            machine.check()
+            entries = Quarantine(machine.catalog).list(GROUP, ROWS)
+            copies = sorted(
+                i
+                for e in entries
+                if e.writer_id.startswith("r") and e.error_type == "TableMismatchError"
+                if os.path.exists(local(e.file_path))  # a copy of a file that still exists
+                for i in file_ids(e.file_path)
+            )
+            held = sorted(
+                int(r[0]) for r in read_ref(machine.catalog.load_table(ROWS), "audit", ["id"])
+            )
+        finally:
+            machine.close()
+    assert copies == [3, 5]
+    assert [held.count(i) for i in range(1, 6)] == [1] * 5  # w0#0's rows, by the replay
