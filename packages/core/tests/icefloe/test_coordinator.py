@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1513,3 +1513,31 @@ def test_coordinator_killed_mid_parallel_cycle_then_recovery_commits_each_table_
     assert_rows_once(catalog, source)
     for t in PAR_TABLES:
         assert len(group_snapshots(catalog, t, group_id)) == 1, t
+
+
+def test_a_cycles_broadcasts_go_out_in_chunks_with_the_lease_renewed_between() -> None:
+    """A backend that sends a cycle's CommitToTable events one by one (the default
+    ``broadcast_all``) checks the lease for each; at a thousand tables they can outlast a
+    short lease (the conformance rule saw it on a file-based backend under load). The cycle
+    sends them in calls of at most ``BROADCAST_CHUNK``, renewing the lease when due between
+    calls: every event once, in order. (Pure logic: a recording channel.)"""
+    calls: list[tuple[str, list[str]]] = []
+
+    class Recording:
+        def broadcast_all(self, events: Sequence[Event]) -> None:
+            calls.append(("send", [e.event_id for e in events]))
+
+    events = [Event("g", CommitToTable("c", f"db.t{i}", i, None)) for i in range(1200)]
+    channel: Any = Recording()
+    cycle_module.broadcast_in_chunks(channel, events, lambda: calls.append(("renew", [])))
+    assert [(kind, len(ids)) for kind, ids in calls] == [
+        ("send", 500),
+        ("renew", 0),
+        ("send", 500),
+        ("renew", 0),
+        ("send", 200),
+    ]
+    assert [i for _, ids in calls for i in ids] == [e.event_id for e in events]
+    calls.clear()
+    cycle_module.broadcast_in_chunks(channel, [], lambda: calls.append(("renew", [])))
+    assert calls == []
