@@ -58,7 +58,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import pyarrow as pa
@@ -141,6 +141,7 @@ from icefloe.testing.memory import MemoryBackend, MemoryServer
 pytestmark = pytest.mark.unit
 
 GROUP = "sim"
+_Read = TypeVar("_Read")  # what a schedule test reads from its settled machine
 ROWS = "db.rows"  # append table, partitioned, small files merged
 KEYED = "db.keyed"  # upsert table keyed by ``id`` (of one of the identifier types)
 DEAD = "db.dead_letter"  # the dead-letter table: written by writers, not in [[tables]]
@@ -2834,6 +2835,23 @@ def test_the_models_allowance_for_a_rerun_beside_a_copy_still_catches(
     _planted_breaks_i1(_batch_run_again_before_its_table_was_dropped, plant)
 
 
+def _checked_then(
+    schedule: Callable[[CommitPath], None], read: Callable[[CommitPath], _Read]
+) -> _Read:
+    """Run ``schedule``, settle and check every invariant as a teardown does; what
+    ``read`` finds in the settled machine (its quarantine, its tables) before it closes."""
+    machine = CommitPath()
+    with inline_executor(), sim_plugins():
+        schedule(machine)
+        machine.faults.calm()
+        machine.settle()
+        try:
+            machine.check()
+            return read(machine)
+        finally:
+            machine.close()
+
+
 def _replay_announced_again_after_a_recreate(machine: CommitPath) -> None:
     """Seed 25645's schedule (40 rules, shrunk by Hypothesis): batch ``w0#0`` committed on
     branch ``audit``, rolled back with replay, the replay committed by a drain, another engine
@@ -2863,17 +2881,13 @@ def test_a_replays_files_announced_again_after_a_recreate_stay_out_of_the_new_ta
     table of that name (a third-party writer's may name none), here the one another engine
     created again, and row 1 landed there (``{1: ('w0#0', 1, 0)}``). With the uuid the copy
     is refused with ``TableMismatchError`` and quarantined, as any dropped table's file."""
-    machine = CommitPath()
-    with inline_executor(), sim_plugins():
-        _replay_announced_again_after_a_recreate(machine)
-        machine.faults.calm()
-        machine.settle()
-        try:
-            machine.check()
-            entries = Quarantine(machine.catalog).list(GROUP, ROWS)
-            refused = [(e.writer_id[0], e.error_type, file_ids(e.file_path)) for e in entries]
-        finally:
-            machine.close()
+    refused = _checked_then(
+        _replay_announced_again_after_a_recreate,
+        lambda machine: [
+            (e.writer_id[0], e.error_type, file_ids(e.file_path))
+            for e in Quarantine(machine.catalog).list(GROUP, ROWS)
+        ],
+    )
     assert refused == [("r", "TableMismatchError", [1])]
 
 
@@ -2915,26 +2929,19 @@ def test_a_replay_reaching_back_before_a_recreate_leaves_the_dropped_tables_copy
     which the model allowed for a batch run again but not for a replay
     (``{3: ('w0#0', 1, 1), 5: ('w0#0', 1, 1)}``). It now allows both
     (``revived_beside_stale_copy``)."""
-    machine = CommitPath()
-    with inline_executor(), sim_plugins():
-        _replay_reaching_back_before_a_recreate(machine)
-        machine.faults.calm()
-        machine.settle()
-        try:
-            machine.check()
-            entries = Quarantine(machine.catalog).list(GROUP, ROWS)
-            copies = sorted(
-                i
-                for e in entries
-                if e.writer_id.startswith("r") and e.error_type == "TableMismatchError"
-                if os.path.exists(local(e.file_path))  # a copy of a file that still exists
-                for i in file_ids(e.file_path)
-            )
-            held = sorted(
-                int(r[0]) for r in read_ref(machine.catalog.load_table(ROWS), "audit", ["id"])
-            )
-        finally:
-            machine.close()
+
+    def read(machine: CommitPath) -> tuple[list[int], list[int]]:
+        copies = sorted(
+            i
+            for e in Quarantine(machine.catalog).list(GROUP, ROWS)
+            if e.writer_id.startswith("r") and e.error_type == "TableMismatchError"
+            if os.path.exists(local(e.file_path))  # a copy of a file that still exists
+            for i in file_ids(e.file_path)
+        )
+        held = read_ref(machine.catalog.load_table(ROWS), "audit", ["id"])
+        return copies, sorted(int(r[0]) for r in held)
+
+    copies, held = _checked_then(_replay_reaching_back_before_a_recreate, read)
     assert copies == [3, 5]
     assert [held.count(i) for i in range(1, 6)] == [1] * 5  # w0#0's rows, by the replay
 
@@ -2966,20 +2973,15 @@ def test_a_batch_run_again_for_a_table_dropped_before_it_landed_is_quarantined_b
     taken them out of ``dropped`` (it was bringing them back), and the second recreate did
     not put them back: ``{1: ('w1#0', 0, 2), 2: ('w1#0', 0, 2)}``. A recreate now drops the
     rows a batch run again was bringing back into the old table."""
-    machine = CommitPath()
-    with inline_executor(), sim_plugins():
-        _batch_run_again_between_two_recreates(machine)
-        machine.faults.calm()
-        machine.settle()
-        try:
-            machine.check()
-            refused = sorted(
-                (e.writer_id, tuple(file_ids(e.file_path)))
-                for e in Quarantine(machine.catalog).list(GROUP, ROWS)
-                if e.error_type == "TableMismatchError" and os.path.exists(local(e.file_path))
-            )
-            held = read_ref(machine.catalog.load_table(ROWS), "main", ["id"])
-        finally:
-            machine.close()
+
+    def read(machine: CommitPath) -> tuple[list[tuple[str, tuple[int, ...]]], list[Any]]:
+        refused = sorted(
+            (e.writer_id, tuple(file_ids(e.file_path)))
+            for e in Quarantine(machine.catalog).list(GROUP, ROWS)
+            if e.error_type == "TableMismatchError" and os.path.exists(local(e.file_path))
+        )
+        return refused, read_ref(machine.catalog.load_table(ROWS), "main", ["id"])
+
+    refused, held = _checked_then(_batch_run_again_between_two_recreates, read)
     assert refused == [("r1", (1,)), ("r1", (2,)), ("w1", (1, 2))]
     assert [r for r in held if int(r[0]) > 0] == []
