@@ -469,6 +469,39 @@ def test_column_bounds_prune_files_that_cannot_hold_the_keys(
     assert [r[0] for r in content(catalog)] == [i for i in written if i not in (210, 249)]
 
 
+def test_each_candidate_file_is_matched_only_against_the_keys_within_its_bounds(
+    catalog: SqlCatalog, table: Table, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files a compaction sorted hold disjoint key ranges: matching every file against all
+    the batch's keys probed keys x files; each file now gets the keys its bounds admit."""
+    ranges = [range(0, 50), range(100, 150), range(40, 161, 10), range(300, 350)]
+    for n, ids in enumerate(ranges):
+        commit(catalog, Cycle(table).batch("w0", n, upserts=[(i, f"v{n}") for i in ids]))
+    loaded = catalog.load_table(NAME)
+    head = loaded.current_snapshot()
+    assert head is not None
+    deleted = [999, 330, 150, 45, 10, 120]
+    cycle = Cycle(loaded).batch("w1", 0, deletes=[(i,) for i in deleted])
+    build = DataFileBuilder(loaded.metadata).build
+    keys = [build(f.meta) for f in cycle.files]
+    matched: list[tuple[int, list[int]]] = []
+    original = rowdelta._matching_positions
+
+    def spy(rows: pa.Table, wanted: pa.Table, names: Sequence[str]) -> Any:
+        matched.append((rows.column(0)[0].as_py(), sorted(wanted.column(0).to_pylist())))
+        return original(rows, wanted, names)
+
+    monkeypatch.setattr(rowdelta, "_matching_positions", spy)
+    rowdelta.resolve(loaded, head.snapshot_id, [rowdelta.Batch([], keys)])
+    assert sorted(matched) == [(0, [10, 45]), (40, [45, 120, 150]), (100, [120]), (300, [330])]
+
+    monkeypatch.undo()
+    commit(catalog, cycle)
+    expected = {i: f"v{n}" for n, ids in enumerate(ranges) for i in ids}  # later files win
+    expected = {i: v for i, v in expected.items() if i not in deleted}
+    assert sorted((r[0], r[1]) for r in content(catalog)) == sorted(expected.items())
+
+
 def test_v1_table_refuses_key_files_with_a_typed_error(catalog: SqlCatalog) -> None:
     # (pyiceberg 0.12 cannot write v3 metadata, so v3's refusal is not testable here)
     table = catalog.create_table(NAME, schema=SCHEMA, properties={"format-version": "1"})
