@@ -199,6 +199,37 @@ def _bucket(table: Table, key: int) -> int:
     return int(transform(pa.array([key], pa.int64()))[0].as_py())
 
 
+@pytest.mark.parametrize("force", [False, True], ids=["past-a-threshold", "forced"])
+def test_partitions_of_an_older_spec_are_rewritten_into_the_current_one(
+    catalog: SqlCatalog, force: bool
+) -> None:
+    """After the spec evolved, the old spec's files (and the deletes on them) moved into the
+    current spec's partitions when their partition passed a threshold or the round was
+    forced (`icefloe maintain --compact`); they were never compacted before."""
+    catalog.create_table(NAME, schema=SCHEMA)  # unpartitioned: spec 0
+    keyed = Keyed(catalog)
+    keyed.cycle({k: "v0" for k in range(200)})
+    keyed.cycle({k: "v1" for k in range(0, 200, 5)})
+    with catalog.load_table(NAME).update_spec() as update:
+        update.add_field("id", BucketTransform(4), "id_bucket")
+    keyed.cycle({k: "v2" for k in range(0, 200, 7)}, deletes=(3, 4))
+    table = catalog.load_table(NAME)
+    current = table.metadata.default_spec_id
+    assert {t.file.spec_id for t in table.scan().plan_files()} == {0, current}
+    # forced: no threshold passes, so only the older spec makes the round do anything
+    thresholds = Thresholds(delete_ratio=1.0, delete_files=99, small_files=99) if force else EAGER
+
+    result = compactor(catalog).compact(NAME, thresholds, force=force)
+
+    assert result.snapshot_id is not None
+    table = catalog.load_table(NAME)
+    assert {t.file.spec_id for t in table.scan().plan_files()} == {current}
+    assert live_files(table)[1] == []  # the deletes on the old files went with them
+    keyed.check()
+    keyed.random_cycle(random.Random(3), 260, 40)  # later cycles resolve against them
+    keyed.check()
+
+
 def test_below_thresholds_nothing_is_committed(catalog: SqlCatalog) -> None:
     catalog.create_table(NAME, schema=SCHEMA)
     keyed = Keyed(catalog)
@@ -610,6 +641,11 @@ def test_a_delete_file_goes_only_with_every_file_it_may_target(
         [FileScanTask(_file(p, big)) for p in ("s3://b/a.parquet", "s3://b/b.parquet")],
         {delete.file_path: delete},
     )
-    chosen, drop = plan_rewrite(part, Thresholds(target_file_size_bytes=128 * 1024 * 1024))
+    thresholds = Thresholds(target_file_size_bytes=128 * 1024 * 1024)
+    chosen, drop = plan_rewrite(part, thresholds, current_spec=0)
     assert [t.file.file_path for t in chosen] == rewritten
+    assert drop == [delete]
+    # a partition of an older spec moves whole, and takes every delete file with it
+    chosen, drop = plan_rewrite(part, thresholds, current_spec=1)
+    assert [t.file.file_path for t in chosen] == ["s3://b/a.parquet", "s3://b/b.parquet"]
     assert drop == [delete]

@@ -227,20 +227,23 @@ class _Rewrite:
 
 
 def plan_rewrite(
-    part: PartitionState, thresholds: Thresholds
+    part: PartitionState, thresholds: Thresholds, current_spec: int
 ) -> tuple[list[FileScanTask], list[DataFile]]:
-    """The data files to rewrite (those a delete file may target, and small ones) and the
-    delete files that then target none of the data files left."""
+    """The data files to rewrite (those a delete file may target, and small ones; every one
+    of a partition of an older spec than ``current_spec``, whose rows move into the current
+    spec's partitions) and the delete files that then target none of the data files left."""
     small = {t.file.file_path for t in part.small(thresholds)}
     deletes = list(part.delete_files.values())
+    moving = part.key[0] != current_spec
     chosen = [
         t
         for t in part.tasks
-        if t.delete_files
+        if moving
+        or t.delete_files
         or t.file.file_path in small
         or any(_may_target(d, t.file.file_path) for d in deletes)
     ]
-    if len(chosen) == 1 and not chosen[0].delete_files and not deletes:
+    if len(chosen) == 1 and not chosen[0].delete_files and not deletes and not moving:
         chosen = []  # one small file alone: rewriting it changes nothing
     kept = [t.file.file_path for t in part.tasks if t not in chosen]
     dropped = [d for d in deletes if not any(_may_target(d, p) for p in kept)]
@@ -282,7 +285,7 @@ def rewrite_partition(
     of about the target size and at most ``thresholds.max_file_rows`` rows, each run of them
     named after a fresh ``write_uuid()`` (nothing committed). None when there is nothing to
     do."""
-    chosen, dropped = plan_rewrite(part, thresholds)
+    chosen, dropped = plan_rewrite(part, thresholds, table.metadata.default_spec_id)
     if not chosen and not dropped:
         return None
     added: list[DataFile] = []
@@ -403,11 +406,11 @@ class Compactor:
         head, fork_from = branches.branch_head(table, self._branch_of(table_name(table)))
         if fork_from is not None or head is None:
             return []  # nothing on the branch yet
+        current = table.metadata.default_spec_id
         todo = [
             p
             for p in partitions(table, head).values()
-            if p.key[0] == table.metadata.default_spec_id
-            and (needs(p, thresholds) or (force and _worth(p, thresholds)))
+            if needs(p, thresholds) or (force and _worth(p, thresholds, current))
         ]
         todo.sort(key=lambda p: -(p.deleted_rows + len(p.delete_files) + len(p.tasks)))
         return todo
@@ -489,6 +492,11 @@ class Compactor:
         return done
 
 
-def _worth(part: PartitionState, thresholds: Thresholds) -> bool:
-    """Whether a forced rewrite of the partition changes anything."""
-    return bool(part.delete_files) or len(part.small(thresholds)) > 1
+def _worth(part: PartitionState, thresholds: Thresholds, current_spec: int) -> bool:
+    """Whether a forced rewrite of the partition changes anything (one of an older spec
+    moves into the current one)."""
+    return (
+        bool(part.delete_files)
+        or len(part.small(thresholds)) > 1
+        or (part.key[0] != current_spec and bool(part.tasks))
+    )
