@@ -41,9 +41,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import CommitFailedException, NoSuchTableError
@@ -220,21 +220,17 @@ class Quarantine:
         if not entries:
             return []
         groups = {e.group_id for e in entries}
-        for attempt in _attempts():
+
+        def attempt() -> list[QuarantineEntry]:
             t = self._writable()
             if token is not None:
                 t = self._fenced(t, groups, token, channel_id)
             new = _unknown(t, entries)
-            if not new:
-                return []
-            try:
+            if new:
                 t.append(_to_arrow(t, new))
-            except CommitFailedException:
-                if token is None or attempt == _LAST:
-                    raise
-                continue  # planned again on the new version, fence checked again
             return new
-        raise AssertionError("unreachable")
+
+        return _planned_again(attempt, token is not None)
 
     def fence(self, group_id: str, token: int, channel_id: str | None = None) -> None:
         """Record ``token`` as the newest leader's of ``group_id`` (issued by ``channel_id``),
@@ -249,24 +245,21 @@ class Quarantine:
         :class:`~icefloe.errors.StaleFencingTokenError` when a newer token of the same
         channel is recorded; tokens of another channel (a drained one, whose leaders were
         stopped) fence nothing here, as on the pipeline's tables."""
-        for attempt in _attempts():
+
+        def attempt() -> None:
             t = without_retries(self._writable())
             recorded = _recorded_fence(t, group_id)
             _check_fence(self.identifier, group_id, recorded, token, channel_id)
             if recorded == _Fence(token, channel_id):
                 return  # raised already (an earlier attempt's commit landed)
             value = json.dumps({"token": token, "channel_id": channel_id})
-            try:
-                with t.transaction() as tx:
-                    tx.set_properties({_fence_key(group_id): value})
-                    summary = {_FENCE_SUMMARY_KEY: f"{group_id}:{token}"}
-                    with tx.update_snapshot(snapshot_properties=summary).fast_append():
-                        pass  # empty: what counts is that main moves
-            except CommitFailedException:
-                if attempt == _LAST:
-                    raise
-                continue
-            return
+            with t.transaction() as tx:
+                tx.set_properties({_fence_key(group_id): value})
+                summary = {_FENCE_SUMMARY_KEY: f"{group_id}:{token}"}
+                with tx.update_snapshot(snapshot_properties=summary).fast_append():
+                    pass  # empty: what counts is that main moves
+
+        _planned_again(attempt, True)
 
     def _fenced(
         self, table: Table, groups: Iterable[str], token: int, channel_id: str | None
@@ -340,7 +333,8 @@ class Quarantine:
         wanted = set(paths)
         if not wanted:
             return 0
-        for attempt in _attempts():
+
+        def attempt() -> int:
             t = self._table(create=False)
             if t is None:
                 return 0
@@ -363,14 +357,10 @@ class Quarantine:
             ]
             if token is None:
                 t = self._writable()
-            try:
-                t.overwrite(_to_arrow(t, tombstones), overwrite_filter=where)
-            except CommitFailedException:
-                if token is None or attempt == _LAST:
-                    raise
-                continue
+            t.overwrite(_to_arrow(t, tombstones), overwrite_filter=where)
             return count
-        raise AssertionError("unreachable")
+
+        return _planned_again(attempt, token is not None)
 
     def drop(
         self, group_id: str, table_name: str | None = None, file_path: str | None = None
@@ -409,8 +399,20 @@ def _holds_rows(table: Table | None) -> bool:
     return summary is None or summary.get("total-records") != "0"
 
 
-def _attempts() -> range:
-    return range(_LAST + 1)
+_T = TypeVar("_T")
+
+
+def _planned_again(attempt: Callable[[], _T], fenced: bool) -> _T:
+    """``attempt()``, planned and committed again while its commit loses a race to another
+    (a fenced write checks the fence again each time), ``_LAST`` times at most. Unfenced, the
+    first ``CommitFailedException`` is raised."""
+    for n in range(_LAST + 1):
+        try:
+            return attempt()
+        except CommitFailedException:
+            if not fenced or n == _LAST:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _fence_key(group_id: str) -> str:
