@@ -230,6 +230,32 @@ def test_partitions_of_an_older_spec_are_rewritten_into_the_current_one(
     keyed.check()
 
 
+def test_a_round_reads_files_written_before_a_schema_change_in_the_current_schema(
+    catalog: SqlCatalog,
+) -> None:
+    """A round reads each file whole, projected onto the current schema by field id, and
+    drops its deleted positions itself: a renamed column keeps its values, an added one is
+    null, the deleted rows stay out."""
+    catalog.create_table(NAME, schema=SCHEMA)
+    keyed = Keyed(catalog)
+    keyed.cycle({k: "v0" for k in range(50)})
+    keyed.cycle({k: "v1" for k in range(0, 50, 3)}, deletes=(1, 2))
+    with catalog.load_table(NAME).update_schema() as update:
+        update.add_column("extra", LongType())
+        update.rename_column("v", "value")
+
+    assert compactor(catalog).compact(NAME, EAGER).snapshot_id is not None
+
+    table = catalog.load_table(NAME)
+    data, deletes = live_files(table)
+    assert deletes == []
+    scanned = sorted((r["id"], r["value"], r["extra"]) for r in table.scan().to_arrow().to_pylist())
+    assert scanned == [(k, v, None) for k, v in keyed.expected()]
+    assert sorted(independent_rows(table, ("id", "value"))) == keyed.expected()
+    for path in data:
+        assert pq.read_schema(local(path)).names == ["id", "value", "extra"]
+
+
 def test_below_thresholds_nothing_is_committed(catalog: SqlCatalog) -> None:
     catalog.create_table(NAME, schema=SCHEMA)
     keyed = Keyed(catalog)

@@ -188,7 +188,7 @@ def resolve(
             for df in delete_files.get(path, ()):
                 by_path = read_deletes.get(df.file_path)
                 if by_path is None:
-                    by_path = _positions_by_path(io, df)
+                    by_path = positions_by_path(io, df)
                     read_deletes[df.file_path] = by_path
                 positions = by_path.get(path)
                 if positions is not None:
@@ -363,7 +363,7 @@ class _RowDelta(_MergeAppendFiles):
             self._added_data_files = data
 
 
-def _positions_by_path(
+def positions_by_path(
     io: FileIO, delete_file: DataFile
 ) -> dict[str, np.ndarray[Any, np.dtype[np.int64]]]:
     """The positions a position delete file deletes, per data file path: read once and split
