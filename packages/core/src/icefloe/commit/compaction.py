@@ -4,7 +4,7 @@ Why: every upsert/CDC cycle adds a data file and a position delete file (and a d
 manifest), every append cycle at least one data file; scans and the next cycles' key
 resolution read them all. A compaction round reads, per partition that needs it
 (:func:`needs`), the data files worth rewriting (those some delete file may target, and small
-ones) through pyiceberg's scan, which applies their position deletes, sorts the live rows by
+ones) minus the positions their delete files name (:func:`_live_rows`), sorts the live rows by
 the table's identifier columns (so the files' bounds prune key resolution), writes them as
 files of about the target size, and commits ONE ``replace`` snapshot per table and round on
 the table's branch. That snapshot removes the rewritten data files and every delete file that
