@@ -344,7 +344,8 @@ def _live_rows(table: Table, tasks: Sequence[FileScanTask]) -> pa.Table:
             if positions is not None:
                 keep[positions[positions < rows.num_rows]] = False
         pieces.append(rows if keep.all() else rows.filter(pa.array(keep)))
-    return pa.concat_tables(pieces)
+    # as pyiceberg's scan does: files (and an empty one) may differ in large_ types
+    return pa.concat_tables(pieces, promote_options="permissive")
 
 
 class _Replace(_OverwriteFiles):
