@@ -23,7 +23,8 @@ compaction round after every cycle, as the coordinator does for a table with ``c
 true`` (default thresholds; ``--delete-ratio`` sets ``compact_delete_ratio``), and reports
 its times and the files left; when the last cycle's deletes are left for a later round, the
 scan is also timed after one more (forced) round. Each scan time is the fastest of
-``--scans`` (3) scans.
+``--scans`` (3) scans; ``--scan-every N`` also times one every N cycles, so the figures
+cover what a reader sees between rounds, not only at the end.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
     most = (0, 0)  # the most live data and delete files seen after a cycle (and its round)
     window = max(1, min(100, args.cycles // 10))  # the issue's goal: first vs last 100
     started = time.perf_counter()
+    sampled: list[tuple[float, bool]] = []  # --scan-every: scan / scan before, deletes pending
     for cycle in range(1, args.cycles + 1):
         updated = np.sort(rng.choice(args.rows, size=args.updates, replace=False))
         version[updated] = cycle
@@ -198,6 +200,10 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
         if args.cycles <= 100 or cycle % 10 == 0:
             data, deletes = live_files(catalog.load_table("db.t"))
             most = (max(most[0], len(data)), max(most[1], len(deletes)))
+        if args.scan_every and cycle % args.scan_every == 0:
+            # what a reader sees between rounds too, not only at the run's end
+            pending = bool(live_files(catalog.load_table("db.t"))[1])
+            sampled.append((_scan_s(catalog, args) / before_s, pending))
         if cycle % window == 0:  # a long run reports as it goes (and keeps what it measured)
             print(
                 f"cycles {cycle - window + 1}-{cycle}: commit p50 {_p50(times[-window:]):.2f} s"
@@ -242,6 +248,20 @@ def run_cycles(args: argparse.Namespace, root: Path) -> None:
             if rounds
             else ""
         )
+        + _sampled(sampled)
+    )
+
+
+def _sampled(sampled: list[tuple[float, bool]]) -> str:
+    """The scans --scan-every timed, as multiples of the scan before any upsert."""
+    if not sampled:
+        return ""
+    ratios = [r for r, _ in sampled]
+    waiting = [r for r, pending in sampled if pending]
+    return (
+        f"; {len(sampled)} scans during the run: p50 {_p50(ratios):.2f}x, max "
+        f"{max(ratios):.2f}x of the scan before; {len(waiting)} with deletes pending"
+        + (f" (p50 {_p50(waiting):.2f}x)" if waiting else "")
     )
 
 
@@ -282,6 +302,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--scans", type=int, default=3, help="with --cycles: the fastest of N scans is timed"
+    )
+    parser.add_argument(
+        "--scan-every",
+        type=int,
+        default=0,
+        help="with --cycles: also time a scan every N cycles (after the cycle and its round)",
     )
     parser.add_argument(
         "--expire-every",
