@@ -15,6 +15,7 @@ import pytest
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.io.pyarrow import PyArrowFileIO
 
+from icefloe.commit.compaction import Compactor, Thresholds
 from icefloe.commit.policy import TablePolicies, TablePolicy
 from icefloe.commit.quarantine import Quarantine
 from icefloe.config import config_from_dict
@@ -168,6 +169,32 @@ def test_upserts_write_position_deletes_to_the_object_store(
     commit_changes(catalog, group, KEYED, upserts=range(10), batch_seq=0)
     commit_changes(catalog, group, KEYED, upserts=[3, 4, 11], deletes=[5, 6], batch_seq=1)
     assert s3_store.read_ids(catalog.load_table(KEYED)) == [0, 1, 2, 3, 4, 7, 8, 9, 11]
+
+
+def test_a_compaction_round_rewrites_keyed_files_on_the_object_store(
+    catalog: Catalog, s3_store: S3Store
+) -> None:
+    """A round reads the files and their deletes from the bucket, writes the rows left as
+    one new object and drops the delete files; the old objects stay for time travel."""
+    create_rows_table(catalog, "db.scratch")  # the namespace
+    catalog.create_table(KEYED, schema=KEYED_ROWS_SCHEMA)
+    group = f"cdc-{uuid.uuid4().hex[:8]}"
+    commit_changes(catalog, group, KEYED, upserts=range(10), batch_seq=0)
+    commit_changes(catalog, group, KEYED, upserts=[3, 4, 11], deletes=[5, 6], batch_seq=1)
+    commit_changes(catalog, group, KEYED, upserts=[7], deletes=[0], batch_seq=2)
+    before = objects(s3_store, catalog, KEYED)
+
+    result = Compactor(group, catalog.load_table, lambda _: "main").compact(
+        KEYED, Thresholds(), force=True
+    )
+
+    assert (result.rewritten_files, result.added_files, result.dropped_delete_files) == (3, 1, 2)
+    table = catalog.load_table(KEYED)
+    assert s3_store.read_ids(table) == [1, 2, 3, 4, 7, 8, 9, 11]
+    (added,) = committed(catalog, KEYED)
+    assert added.startswith("s3://")
+    assert added not in before
+    assert before < objects(s3_store, catalog, KEYED)  # nothing deleted from the bucket
 
 
 def test_orphans_are_listed_and_deleted_over_several_pages(

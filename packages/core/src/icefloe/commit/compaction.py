@@ -92,6 +92,7 @@ the next cycle's 1M deletes than before any upsert (docs/benchmarks.md, "Upsert 
 files of 1M rows keep that matching small next to reading the batch."""
 
 PartitionKey = tuple[int, tuple[Any, ...]]  # spec id, partition values
+_READERS = 8  # files a round reads at once
 
 
 @dataclass(frozen=True)
@@ -322,7 +323,10 @@ def _live_rows(table: Table, tasks: Sequence[FileScanTask]) -> pa.Table:
     current schema) and its deleted positions dropped with one mask. Why not let that scan
     apply them: it does so per record batch, matching a range built in Python against all the
     file's deleted positions each time, which took about half of a round at 10M rows
-    (docs/benchmarks.md, "1,000 cycles")."""
+    (docs/benchmarks.md, "1,000 cycles"). Files are read concurrently, as that scan reads
+    them (object storage answers each read with a round trip)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import numpy as np
     import pyarrow as pa
     from pyiceberg.io.pyarrow import ArrowScan
@@ -330,20 +334,26 @@ def _live_rows(table: Table, tasks: Sequence[FileScanTask]) -> pa.Table:
     from icefloe.commit.rowdelta import positions_by_path
 
     scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
-    read: dict[str, dict[str, Any]] = {}  # per delete file: the positions per data file
-    pieces = []
-    for task in tasks:
+    deletes = {d.file_path: d for t in tasks for d in t.delete_files}  # the plan's: by sequence
+    for d in deletes.values():
+        if d.content != DataFileContent.POSITION_DELETES:
+            raise ValueError(f"{d.file_path}: a round applies position deletes only")
+
+    def live(task: FileScanTask) -> pa.Table:
         rows = scan.to_table([FileScanTask(task.file)])
         keep = np.ones(rows.num_rows, dtype=np.bool_)
-        for delete_file in task.delete_files:  # the scan plan's: sequence numbers applied
-            if delete_file.content != DataFileContent.POSITION_DELETES:
-                raise ValueError(f"{delete_file.file_path}: only position deletes are applied")
-            if delete_file.file_path not in read:
-                read[delete_file.file_path] = positions_by_path(table.io, delete_file)
-            positions = read[delete_file.file_path].get(task.file.file_path)
+        for d in task.delete_files:
+            positions = deleted[d.file_path].get(task.file.file_path)
             if positions is not None:
                 keep[positions[positions < rows.num_rows]] = False
-        pieces.append(rows if keep.all() else rows.filter(pa.array(keep)))
+        return rows if keep.all() else rows.filter(pa.array(keep))
+
+    # a pool of its own: pyiceberg's scan submits to its shared one, which must not wait on
+    # itself
+    with ThreadPoolExecutor(max_workers=_READERS) as pool:
+        read = pool.map(lambda d: positions_by_path(table.io, d), deletes.values())
+        deleted = dict(zip(deletes, read, strict=True))
+        pieces = list(pool.map(live, tasks))
     # as pyiceberg's scan does: files (and an empty one) may differ in large_ types
     return pa.concat_tables(pieces, promote_options="permissive")
 
