@@ -327,11 +327,10 @@ def _live_rows(table: Table, tasks: Sequence[FileScanTask]) -> pa.Table:
     them (object storage answers each read with a round trip)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
     import pyarrow as pa
     from pyiceberg.io.pyarrow import ArrowScan
 
-    from icefloe.commit.rowdelta import positions_by_path
+    from icefloe.commit.rowdelta import deleted_mask, positions_by_path
 
     scan = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue())
     deletes = {d.file_path: d for t in tasks for d in t.delete_files}  # the plan's: by sequence
@@ -341,15 +340,13 @@ def _live_rows(table: Table, tasks: Sequence[FileScanTask]) -> pa.Table:
 
     def live(task: FileScanTask) -> pa.Table:
         rows = scan.to_table([FileScanTask(task.file)])
-        keep = np.ones(rows.num_rows, dtype=np.bool_)
-        for d in task.delete_files:
-            positions = deleted[d.file_path].get(task.file.file_path)
-            if positions is not None:
-                keep[positions[positions < rows.num_rows]] = False
-        return rows if keep.all() else rows.filter(pa.array(keep))
+        path = task.file.file_path
+        dead = deleted_mask(table.io, path, rows.num_rows, task.delete_files, deleted)
+        return rows.filter(pa.array(~dead)) if dead.any() else rows
 
     # a pool of its own: pyiceberg's scan submits to its shared one, which must not wait on
-    # itself
+    # itself. The delete files are read first, so the readers of data files share them
+    # without writing to ``deleted``
     with ThreadPoolExecutor(max_workers=_READERS) as pool:
         read = pool.map(lambda d: positions_by_path(table.io, d), deletes.values())
         deleted = dict(zip(deletes, read, strict=True))

@@ -184,15 +184,7 @@ def resolve(
         # a mask, not a set of positions: marking and testing stay O(positions) per file
         mask = dead.get(path)
         if mask is None:
-            mask = np.zeros(rows, dtype=np.bool_)
-            for df in delete_files.get(path, ()):
-                by_path = read_deletes.get(df.file_path)
-                if by_path is None:
-                    by_path = positions_by_path(io, df)
-                    read_deletes[df.file_path] = by_path
-                positions = by_path.get(path)
-                if positions is not None:
-                    mask[positions[positions < rows]] = True
+            mask = deleted_mask(io, path, rows, delete_files.get(path, ()), read_deletes)
             dead[path] = mask
         return mask
 
@@ -384,6 +376,27 @@ def positions_by_path(
         path: positions[order[bounds[i] : bounds[i + 1]]]
         for i, path in enumerate(encoded.dictionary.to_pylist())
     }
+
+
+def deleted_mask(
+    io: FileIO,
+    path: str,
+    rows: int,
+    delete_files: Iterable[DataFile],
+    read: dict[str, dict[str, np.ndarray[Any, np.dtype[np.int64]]]],
+) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """Which of the ``rows`` rows of data file ``path`` its position ``delete_files`` delete.
+    ``read`` keeps each delete file's positions per data file (:func:`positions_by_path`):
+    one read per delete file, however many data files it targets."""
+    mask = np.zeros(rows, dtype=np.bool_)
+    for delete_file in delete_files:
+        by_path = read.get(delete_file.file_path)
+        if by_path is None:
+            by_path = read[delete_file.file_path] = positions_by_path(io, delete_file)
+        positions = by_path.get(path)
+        if positions is not None:
+            mask[positions[positions < rows]] = True
+    return mask
 
 
 def _all_keys(keys: pa.Table) -> Callable[[DataFile], pa.Table | None]:
